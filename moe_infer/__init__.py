@@ -1,0 +1,1 @@
+"""moe_infer: an expert-parallel inference engine for Mixture-of-Experts LLMs."""

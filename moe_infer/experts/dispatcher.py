@@ -1,0 +1,69 @@
+"""Local token dispatcher: groups routed rows by expert and scatters expert outputs back.
+
+Design: `dispatch` returns the rows this rank computes, sorted by local expert, and a frozen
+`DispatchMetadata` that `combine` consumes; nothing else carries state between the two. The local
+dispatcher (EP = 1, or one rank's view of its own experts) is the base class; the all-to-all
+dispatchers of `moe_infer.parallel` subclass it. Every routed row keeps a slot (R = N = T*K), so
+the shapes never depend on the routing and no host sync is needed: rows of dropped (id -1) or
+non-local experts sort behind the local ones and experts must leave their outputs zero.
+
+Legend: T tokens, D hidden, E local experts, K top-k, N = T*K routed rows, R dispatched rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchMetadata:
+    num_tokens: int  # T
+    top_k: int  # K
+    token_idx_R: torch.Tensor  # int64 [R]: source token of each dispatched row
+    weights_R: torch.Tensor  # float32 [R]: routing weight of each row (0 for dropped rows)
+    counts_E: torch.Tensor  # int64 [E]: rows per local expert
+    offsets_E1: torch.Tensor  # int64 [E+1]: rows of local expert e are [offsets[e], offsets[e+1])
+    inv_N: torch.Tensor  # int64 [N]: dispatched row of routed row n = t*K + k
+
+
+class LocalDispatcher:
+    """All experts `[expert_start, expert_start + num_local_experts)` are computed on this rank."""
+
+    def __init__(self, num_experts: int, num_local_experts: int | None = None, expert_start: int = 0) -> None:
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
+        self.expert_start = expert_start
+
+    def sort_rows(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_tokens: int) -> DispatchMetadata:
+        E = self.num_local_experts
+        K = topk_ids_TK.shape[1]
+        local_N = topk_ids_TK.reshape(-1).long() - self.expert_start
+        is_local_N = (local_N >= 0) & (local_N < E) & (topk_ids_TK.reshape(-1) >= 0)
+        key_N = torch.where(is_local_N, local_N, torch.full_like(local_N, E))
+        key_R, order_R = torch.sort(key_N, stable=True)
+        counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=key_N.device)
+        counts_E1.scatter_add_(0, key_N, torch.ones_like(key_N))
+        counts_E = counts_E1[:E]
+        offsets_E1 = torch.zeros(E + 1, dtype=torch.int64, device=key_N.device)
+        torch.cumsum(counts_E, 0, out=offsets_E1[1:])
+        inv_N = torch.empty_like(order_R)
+        inv_N[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+        weights_R = torch.where(
+            is_local_N[order_R], topk_weights_TK.reshape(-1)[order_R].float(), torch.zeros((), device=key_N.device)
+        )
+        return DispatchMetadata(
+            num_tokens=num_tokens, top_k=K, token_idx_R=order_R // K, weights_R=weights_R,
+            counts_E=counts_E, offsets_E1=offsets_E1, inv_N=inv_N,
+        )
+
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, DispatchMetadata]:
+        meta = self.sort_rows(topk_ids_TK, topk_weights_TK, x_TD.shape[0])
+        return x_TD.index_select(0, meta.token_idx_R), meta
+
+    def combine(self, y_RD: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
+        """y_RD holds weighted expert outputs (zero for rows not computed here) -> out_TD."""
+        y_TKD = y_RD.index_select(0, meta.inv_N).view(meta.num_tokens, meta.top_k, -1)
+        return y_TKD.sum(dim=1, dtype=torch.float32).to(y_RD.dtype)

@@ -1,0 +1,101 @@
+"""The MoE layer: Router -> Capacity -> Dispatch -> Experts -> Combine (+ shared expert).
+
+Each piece is chosen by name from its registry through `MoEBackends`, so a fused kernel, an
+all-to-all dispatcher or an offloading store replaces exactly one piece.
+
+Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatched rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.reference import EXPERT_BACKENDS
+from moe_infer.offload.store import EXPERT_STORES
+from moe_infer.routing.capacity import CAPACITY_POLICIES
+from moe_infer.routing.select import ROUTING_BACKENDS
+from moe_infer.routing.spec import RoutingSpec
+from moe_infer.routing.stats import ExpertLoadStats
+
+
+@dataclass
+class MoEBackends:
+    """Resolved backend choices, shared by all MoE layers of a model."""
+
+    routing: str = "torch"
+    policy: str = "dropless"
+    policy_kwargs: Dict[str, Any] = field(default_factory=dict)  # capacity_factor, min_capacity, drop_by
+    experts: str = "torch"
+    store: str = "resident"
+    dispatcher: Optional[LocalDispatcher] = None  # None: a LocalDispatcher over all experts
+    stats: Optional[ExpertLoadStats] = None
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP run on every token (Qwen2-MoE: scaled by sigmoid(gate(x)))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if gated else None
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        gate_TF, up_TF = self.gate_up_proj(x_TD).chunk(2, dim=-1)
+        y_TD = self.down_proj(F.silu(gate_TF) * up_TF)
+        if self.gate is not None:
+            y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
+        return y_TD
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        intermediate_size: int,
+        spec: RoutingSpec,
+        backends: MoEBackends,
+        dtype: torch.dtype,
+        shared_intermediate_size: int = 0,
+        shared_gated: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
+        self.dispatcher = backends.dispatcher or LocalDispatcher(spec.num_experts)
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype)
+        if spec.has_score_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        self.store = EXPERT_STORES.get(backends.store)(
+            self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype
+        )
+        self.shared_expert = (
+            SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype)
+            if shared_intermediate_size else None
+        )
+        self._select = ROUTING_BACKENDS.get(backends.routing)
+        self._policy = CAPACITY_POLICIES.get(backends.policy)
+        self._experts = EXPERT_BACKENDS.get(backends.experts)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits_TE = self.gate(x_TD)
+        topk_weights_TK, topk_ids_TK = self._select(logits_TE, self.spec, self.e_score_correction_bias)
+        kept_ids_TK, kept_weights_TK = self._policy(
+            topk_ids_TK, topk_weights_TK, logits_TE=logits_TE, spec=self.spec, **self.backends.policy_kwargs
+        )
+        if self.backends.stats is not None:
+            self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK)
+        x_RD, meta = self.dispatcher.dispatch(x_TD, kept_ids_TK, kept_weights_TK)
+        w13_E2FD, w2_EDF = self.store.weights()
+        y_RD = self._experts(x_RD, meta, w13_E2FD, w2_EDF)
+        out_TD = self.dispatcher.combine(y_RD, meta)
+        if self.shared_expert is not None:
+            out_TD = out_TD + self.shared_expert(x_TD)
+        return out_TD

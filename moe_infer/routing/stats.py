@@ -1,0 +1,53 @@
+"""Per-layer expert load statistics, accumulated on the device without a host sync per step.
+
+Legend: L MoE layers, E experts (global), K top-k.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+
+class ExpertLoadStats:
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device | str) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.routed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self.dropped_LE = torch.zeros_like(self.routed_LE)
+        self.rerouted_LE = torch.zeros_like(self.routed_LE)
+
+    def record(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None) -> None:
+        """topk_ids_TK: the router's choice; kept_ids_TK: after the capacity policy (-1 = dropped)."""
+        ids_N = topk_ids_TK.reshape(-1).long()
+        self.routed_LE[layer].scatter_add_(0, ids_N, torch.ones_like(ids_N))
+        if kept_ids_TK is not None and kept_ids_TK is not topk_ids_TK:
+            kept_N = kept_ids_TK.reshape(-1).long()
+            dropped_N = (kept_N < 0).long()
+            self.dropped_LE[layer].scatter_add_(0, ids_N, dropped_N)
+            moved_N = ((kept_N >= 0) & (kept_N != ids_N)).long()
+            self.rerouted_LE[layer].scatter_add_(0, ids_N, moved_N)
+
+    def reset(self) -> None:
+        for t in (self.routed_LE, self.dropped_LE, self.rerouted_LE):
+            t.zero_()
+
+    def summary(self) -> List[Dict[str, object]]:
+        """One dict per layer (this is where the host sync happens, on demand)."""
+        routed = self.routed_LE.cpu()
+        dropped, rerouted = self.dropped_LE.cpu(), self.rerouted_LE.cpu()
+        out = []
+        for layer in range(self.num_layers):
+            load = routed[layer].double()
+            total = float(load.sum())
+            mean = total / self.num_experts
+            p = load / total if total else load
+            entropy = float(-(p[p > 0] * p[p > 0].log()).sum()) if total else 0.0
+            out.append({
+                "layer": layer,
+                "routed": routed[layer].tolist(),
+                "dropped": dropped[layer].tolist(),
+                "rerouted": rerouted[layer].tolist(),
+                "imbalance": float(load.max()) / mean if total else 0.0,
+                "entropy": entropy,
+            })
+        return out
