@@ -1,0 +1,34 @@
+"""Optional backends that register themselves on import (Triton kernels, all-to-all dispatchers).
+
+`load_plugins()` imports each module once; a module whose optional dependency (triton) is not
+installed is skipped, any other import error is raised.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import List
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_MODULES = (
+    "moe_infer.routing.triton_select",  # ROUTING_BACKENDS["triton"], capacity policies on GPU
+    "moe_infer.experts.triton_experts",  # EXPERT_BACKENDS["triton"]
+)
+
+_loaded: List[str] = []
+
+
+def load_plugins() -> List[str]:
+    if _loaded:
+        return list(_loaded)
+    for name in PLUGIN_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name not in ("triton", name) and not (err.name and name.startswith(err.name)):
+                raise
+            logger.info("backend module %s not available (%s)", name, err)
+            continue
+        _loaded.append(name)
+    return list(_loaded)
