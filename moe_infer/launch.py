@@ -1,0 +1,72 @@
+"""The main job: `python -m moe_infer.launch [overrides]`, `torchrun ... -m moe_infer.launch`, or `moe-infer`.
+
+Composes conf/config.yaml with Hydra, builds the engine, generates from the prompts and prints the
+text, output tokens/s and the per-layer expert load. Under torchrun with parallel.ep > 1 every rank
+runs the engine over its share of the experts and rank 0 prints.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import List
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from moe_infer.launch_config import JobConfig
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:
+    lines = [f"{'layer':>5} {'imbalance':>9} {'entropy':>7}  routed rows per expert"]
+    for row in load:
+        routed = row["routed"]
+        shown = " ".join(str(v) for v in routed[:max_experts_shown])
+        more = f" ... (+{len(routed) - max_experts_shown})" if len(routed) > max_experts_shown else ""
+        dropped = sum(row.get("dropped", []))
+        drop_txt = f"  dropped={dropped}" if dropped else ""
+        lines.append(f"{row['layer']:>5} {row['imbalance']:>9.2f} {row['entropy']:>7.3f}  {shown}{more}{drop_txt}")
+    return "\n".join(lines)
+
+
+def run(job: JobConfig) -> list:
+    from moe_infer import LLM, SamplingParams
+
+    is_printer = int(os.environ.get("RANK", "0")) == 0
+    llm = LLM.from_config(job.engine_config())
+    params = SamplingParams(**vars(job.sampling))
+    prompts = job.prompt_list()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if is_printer:
+        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        for out in outputs:
+            print("=" * 72)
+            print(f"prompt: {out.prompt!r}  ({len(out.prompt_token_ids)} tokens)")
+            print(f"{out.prompt}{out.outputs[0].text}")
+            print(f"[finish_reason={out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens]")
+        print("=" * 72)
+        print(f"{len(outputs)} requests, {num_out} output tokens in {elapsed:.2f} s: "
+              f"{num_out / max(elapsed, 1e-9):.1f} output tokens/s")
+        if job.show_expert_load:
+            print("per-layer expert load (rows routed to each expert over this run):")
+            print(format_expert_load(llm.get_expert_load()))
+    llm.shutdown() if hasattr(llm, "shutdown") else None
+    return outputs
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    run(job)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The main job's typed config: EngineConfig's groups plus sampling and the prompts.
+
+Registered in Hydra's ConfigStore as `job_schema`; conf/config.yaml lists it first in its defaults, so
+every composed config is checked against these dataclasses (unknown key or wrong type -> error).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from moe_infer.config import EngineConfig
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    logprobs: Optional[int] = None
+
+
+@dataclass
+class JobConfig(EngineConfig):
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prompts: List[str] = field(default_factory=lambda: ["def fibonacci(n):"])
+    prompt: Optional[str] = None  # a single prompt from the command line: replaces `prompts`
+    show_expert_load: bool = True
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, cache=self.cache, scheduler=self.scheduler, routing=self.routing,
+            experts=self.experts, offload=self.offload, parallel=self.parallel, seed=self.seed,
+        )
+
+    def prompt_list(self) -> List[str]:
+        return [self.prompt] if self.prompt is not None else list(self.prompts)
+
+
+ConfigStore.instance().store(name="job_schema", node=JobConfig)
