@@ -1,0 +1,70 @@
+"""Every Hydra config group option and experiment composes into the typed JobConfig."""
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from moe_infer.config import EngineConfig
+from moe_infer.launch import CONF_DIR
+from moe_infer.launch_config import JobConfig
+
+GROUPS = sorted(
+    d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d)) and d != "experiment"
+)
+
+
+def _options(group):
+    return sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml"))
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_groups_cover_engine_config():
+    expected = {"model", "cache", "scheduler", "routing", "experts", "offload", "parallel", "sampling"}
+    assert expected <= set(GROUPS)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "model" and option == "hf":
+        overrides.append("model.path=/some/checkpoint")
+    job = OmegaConf.to_object(_compose(overrides))
+    assert isinstance(job, JobConfig)
+    engine = job.engine_config()
+    assert isinstance(engine, EngineConfig)
+    assert type(getattr(engine, group, job.sampling)).__name__.endswith("Config")
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment_composes(experiment):
+    job = OmegaConf.to_object(_compose([f"+experiment={experiment}"]))
+    assert isinstance(job, JobConfig)
+    assert job.prompt_list()
+
+
+def test_experiment_load_balance_sets_capacity_policy():
+    job = OmegaConf.to_object(_compose(["+experiment=load_balance"]))
+    assert job.routing.policy == "drop" and job.routing.capacity_factor == 1.0
+
+
+def test_wrong_type_and_unknown_key_fail_with_the_key_name():
+    with pytest.raises(ConfigCompositionException, match="block_size"):
+        _compose(["cache.block_size=abc"])
+    with pytest.raises(ConfigCompositionException, match="routing.foo"):
+        _compose(["routing.foo=1"])
+
+
+def test_invalid_value_is_rejected_by_the_dataclass():
+    with pytest.raises(Exception, match="capacity_factor"):
+        OmegaConf.to_object(_compose(["routing.capacity_factor=-1"]))
+
+
+def test_single_prompt_replaces_list():
+    job = OmegaConf.to_object(_compose(["prompt=hello"]))
+    assert job.prompt_list() == ["hello"]
