@@ -1,0 +1,41 @@
+"""Models: HF checkpoint -> ModelArch -> MoEModel (generic decoder over a paged KV cache).
+
+    model = load_model(path, torch.bfloat16, "cuda")        # eval, no grad
+    hidden_TD = model(input_ids_T, positions_T)             # inside forward_context(attn_metadata)
+    logits_BV = model.compute_logits(hidden_TD[last_rows])   # float32
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from moe_infer.layers.moe import MoEBackends
+from moe_infer.models.arch import ModelArch, arch_from_config, load_arch
+from moe_infer.models.decoder import MoEModel
+from moe_infer.models.families import MODEL_FAMILIES
+from moe_infer.models.loader import load_weights
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: Union[torch.device, str],
+    backends: Optional[MoEBackends] = None,
+) -> MoEModel:
+    """Build the model of the local checkpoint folder `path` on `device` in `dtype` and load its weights.
+
+    Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
+    arch, hf_config = load_arch(path)
+    with torch.device(device):
+        model = MoEModel(arch, hf_config, dtype, backends)
+    load_weights(model, path)
+    return model.eval()
+
+
+__all__ = ["ModelArch", "MoEModel", "MoEBackends", "MODEL_FAMILIES", "arch_from_config", "load_arch", "load_model"]

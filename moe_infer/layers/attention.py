@@ -1,0 +1,74 @@
+"""Decoder self-attention on a paged KV cache: fused qkv projection (optional bias), q/k norm
+(per head: Qwen3-MoE; over the whole projection: OLMoE), clip_qkv (OLMoE), rotary, GQA.
+
+The step's attention metadata comes from `get_forward_context().attn`; the layer's (k_cache,
+v_cache) is bound once by the model runner through `MoEModel.bind_kv_cache`.
+
+Legend: T tokens, D hidden, H query heads, Hkv KV heads, d head_dim.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from moe_infer.engine.forward_context import get_forward_context
+from moe_infer.layers.norm import RMSNorm
+from moe_infer.layers.paged_attention import paged_attention_ref, store_kv
+from moe_infer.layers.rotary import RotaryEmbedding
+from moe_infer.models.arch import ModelArch
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = arch.head_dim ** -0.5
+        self.clip_qkv = arch.clip_qkv
+        self.sliding_window = arch.sliding_windows[layer_idx]
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
+        elif arch.qk_norm == "proj":
+            self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, dtype)
+        elif arch.qk_norm != "none":
+            raise ValueError(f"qk_norm must be none, head or proj, got {arch.qk_norm!r}")
+        self.rotary = rotary
+        self.kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def _qkv(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = x_TD.shape[0]
+        q, k, v = self.qkv_proj(x_TD).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q_THd = q.reshape(T, self.num_heads, self.head_dim)
+        k_THd = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v_THd = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q_THd, k_THd = self.q_norm(q_THd), self.k_norm(k_THd)
+        return q_THd, k_THd, v_THd
+
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        attn = get_forward_context().attn
+        if attn is None:
+            raise RuntimeError("attention needs AttentionMetadata in the forward context, got None")
+        if self.kv_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound; call model.bind_kv_cache(...) first")
+        q_THd, k_THd, v_THd = self._qkv(x_TD)
+        q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
+        k_cache, v_cache = self.kv_cache
+        store_kv(k_THd, v_THd, k_cache, v_cache, attn.slot_mapping_T)
+        o_THd = paged_attention_ref(
+            q_THd, k_cache, v_cache, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
+            positions_T, self.scale, attn.max_query_len, attn.max_seq_len, self.sliding_window,
+        )
+        return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))

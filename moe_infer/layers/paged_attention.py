@@ -1,0 +1,95 @@
+"""Paged attention, pure-PyTorch reference: the checked-against path for the Triton kernels.
+
+The KV cache of one layer is two tensors [num_blocks, block_size, Hkv, d]; token slot s lives at
+block s // block_size, offset s % block_size. A step's tokens are flattened (T) and grouped by
+sequence through `query_start_loc_B1`; sequence b reads its keys through `block_tables_BM[b]`.
+
+`store_kv` writes the step's K/V at `slot_mapping_T` (slots < 0 are padding and skipped);
+`paged_attention_ref` then attends every query over its sequence's cached keys 0..seq_len-1 with a
+causal mask by position (key j is visible to a query at position p iff j <= p, and p - j < window
+when a sliding window is set). Vectorised over tokens: queries are scattered into a padded
+[B, Qmax] layout, keys gathered to [B, Lmax]; no Python loop over tokens or sequences.
+Computed in float32, returned in q's dtype.
+
+Legend: T tokens, B sequences, M max blocks per sequence, Qmax max query tokens of a sequence,
+L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb blocks, S block size.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def store_kv(
+    k_THd: torch.Tensor, v_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
+    slot_mapping_T: torch.Tensor,
+) -> None:
+    """Write each token's K/V into the cache at its slot (in place); negative slots are skipped."""
+    if k_THd.shape != v_THd.shape or k_THd.shape[1:] != k_cache_NbSHd.shape[2:]:
+        raise ValueError(f"k {tuple(k_THd.shape)} / v {tuple(v_THd.shape)} do not fit cache {tuple(k_cache_NbSHd.shape)}")
+    if slot_mapping_T.shape != k_THd.shape[:1]:
+        raise ValueError(f"slot_mapping {tuple(slot_mapping_T.shape)} does not match {k_THd.shape[0]} tokens")
+    k_flat = k_cache_NbSHd.view(-1, *k_cache_NbSHd.shape[2:])
+    v_flat = v_cache_NbSHd.view(-1, *v_cache_NbSHd.shape[2:])
+    slots = slot_mapping_T.long()
+    valid = slots >= 0
+    k_flat[slots[valid]] = k_THd[valid].to(k_flat.dtype)
+    v_flat[slots[valid]] = v_THd[valid].to(v_flat.dtype)
+
+
+def paged_attention_ref(
+    q_THd: torch.Tensor,
+    k_cache_NbSHd: torch.Tensor,
+    v_cache_NbSHd: torch.Tensor,
+    block_tables_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    query_start_loc_B1: torch.Tensor,
+    positions_T: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence."""
+    T, H, d = q_THd.shape
+    Nb, S, Hkv, dk = k_cache_NbSHd.shape
+    B = seq_lens_B.shape[0]
+    if dk != d or H % Hkv:
+        raise ValueError(f"q {tuple(q_THd.shape)} does not fit cache {tuple(k_cache_NbSHd.shape)} (GQA needs H % Hkv == 0)")
+    if query_start_loc_B1.shape[0] != B + 1 or block_tables_BM.shape[0] != B:
+        raise ValueError("query_start_loc must have B+1 entries and block_tables B rows, B = len(seq_lens)")
+    G, dev = H // Hkv, q_THd.device
+    Qmax, L = max(int(max_query_len), 1), max(int(max_seq_len), 1)
+
+    # token -> (sequence b, row i within the sequence's queries)
+    tok_T = torch.arange(T, device=dev)
+    starts_B1 = query_start_loc_B1.long()
+    seq_T = torch.searchsorted(starts_B1[1:], tok_T, right=True).clamp_max(B - 1)
+    row_T = tok_T - starts_B1[seq_T]
+    q_BQHd = q_THd.new_zeros(B, Qmax, H, d, dtype=torch.float32)
+    q_BQHd[seq_T, row_T] = q_THd.float()
+    pos_BQ = torch.full((B, Qmax), -1, dtype=torch.long, device=dev)
+    pos_BQ[seq_T, row_T] = positions_T.long()
+
+    # gather keys 0..L-1 of each sequence through its block table
+    key_L = torch.arange(L, device=dev)
+    blocks_BL = block_tables_BM.long()[:, (key_L // S).clamp_max(block_tables_BM.shape[1] - 1)]
+    slots_BL = blocks_BL.clamp_min(0) * S + key_L % S
+    k_BLHd = k_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float()
+    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float()
+
+    # scores [B, Hkv, G, Qmax, L] without repeating K/V per group
+    q_BHkvGQd = q_BQHd.view(B, Qmax, Hkv, G, d).permute(0, 2, 3, 1, 4)
+    k_BHkvdL = k_BLHd.permute(0, 2, 3, 1)[:, :, None]
+    scores = torch.matmul(q_BHkvGQd, k_BHkvdL) * scale
+    key_pos_BQL = key_L[None, None, :]
+    visible_BQL = (key_pos_BQL <= pos_BQ[:, :, None]) & (key_pos_BQL < seq_lens_B.long()[:, None, None])
+    visible_BQL &= (blocks_BL >= 0)[:, None, :]
+    if sliding_window is not None:
+        visible_BQL &= pos_BQ[:, :, None] - key_pos_BQL < sliding_window
+    scores = scores.masked_fill(~visible_BQL[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows see no key
+    out_BHkvGQd = torch.matmul(probs, v_BLHd.permute(0, 2, 1, 3)[:, :, None])
+    out_BQHd = out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, d)
+    return out_BQHd[seq_T, row_T].to(q_THd.dtype)

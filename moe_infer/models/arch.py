@@ -1,0 +1,140 @@
+"""ModelArch: everything the decoder needs to know about a checkpoint, parsed from its HF config.
+
+The family registry (`families.py`) says how each supported `architectures` entry differs (q/k norm
+kind, qkv bias, shared expert, dense layers, ...); this file holds the resulting plain dataclass and
+the entry point `load_arch(path)`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str  # mixtral | qwen2_moe | qwen3_moe | olmoe
+    architecture: str  # the HF `architectures[0]`, e.g. "Qwen3MoeForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: List[int]
+    num_experts: int
+    top_k: int
+    moe_layer_ids: List[int]  # layers with a MoE block; the others are dense SwiGLU MLPs
+    tie_word_embeddings: bool
+    moe_intermediate_size: int  # F of each routed expert
+    intermediate_size: int  # the dense MLP of non-MoE layers
+    rms_norm_eps: float
+    norm_topk_prob: bool  # renormalise the K kept router weights
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: str  # none | head (Qwen3: RMSNorm over head_dim) | proj (OLMoE: over the whole projection)
+    clip_qkv: Optional[float]  # OLMoE: clamp q, k, v to [-clip, clip] after the norm
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    shared_expert_gated: bool  # Qwen2-MoE: shared output scaled by sigmoid(gate(x))
+    sliding_windows: Tuple[Optional[int], ...]  # per layer: None = full causal attention
+    hidden_act: str = "silu"
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    rope_parameters: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} not divisible by num_kv_heads={self.num_kv_heads}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"only SwiGLU (hidden_act='silu') experts are supported, got {self.hidden_act!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        bad = [i for i in self.moe_layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"moe_layer_ids {bad} outside [0, {self.num_layers})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx in self.moe_layer_ids
+
+
+def _eos_ids(value: Any) -> List[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def merge_eos(arch_eos: List[int], extra: Any) -> List[int]:
+    """The config's eos ids, then any more from generation_config.json (e.g. Qwen's <|im_end|>)."""
+    out = list(arch_eos)
+    out += [e for e in _eos_ids(extra) if e not in out]
+    return out
+
+
+def common_fields(cfg: Any) -> dict:
+    """Fields read the same way in every supported family."""
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    eos = _eos_ids(getattr(cfg, "eos_token_id", None))
+    rope = getattr(cfg, "rope_parameters", None)
+    if rope is None:  # older configs: rope_theta + rope_scaling
+        rope = dict(getattr(cfg, "rope_scaling", None) or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_ids=eos,
+        top_k=cfg.num_experts_per_tok,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        hidden_act=getattr(cfg, "hidden_act", "silu"),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        pad_token_id=getattr(cfg, "pad_token_id", None),
+        rope_parameters=dict(rope),
+    )
+
+
+def load_hf_config(path: str) -> Any:
+    """transformers.AutoConfig of a LOCAL checkpoint folder (never the Hub)."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is not a local folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no config.json in model folder {path!r}")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def arch_from_config(config: Any, extra_eos: Any = None) -> ModelArch:
+    from moe_infer.models.families import family_for
+
+    arch = family_for(config).parse(config)
+    return replace(arch, eos_token_ids=merge_eos(arch.eos_token_ids, extra_eos))
+
+
+def load_arch(path: str) -> Tuple[ModelArch, Any]:
+    """(ModelArch, transformers config) of a local checkpoint folder."""
+    config = load_hf_config(path)
+    extra_eos = None
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            extra_eos = json.load(f).get("eos_token_id")
+    return arch_from_config(config, extra_eos), config

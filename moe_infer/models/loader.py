@@ -1,0 +1,195 @@
+"""Load an HF safetensors checkpoint (one file, or shards through model.safetensors.index.json).
+
+Every checkpoint tensor maps to a `_Target`: a parameter of MoEModel, where in it the tensor goes
+(q/k/v rows of the fused qkv_proj, gate/up halves of a fused gate_up_proj, one expert of a stacked
+store) and the shape the checkpoint must have. Expert tensors come in either naming:
+  fused       `mlp.experts.gate_up_proj` [E, 2F, D] (gate; up), `mlp.experts.down_proj` [E, D, F]
+  per expert  `mlp.experts.{e}.gate_proj|up_proj|down_proj.weight` (Mixtral: `block_sparse_moe.
+              experts.{e}.w1|w3|w2.weight`)
+and only the experts local to each layer's dispatcher (`expert_start`, `num_local_experts`) are read.
+A missing, misshaped or unexpected tensor and an unreadable file raise naming the tensor or file.
+
+Legend: E experts, F expert intermediate, D hidden.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+
+from moe_infer.models.arch import ModelArch
+
+_INDEX = "model.safetensors.index.json"
+_ALL = slice(None)
+
+
+@dataclass(frozen=True)
+class _Target:
+    param: Optional[str]  # None: a known tensor this model does not need (non-local expert, tied head)
+    shape: Tuple[int, ...]  # the checkpoint tensor's expected shape
+    dst: tuple = (_ALL,)  # index into the parameter
+    src: tuple = (_ALL,)  # index into the checkpoint tensor (fused experts: local rows)
+
+
+def checkpoint_files(path: str) -> Dict[str, str]:
+    """checkpoint tensor name -> the safetensors file holding it."""
+    index = os.path.join(path, _INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"corrupt checkpoint index {index}: {e}") from None
+        return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no model.safetensors or {_INDEX} in {path!r}")
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(file: str):
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint file {file} is missing")
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for bad headers / sizes
+        raise ValueError(f"corrupt safetensors file {file}: {e}") from None
+
+
+def _attn_targets(arch: ModelArch, i: int) -> Dict[str, _Target]:
+    p, t, D = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn", arch.hidden_size
+    q, kv = arch.q_size, arch.kv_size
+    rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+    out = {}
+    for name, r in rows.items():
+        out[f"{p}.{name}_proj.weight"] = _Target(f"{t}.qkv_proj.weight", (r.stop - r.start, D), (r,))
+        if arch.qkv_bias:
+            out[f"{p}.{name}_proj.bias"] = _Target(f"{t}.qkv_proj.bias", (r.stop - r.start,), (r,))
+    out[f"{p}.o_proj.weight"] = _Target(f"{t}.o_proj.weight", (D, q))
+    if arch.o_bias:
+        out[f"{p}.o_proj.bias"] = _Target(f"{t}.o_proj.bias", (D,))
+    if arch.qk_norm != "none":
+        qn, kn = (arch.head_dim, arch.head_dim) if arch.qk_norm == "head" else (q, kv)
+        out[f"{p}.q_norm.weight"] = _Target(f"{t}.q_norm.weight", (qn,))
+        out[f"{p}.k_norm.weight"] = _Target(f"{t}.k_norm.weight", (kn,))
+    return out
+
+
+def _swiglu_targets(ckpt: str, param: str, D: int, F: int) -> Dict[str, _Target]:
+    """A dense gate/up/down MLP onto a module with a fused gate_up_proj [2F, D] and down_proj."""
+    return {
+        f"{ckpt}.gate_proj.weight": _Target(f"{param}.gate_up_proj.weight", (F, D), (slice(0, F),)),
+        f"{ckpt}.up_proj.weight": _Target(f"{param}.gate_up_proj.weight", (F, D), (slice(F, 2 * F),)),
+        f"{ckpt}.down_proj.weight": _Target(f"{param}.down_proj.weight", (D, F)),
+    }
+
+
+def _expert_targets(arch: ModelArch, i: int, start: int, n: int, names: set) -> Dict[str, _Target]:
+    p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp.store"
+    E, F, D = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
+    if f"{p}.experts.gate_up_proj" in names or f"{p}.experts.down_proj" in names:
+        local = slice(start, start + n)
+        return {
+            f"{p}.experts.gate_up_proj": _Target(f"{t}.w13_E2FD", (E, 2 * F, D), src=(local,)),
+            f"{p}.experts.down_proj": _Target(f"{t}.w2_EDF", (E, D, F), src=(local,)),
+        }
+    mixtral = f"{p}.experts.0.w1.weight" in names
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for e in range(E):
+        is_local = start <= e < start + n
+        le = e - start
+
+        def tgt(param: str, shape: Tuple[int, ...], dst: tuple) -> _Target:
+            return _Target(param if is_local else None, shape, dst)
+
+        out[f"{p}.experts.{e}.{gate}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (le, slice(0, F)))
+        out[f"{p}.experts.{e}.{up}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (le, slice(F, 2 * F)))
+        out[f"{p}.experts.{e}.{down}.weight"] = tgt(f"{t}.w2_EDF", (D, F), (le,))
+    return out
+
+
+def weight_targets(model, names: set) -> Dict[str, _Target]:
+    """Every tensor the checkpoint must (or may) hold, in the checkpoint's names (after
+    `block_sparse_moe` -> `mlp`), for this model's arch and local experts."""
+    arch: ModelArch = model.arch
+    D, V = arch.hidden_size, arch.vocab_size
+    out = {
+        "model.embed_tokens.weight": _Target("embed_tokens.weight", (V, D)),
+        "model.norm.weight": _Target("norm.weight", (D,)),
+        "lm_head.weight": _Target(None if arch.tie_word_embeddings else "lm_head.weight", (V, D)),
+    }
+    for i, layer in enumerate(model.layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = _Target(f"layers.{i}.input_layernorm.weight", (D,))
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = _Target(
+            f"layers.{i}.post_attention_layernorm.weight", (D,)
+        )
+        out.update(_attn_targets(arch, i))
+        p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
+        if not layer.is_moe:
+            out.update(_swiglu_targets(p, t, D, arch.intermediate_size))
+            continue
+        out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
+        disp = layer.mlp.dispatcher
+        out.update(_expert_targets(arch, i, disp.expert_start, disp.num_local_experts, names))
+        if arch.shared_expert_intermediate_size:
+            out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, arch.shared_expert_intermediate_size))
+            if arch.shared_expert_gated:
+                out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
+    return out
+
+
+def _canonical(name: str) -> str:
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def load_weights(model, path: str) -> None:
+    """Fill every parameter of `model` from the checkpoint folder `path` (in place)."""
+    files = checkpoint_files(path)
+    by_canon = {_canonical(n): n for n in files}
+    targets = weight_targets(model, set(by_canon))
+    unexpected = sorted(n for c, n in by_canon.items() if c not in targets and not c.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint {path!r}: {_few(unexpected)}")
+    optional = {"lm_head.weight"} if model.arch.tie_word_embeddings else set()
+    missing = sorted(c for c, t in targets.items() if c not in by_canon and t.param is not None and c not in optional)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing tensors: {_few(missing)}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    handles: Dict[str, object] = {}
+    for canon, name in by_canon.items():
+        tgt = targets.get(canon)
+        if tgt is None or tgt.param is None:
+            continue
+        file = files[name]
+        if file not in handles:
+            handles[file] = _open(file)
+        _copy_one(handles[file], file, name, tgt, params[tgt.param])
+
+
+def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -> None:
+    try:
+        sl = handle.get_slice(name)
+        shape = tuple(sl.get_shape())
+    except Exception as e:
+        raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
+    if shape != tgt.shape:
+        raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(tgt.shape)} (file {file})")
+    try:
+        src = sl[tgt.src] if tgt.src != (_ALL,) else handle.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
+    dst = param[tgt.dst] if tgt.dst != (_ALL,) else param
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _few(names: List[str], k: int = 6) -> str:
+    shown = ", ".join(names[:k])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > k else "")
