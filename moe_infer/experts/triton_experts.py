@@ -1,0 +1,39 @@
+"""Triton experts backend: EXPERT_BACKENDS["triton"], the fused MoE kernels on dispatched rows.
+
+The layer hands already-gathered rows x_RD sorted by local expert (meta.offsets_E1); this backend
+turns the offsets into the kernels' block-padded schedule on the device (no host sync), runs the
+gate_up and down GEMMs and leaves rows past offsets_E1[-1] zero, as the contract asks. The faster
+whole path from (x_TD, topk_ids, topk_weights), which gathers rows inside the GEMM and combines
+itself, is `moe_infer.kernels.fused_moe.fused_experts`.
+
+Legend: R dispatched rows, D hidden, F expert intermediate, E local experts.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_infer.experts.dispatcher import DispatchMetadata
+from moe_infer.experts.reference import EXPERT_BACKENDS
+from moe_infer.kernels.fused_moe import _DTYPE_NAMES, block_schedule, down, gate_up
+from moe_infer.kernels.fused_moe_config import get_config
+
+
+def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int32 [R]: local expert of each sorted row, E for rows past offsets_E1[-1]."""
+    rows_R = torch.arange(num_rows, device=offsets_E1.device, dtype=offsets_E1.dtype)
+    return torch.searchsorted(offsets_E1[1:].contiguous(), rows_R, right=True).to(torch.int32)
+
+
+@EXPERT_BACKENDS.register("triton")
+def experts_triton(
+    x_RD: torch.Tensor, meta: DispatchMetadata, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor
+) -> torch.Tensor:
+    R, D = x_RD.shape
+    E, F2, _ = w13_E2FD.shape
+    y_RD = torch.zeros_like(x_RD)
+    if R == 0:
+        return y_RD
+    cfg = get_config(meta.num_tokens, E, F2 // 2, D, meta.top_k, _DTYPE_NAMES.get(x_RD.dtype, str(x_RD.dtype)))
+    sched = block_schedule(expert_of_rows(meta.offsets_E1, R), E, 0, cfg.block_m)
+    act_PF = gate_up(x_RD, w13_E2FD, sched, 1, cfg.gate_up)
+    return down(act_PF, w2_EDF, meta.weights_R, sched, cfg.down, y_RD)

@@ -1,0 +1,99 @@
+"""Raw Triton kernels: the block-padded row schedule of the fused MoE path, built on the device.
+
+Each routed row n = t*K + k goes to local expert key_n = ids_N[n] - expert_start (rows of dropped
+(-1) or non-local experts have no key and are skipped). Every expert's rows are padded up to a
+multiple of BLOCK_M, so one GEMM tile never mixes two experts:
+
+    sorted_P[p]  routed row n at padded slot p, or N (the sentinel) for a pad slot
+    expert_B[b]  local expert of tile b = rows [b*BLOCK_M, (b+1)*BLOCK_M)
+    num_padded   sum_e ceil(count_e / BLOCK_M) * BLOCK_M (one int32)
+
+The order inside one expert is the routed order (deterministic, no atomics). Ranks come from a
+one-hot [SUB, E_PAD] running cumsum, histograms from its column sums. Large N is split into
+CHUNK-row programs: `count` writes a histogram per chunk, `scatter` sums the ones before it.
+
+Legend: N routed rows, E local experts, E_PAD its power-of-two bins, C chunks, P padded slots,
+B tiles of BLOCK_M slots.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _keys(ids_ptr, offs, N, expert_start, E):
+    """Local expert of each row in offs, or -1 (out of range, dropped, non-local)."""
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
+    key = ids - expert_start
+    is_local = (ids >= 0) & (key >= 0) & (key < E) & (offs < N)
+    return tl.where(is_local, key, -1)
+
+
+@triton.jit
+def _chunk_hist(ids_ptr, start, N, expert_start, E, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                E_PAD: tl.constexpr):
+    bins = tl.arange(0, E_PAD)
+    hist = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(0, CHUNK, SUB):
+        offs = start + s + tl.arange(0, SUB)
+        key = _keys(ids_ptr, offs, N, expert_start, E)
+        onehot = (key[:, None] == bins[None, :]).to(tl.int32)
+        hist += tl.sum(onehot, axis=0)
+    return hist
+
+
+@triton.jit
+def align_count_kernel(ids_ptr, counts_ptr, N, expert_start, E,
+                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """counts_CE[c] = histogram of chunk c's local experts."""
+    c = tl.program_id(0)
+    hist = _chunk_hist(ids_ptr, c * CHUNK, N, expert_start, E, CHUNK, SUB, E_PAD)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), hist)
+
+
+@triton.jit
+def align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
+                         N, expert_start, E, num_chunks, num_tiles,
+                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                         E_PAD: tl.constexpr, TILE_SUB: tl.constexpr, IS_SINGLE: tl.constexpr):
+    """Writes sorted_P, expert_B and num_padded. IS_SINGLE: one chunk, no counts_CE needed."""
+    c = tl.program_id(0)
+    bins = tl.arange(0, E_PAD)
+    if IS_SINGLE:
+        total = _chunk_hist(ids_ptr, 0, N, expert_start, E, CHUNK, SUB, E_PAD)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+    else:
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+        for j in range(0, num_chunks):
+            hist = tl.load(counts_ptr + j * E_PAD + bins)
+            total += hist
+            before += tl.where(j < c, hist, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)  # inclusive: padded slots [end - padded, end) per expert
+    start = end - padded
+
+    # Rows of this chunk, in routed order: slot = start[key] + earlier rows of the same expert.
+    running = before
+    for s in range(0, CHUNK, SUB):
+        offs = c * CHUNK + s + tl.arange(0, SUB)
+        key = _keys(ids_ptr, offs, N, expert_start, E)
+        onehot = (key[:, None] == bins[None, :]).to(tl.int32)
+        rank_SE = tl.cumsum(onehot, axis=0) - 1 + running[None, :] + start[None, :]
+        slot = tl.sum(onehot * rank_SE, axis=1)
+        tl.store(sorted_ptr + slot, offs, mask=key >= 0)
+        running += tl.sum(onehot, axis=0)
+
+    if c == 0:
+        num_padded = tl.sum(padded, axis=0)
+        tl.store(num_padded_ptr, num_padded)
+        # Pad slots [start + total, end) of every expert hold the sentinel N.
+        pad = tl.arange(0, BLOCK_M)
+        pad_slot = (start + total)[:, None] + pad[None, :]
+        tl.store(sorted_ptr + pad_slot, N, mask=pad_slot < end[:, None])
+        # Tile b belongs to the expert whose slots hold b*BLOCK_M: count experts ending at or before it.
+        for b0 in range(0, num_tiles, TILE_SUB):
+            tiles = b0 + tl.arange(0, TILE_SUB)
+            first = tiles * BLOCK_M
+            expert = tl.sum((end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+            expert = tl.where(first < num_padded, expert, -1)
+            tl.store(expert_ptr + tiles, expert, mask=tiles < num_tiles)

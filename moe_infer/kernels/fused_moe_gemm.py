@@ -1,0 +1,123 @@
+"""Raw Triton kernels of the fused MoE path: gate_up GEMM + SiLU*up, down GEMM + routing weight,
+and the top-k combine.
+
+Both GEMMs walk the block-padded schedule of `fused_moe_align` (sorted_P, expert_B, num_padded):
+tile b holds BLOCK_M slots of one expert; tiles past num_padded exit at once, so the grid is
+static (CUDA-graph capturable) and non-local rows cost nothing. The gate_up GEMM reads its rows
+straight from the source activations (x_TD through row // ROW_DIV), so no gathered copy exists;
+the down GEMM scales each row by its routing weight and writes it at its routed row n.
+Tiles are ordered in groups of GROUP_M along M (L2 reuse of weight tiles in the prefill shape).
+IS_FP32_DOT upcasts operands before tl.dot (the CPU interpreter's bf16 dot is wrong).
+
+Legend: T tokens, D hidden, F expert intermediate, E local experts, K top-k, N = T*K routed rows,
+P padded slots, B tiles.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_ids(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    group = GROUP_M * num_tiles_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
+                   num_rows, ROW_DIV, D, F, num_tiles_m,
+                   stride_xm, stride_we, stride_wn, stride_wk, stride_am,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile."""
+    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    is_row = rows < num_rows
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (rows // ROW_DIV).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_base = w13_ptr + e * stride_we + offs_k[:, None] * stride_wk
+    g_ptrs = w_base + offs_n[None, :] * stride_wn
+    u_ptrs = w_base + (offs_n + F)[None, :] * stride_wn
+    is_n = offs_n < F
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        k_left = D - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        if IS_FP32_DOT:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
+
+
+@triton.jit
+def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
+                num_rows, D, F, num_tiles_m,
+                stride_am, stride_we, stride_wn, stride_wk, stride_ym,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile."""
+    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    is_row = rows < num_rows
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    is_n = offs_n < D
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(F, BLOCK_K)):
+        k_left = F - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & is_n[None, :], other=0.0)
+        if IS_FP32_DOT:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=is_row[:, None] & is_n[None, :])
+
+
+@triton.jit
+def combine_kernel(y_ptr, ids_ptr, out_ptr, D, expert_start, E, stride_ym, stride_ot,
+                   K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out_TD[t] = sum_k y_ND[t*K + k] over the k whose expert is local (others were never written)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    is_d = offs_d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        expert = tl.load(ids_ptr + t * K + k).to(tl.int32)
+        key = expert - expert_start
+        if (expert >= 0) & (key >= 0) & (key < E):
+            y = tl.load(y_ptr + (t * K + k) * stride_ym + offs_d, mask=is_d, other=0.0)
+            acc += y.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_d, acc.to(out_ptr.dtype.element_ty), mask=is_d)
