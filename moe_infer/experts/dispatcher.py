@@ -12,6 +12,7 @@ Legend: T tokens, D hidden, E local experts, K top-k, N = T*K routed rows, R dis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,6 +35,8 @@ class LocalDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.expert_start = expert_start
+        # logical expert held in each local slot (EP placements with replicas need not be contiguous)
+        self.local_expert_ids = list(range(expert_start, expert_start + self.num_local_experts))
 
     def sort_rows(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_tokens: int) -> DispatchMetadata:
         E = self.num_local_experts
@@ -67,3 +70,12 @@ class LocalDispatcher:
         """y_RD holds weighted expert outputs (zero for rows not computed here) -> out_TD."""
         y_TKD = y_RD.index_select(0, meta.inv_N).view(meta.num_tokens, meta.top_k, -1)
         return y_TKD.sum(dim=1, dtype=torch.float32).to(y_RD.dtype)
+
+    def forward_experts(
+        self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+        experts_fn: Callable[[torch.Tensor, DispatchMetadata], torch.Tensor],
+    ) -> torch.Tensor:
+        """dispatch -> experts_fn(x_RD, meta) -> combine; EP dispatchers override it to overlap the
+        all-to-alls with the expert compute."""
+        x_RD, meta = self.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
+        return self.combine(experts_fn(x_RD, meta), meta)

@@ -84,6 +84,10 @@ class MoELayer(nn.Module):
         self._policy = CAPACITY_POLICIES.get(backends.policy)
         self._experts = EXPERT_BACKENDS.get(backends.experts)
 
+    def _run_experts(self, x_RD: torch.Tensor, meta) -> torch.Tensor:
+        w13_E2FD, w2_EDF = self.store.weights()
+        return self._experts(x_RD, meta, w13_E2FD, w2_EDF)
+
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE = self.gate(x_TD)
         topk_weights_TK, topk_ids_TK = self._select(logits_TE, self.spec, self.e_score_correction_bias)
@@ -92,10 +96,7 @@ class MoELayer(nn.Module):
         )
         if self.backends.stats is not None:
             self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK)
-        x_RD, meta = self.dispatcher.dispatch(x_TD, kept_ids_TK, kept_weights_TK)
-        w13_E2FD, w2_EDF = self.store.weights()
-        y_RD = self._experts(x_RD, meta, w13_E2FD, w2_EDF)
-        out_TD = self.dispatcher.combine(y_RD, meta)
+        out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         return out_TD
