@@ -76,16 +76,17 @@ def paged_attention_ref(
     key_L = torch.arange(L, device=dev)
     blocks_BL = block_tables_BM.long()[:, (key_L // S).clamp_max(block_tables_BM.shape[1] - 1)]
     slots_BL = blocks_BL.clamp_min(0) * S + key_L % S
+    is_key_BL = (key_L[None, :] < seq_lens_B.long()[:, None]) & (blocks_BL >= 0)
     k_BLHd = k_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float()
-    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float()
+    # slots past a sequence's end were never written (garbage, even NaN): zero V so 0 * V stays 0
+    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float().masked_fill(~is_key_BL[:, :, None, None], 0.0)
 
     # scores [B, Hkv, G, Qmax, L] without repeating K/V per group
     q_BHkvGQd = q_BQHd.view(B, Qmax, Hkv, G, d).permute(0, 2, 3, 1, 4)
     k_BHkvdL = k_BLHd.permute(0, 2, 3, 1)[:, :, None]
     scores = torch.matmul(q_BHkvGQd, k_BHkvdL) * scale
     key_pos_BQL = key_L[None, None, :]
-    visible_BQL = (key_pos_BQL <= pos_BQ[:, :, None]) & (key_pos_BQL < seq_lens_B.long()[:, None, None])
-    visible_BQL &= (blocks_BL >= 0)[:, None, :]
+    visible_BQL = (key_pos_BQL <= pos_BQ[:, :, None]) & is_key_BL[:, None, :]
     if sliding_window is not None:
         visible_BQL &= pos_BQ[:, :, None] - key_pos_BQL < sliding_window
     scores = scores.masked_fill(~visible_BQL[:, None, None], float("-inf"))

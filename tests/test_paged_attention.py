@@ -1,0 +1,71 @@
+"""The paged-attention reference against dense causal attention computed sequence by sequence."""
+import pytest
+import torch
+
+from moe_infer.layers.paged_attention import paged_attention_ref, store_kv
+
+
+def _dense(q_LHd, k_LHd, v_LHd, start, scale, window):
+    """Queries at positions start..start+Lq-1 over keys 0..L-1 (GQA by repeating K/V)."""
+    H, Hkv = q_LHd.shape[1], k_LHd.shape[1]
+    k = k_LHd.repeat_interleave(H // Hkv, dim=1)
+    v = v_LHd.repeat_interleave(H // Hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q_LHd, k) * scale
+    qpos = torch.arange(start, start + q_LHd.shape[0])[:, None]
+    kpos = torch.arange(k.shape[0])[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= qpos - kpos < window
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+@pytest.mark.parametrize("H,Hkv,S,window", [(4, 2, 4, None), (6, 6, 3, None), (8, 1, 5, 4), (4, 2, 16, None)])
+def test_matches_dense(H, Hkv, S, window):
+    torch.manual_seed(H * 10 + S)
+    d, Nb = 8, 40
+    cached = [5, 0, 11, 3]  # tokens already in the cache per sequence
+    new = [1, 7, 2, 4]  # this step's tokens
+    k_cache = torch.full((Nb, S, Hkv, d), float("nan"))
+    v_cache = torch.full((Nb, S, Hkv, d), float("nan"))
+    free = torch.randperm(Nb).tolist()
+    tables, ks, vs, qs, slots, pos = [], [], [], [], [], []
+    for c, n in zip(cached, new):
+        L = c + n
+        blocks = [free.pop() for _ in range(-(-L // S))]
+        tables.append(blocks)
+        k, v = torch.randn(L, Hkv, d), torch.randn(L, Hkv, d)
+        ks.append(k), vs.append(v), qs.append(torch.randn(n, H, d))
+        all_slots = torch.tensor([blocks[j // S] * S + j % S for j in range(L)])
+        store_kv(k[:c], v[:c], k_cache, v_cache, all_slots[:c])  # an earlier step's tokens
+        slots.append(all_slots[c:])
+        pos.append(torch.arange(c, L))
+    M = max(len(t) for t in tables)
+    q_THd = torch.cat(qs)
+    slot_T = torch.cat(slots)
+    pad = torch.tensor([-1])  # a padding token (slot -1) at the end is skipped by store_kv
+    store_kv(
+        torch.cat([torch.cat([k[c:] for k, c in zip(ks, cached)]), torch.zeros(1, Hkv, d)]),
+        torch.cat([torch.cat([v[c:] for v, c in zip(vs, cached)]), torch.zeros(1, Hkv, d)]),
+        k_cache, v_cache, torch.cat([slot_T, pad]),
+    )
+    out = paged_attention_ref(
+        q_THd, k_cache, v_cache,
+        torch.tensor([t + [-1] * (M - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor([c + n for c, n in zip(cached, new)], dtype=torch.int32),
+        torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32),
+        torch.cat(pos), d ** -0.5, max(new), max(c + n for c, n in zip(cached, new)), window,
+    )
+    ref = torch.cat([_dense(q, k, v, c, d ** -0.5, window) for q, k, v, c in zip(qs, ks, vs, cached)])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_raise():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(ValueError, match="do not fit cache"):
+        store_kv(torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), k_cache, k_cache, torch.arange(3))
+    with pytest.raises(ValueError, match="GQA"):
+        paged_attention_ref(
+            torch.zeros(2, 3, 8), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([2]), torch.tensor([0, 2]), torch.arange(2), 1.0, 2, 2,
+        )
