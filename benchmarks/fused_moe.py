@@ -1,0 +1,134 @@
+"""Fused MoE experts benchmark (bf16, CUDA-graph replay, median), per model shape and token count:
+
+  ours      fused_experts: (x_TD, topk_ids, topk_weights) -> out_TD, everything included
+            (device-built schedule, gate_up+SiLU GEMM, weighted down GEMM, top-k combine)
+  grouped   torch._grouped_mm on rows already sorted by expert (offsets), SiLU*up, weight
+            (the permutation and the combine are NOT timed: a lower bound for that path)
+  loop      a PyTorch per-expert loop on the same sorted rows (host offsets taken before capture)
+  roofline  max(bytes of the distinct experts touched / 3.0 TB/s, 2*T*K*3*D*F / 741 TFLOP/s)
+
+and the issue's target with pass/fail. Writes JSON (device named) to benchmarks/results/.
+
+    python benchmarks/fused_moe.py [--shapes ...] [--tokens ...] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from moe_infer.experts.dispatcher import LocalDispatcher  # noqa: E402
+from moe_infer.kernels.fused_moe import fused_experts  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
+    MODEL_SHAPES, TOKEN_COUNTS, graph_time_us, make_inputs, make_weights, replays_for, roofline_us,
+)
+from moe_infer.kernels.fused_moe_config import device_name, get_config  # noqa: E402
+
+# The issue's targets (us) on an H100: vLLM's fused_moe made 1.2x faster where the roofline allows.
+TARGET_US = {
+    "mixtral-8x7b": (247, 717, 973, 977, 1022, 2468, 9134),
+    "qwen3-30b-a3b": (42, 176, 361, 424, 425, 504, 1265),
+    "olmoe-1b-7b": (49, 199, 283, 283, 289, 489, 1691),
+    "deepseek-v3": (247, 1700, 4572, 7475, 7820, 7932, 13052),
+}
+
+
+def grouped_mm_fn(x_RD, meta, w13, w2):
+    offs_E = meta.offsets_E1[1:].to(torch.int32)
+    F_ = w2.shape[2]
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    weights_R1 = meta.weights_R[:, None].to(x_RD.dtype)
+
+    def run():
+        h_RF2 = torch._grouped_mm(x_RD, w13_t, offs=offs_E)
+        a_RF = F.silu(h_RF2[:, :F_]) * h_RF2[:, F_:]
+        return torch._grouped_mm(a_RF, w2_t, offs=offs_E) * weights_R1
+    return run
+
+
+def loop_fn(x_RD, meta, w13, w2):
+    offsets = meta.offsets_E1.tolist()
+    F_ = w2.shape[2]
+    y_RD = torch.zeros_like(x_RD)
+    weights_R1 = meta.weights_R[:, None].to(x_RD.dtype)
+
+    def run():
+        for e in range(w13.shape[0]):
+            s, t = offsets[e], offsets[e + 1]
+            if s < t:
+                h = x_RD[s:t] @ w13[e].t()
+                y_RD[s:t] = ((F.silu(h[:, :F_]) * h[:, F_:]) @ w2[e].t()) * weights_R1[s:t]
+        return y_RD
+    return run
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def bench_point(name, T, w13, w2):
+    E, K, D, F_ = MODEL_SHAPES[name]
+    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D, seed=T)
+    disp = LocalDispatcher(E)
+    x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
+    roof = roofline_us(ids_TK, E, D, F_)
+    ours = lambda: fused_experts(x_TD, ids_TK, w_TK, w13, w2)  # noqa: E731
+    loop = loop_fn(x_RD, meta, w13, w2)
+    ref_TD = disp.combine(loop(), meta)
+    row = {"shape": name, "E": E, "K": K, "D": D, "F": F_, "tokens": T, "roofline_us": round(roof, 1),
+           "config": get_config(T, E, F_, D, K, "bf16").to_dict(), "ours_rel_err_vs_loop": rel_err(ours(), ref_TD)}
+    n = replays_for(roof)
+    row["ours_us"] = graph_time_us(ours, n)
+    try:
+        grouped = grouped_mm_fn(x_RD, meta, w13, w2)
+        row["grouped_rel_err_vs_loop"] = rel_err(disp.combine(grouped(), meta), ref_TD)
+        row["grouped_mm_us"] = graph_time_us(grouped, n)
+    except Exception as err:  # torch._grouped_mm is private: record why it did not run
+        row["grouped_mm_us"], row["grouped_mm_error"] = None, f"{type(err).__name__}: {str(err)[:200]}"
+    row["loop_us"] = graph_time_us(loop, max(5, n // 4))
+    target = TARGET_US[name][TOKEN_COUNTS.index(T)] if T in TOKEN_COUNTS else None
+    row.update(target_us=target, pct_of_roofline=round(100 * roof / row["ours_us"], 1),
+               passed=None if target is None else row["ours_us"] <= target)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    dev = device_name()
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"fused_moe_{dev}.json")
+    rows = []
+    for name in args.shapes.split(","):
+        E, K, D, F_ = MODEL_SHAPES[name]
+        w13, w2 = make_weights(E, D, F_)
+        for T in map(int, args.tokens.split(",")):
+            rows.append(bench_point(name, T, w13, w2))
+            r = rows[-1]
+            print(f"{name:14s} T={T:5d} ours {r['ours_us']:9.1f}  grouped {r['grouped_mm_us'] or float('nan'):9.1f}  "
+                  f"loop {r['loop_us']:9.1f}  roof {r['roofline_us']:8.1f}  err {r['ours_rel_err_vs_loop']:.1e}", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "timing": "CUDA-graph replay, median, bf16", "points": rows}, f, indent=1)
+    print(f"\n{'shape':14s} {'T':>5s} {'ours':>8s} {'grouped':>8s} {'loop':>8s} {'roof':>8s} {'%roof':>6s} {'target':>7s} pass")
+    for r in rows:
+        g = r["grouped_mm_us"]
+        print(f"{r['shape']:14s} {r['tokens']:5d} {r['ours_us']:8.1f} {g if g else float('nan'):8.1f} {r['loop_us']:8.1f} "
+              f"{r['roofline_us']:8.1f} {r['pct_of_roofline']:6.1f} {r['target_us'] or 0:7d} {r['passed']}")
+    print(f"passed {sum(bool(r['passed']) for r in rows)}/{len(rows)}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Tune the fused MoE launch configs on the GPU at hand and write them as JSON (one file per
+(E, F, D, dtype, device), keyed by token count) into moe_infer/kernels/configs/.
+
+For each token count: for each BLOCK_M that suits the rows per expert, time every gate_up and every
+down candidate on the real schedule (triton.testing.do_bench, median), keep the best of each, and
+keep the BLOCK_M whose two GEMMs sum to the least time.
+
+    python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,...] [--tokens 1,8,...] [--out-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from moe_infer.kernels.fused_moe import block_schedule, down, gate_up  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, TOKEN_COUNTS, make_inputs, make_weights  # noqa: E402
+from moe_infer.kernels.fused_moe_config import (  # noqa: E402
+    CONFIG_DIR, FusedMoEConfig, GemmConfig, config_file_name, device_name,
+)
+
+# (block_n, block_k, num_warps, num_stages) per BLOCK_M; gate_up holds two accumulators (gate, up).
+GATE_UP = {
+    16: [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4), (64, 64, 4, 5)],
+    32: [(64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4), (32, 128, 4, 4)],
+    64: [(64, 64, 4, 4), (128, 64, 8, 4), (64, 128, 4, 3), (128, 64, 4, 3)],
+    128: [(64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)],
+}
+DOWN = {
+    16: [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4), (64, 64, 4, 5)],
+    32: [(64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 5), (128, 128, 8, 3)],
+    64: [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
+    128: [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4)],
+}
+
+
+def block_m_candidates(rows_per_expert: float):
+    for bound, cands in ((4, [16]), (16, [16, 32]), (64, [16, 32, 64]), (256, [32, 64, 128])):
+        if rows_per_expert <= bound:
+            return cands
+    return [64, 128]
+
+
+def _bench(fn) -> float:
+    try:
+        fn()
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+    except Exception as err:  # out of shared memory / registers for this tile: not a candidate
+        print(f"    skipped: {type(err).__name__}: {str(err)[:80]}")
+        return float("inf")
+
+
+def _best(fn_of_cfg, cands, block_m):
+    group_m = 1 if block_m <= 32 else 8
+    timed = [(_bench(lambda c=c: fn_of_cfg(c)), c) for c in (GemmConfig(bn, bk, group_m, w, s) for bn, bk, w, s in cands)]
+    return min(timed, key=lambda tc: tc[0])
+
+
+def tune_point(T, E, K, D, F, w13, w2):
+    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D)
+    best = None
+    for block_m in block_m_candidates(T * K / E):
+        sched = block_schedule(ids_TK.reshape(-1), E, 0, block_m)
+        t_gu, cfg_gu = _best(lambda c: gate_up(x_TD, w13, sched, K, c), GATE_UP[block_m], block_m)
+        act_PF = gate_up(x_TD, w13, sched, K, cfg_gu)
+        weights_N = w_TK.reshape(-1)
+        t_dn, cfg_dn = _best(lambda c: down(act_PF, w2, weights_N, sched, c), DOWN[block_m], block_m)
+        print(f"  T={T} BLOCK_M={block_m}: gate_up {t_gu:.1f} us {cfg_gu}, down {t_dn:.1f} us {cfg_dn}")
+        if best is None or t_gu + t_dn < best[0]:
+            best = (t_gu + t_dn, FusedMoEConfig(block_m, cfg_gu, cfg_dn))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
+    parser.add_argument("--out-dir", default=CONFIG_DIR)
+    args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    for name in args.shapes.split(","):
+        E, K, D, F = MODEL_SHAPES[name]
+        w13, w2 = make_weights(E, D, F)
+        table, t0 = {}, time.time()
+        for T in map(int, args.tokens.split(",")):
+            total_us, cfg = tune_point(T, E, K, D, F, w13, w2)
+            table[str(T)] = cfg.to_dict()
+            print(f"{name} T={T}: {total_us:.1f} us with {cfg}", flush=True)
+        path = os.path.join(args.out_dir, config_file_name(E, F, D, "bf16", device_name()))
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"wrote {path} ({time.time() - t0:.0f} s)", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
