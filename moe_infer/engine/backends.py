@@ -1,0 +1,50 @@
+"""Config strings -> the MoE layer's backends, looked up in the registries (no `if` chains).
+
+"auto" picks the first registered name of the device type's preference list: Triton on CUDA when
+its plugin module registered it, PyTorch otherwise. Plugins are loaded first so that optional
+backends have had their chance to register.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from moe_infer.config import EngineConfig
+from moe_infer.experts.reference import EXPERT_BACKENDS
+from moe_infer.layers.moe import MoEBackends
+from moe_infer.offload.store import EXPERT_STORES
+from moe_infer.plugins import load_plugins
+from moe_infer.registry import Registry
+from moe_infer.routing.capacity import CAPACITY_POLICIES
+from moe_infer.routing.select import ROUTING_BACKENDS
+
+AUTO_PREFERENCE: Dict[str, Tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("torch",)}
+
+
+def resolve_name(registry: Registry, name: str, device: torch.device, field: str) -> str:
+    """The registered backend a config string means on this device (KeyError naming the field)."""
+    if name == "auto":
+        for candidate in AUTO_PREFERENCE.get(device.type, ("torch",)):
+            if candidate in registry:
+                return candidate
+        raise KeyError(f"{field}=auto: none of {AUTO_PREFERENCE.get(device.type)} is registered "
+                       f"({registry.kind}: {', '.join(registry.names())})")
+    if name not in registry:
+        raise KeyError(f"{field}={name!r} is not a registered {registry.kind}; available: "
+                       f"{', '.join(registry.names())}")
+    return name
+
+
+def resolve_moe_backends(cfg: EngineConfig, device: torch.device | str) -> MoEBackends:
+    """MoEBackends for cfg on device; the load statistics are attached once the model is known."""
+    device = torch.device(device)
+    load_plugins()
+    r = cfg.routing
+    return MoEBackends(
+        routing=resolve_name(ROUTING_BACKENDS, r.backend, device, "routing.backend"),
+        policy=resolve_name(CAPACITY_POLICIES, r.policy, device, "routing.policy"),
+        policy_kwargs=dict(capacity_factor=r.capacity_factor, min_capacity=r.min_capacity, drop_by=r.drop_by),
+        experts=resolve_name(EXPERT_BACKENDS, cfg.experts.backend, device, "experts.backend"),
+        store=resolve_name(EXPERT_STORES, cfg.offload.store, device, "offload.store"),
+    )

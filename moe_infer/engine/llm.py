@@ -1,0 +1,149 @@
+"""`LLM`: the offline Python API, in vLLM's shape.
+
+    llm = LLM(model=PATH, dtype="bfloat16", device="cuda", block_size=16, max_num_seqs=256)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+
+Keyword arguments are the fields of the EngineConfig groups (`block_size`, `max_num_seqs`,
+`gpu_memory_utilization`, `enable_chunked_prefill`, `policy`, ...); a name two groups share is
+written `<group>_<field>` (`routing_backend`, `experts_backend`), which also works for every field.
+A request that cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from moe_infer.config import EngineConfig
+from moe_infer.engine.llm_engine import LLMEngine, PromptType
+from moe_infer.engine.outputs import RequestOutput
+from moe_infer.engine.sampling_params import SamplingParams
+
+_GROUPS = ("model", "cache", "scheduler", "routing", "experts", "offload", "parallel")
+_ALIASES = {"model": ("model", "path")}  # LLM(model=PATH) is model.path, as in vLLM
+
+
+def _field_map() -> Dict[str, Tuple[str, str]]:
+    """kwarg name -> (group, field): unique field names, and `<group>_<field>` for all."""
+    owners: Dict[str, List[str]] = {}
+    for group in _GROUPS:
+        for f in dataclasses.fields(EngineConfig.__dataclass_fields__[group].default_factory()):
+            owners.setdefault(f.name, []).append(group)
+    out = {f"{g}_{name}": (g, name) for name, groups in owners.items() for g in groups}
+    out.update({name: (groups[0], name) for name, groups in owners.items() if len(groups) == 1})
+    out.update(_ALIASES)
+    return out
+
+
+def build_config(model: Optional[str] = None, seed: int = 0, **kwargs) -> EngineConfig:
+    fields = _field_map()
+    per_group: Dict[str, dict] = {g: {} for g in _GROUPS}
+    for key, value in {"model": model, **kwargs}.items():
+        if key not in fields:
+            raise TypeError(f"LLM() got an unknown argument {key!r}; known: {', '.join(sorted(fields))}")
+        group, name = fields[key]
+        per_group[group][name] = value
+    parts = {g: type(EngineConfig.__dataclass_fields__[g].default_factory())(**v) for g, v in per_group.items()}
+    return EngineConfig(seed=seed, **parts)
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, seed: int = 0,
+                 **kwargs) -> None:
+        cfg = build_config(model=model, dtype=dtype, device=device, block_size=block_size,
+                           num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
+        self._init(cfg)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(cfg)
+        return llm
+
+    def _init(self, cfg: EngineConfig) -> None:
+        path = cfg.model.path
+        if path is None:
+            from moe_infer.assets import default_model_path  # the embedded default checkpoint
+
+            path = default_model_path()
+        self.cfg = cfg
+        self.engine = LLMEngine(cfg, str(path))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True, stream: bool = False):
+        """One RequestOutput per prompt, in order (stream=True: the generator of generate_stream)."""
+        if stream:
+            return self.generate_stream(prompts, sampling_params)
+        prompts, params = self._normalize(prompts, sampling_params)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: Dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # an interrupted generate leaves nothing behind
+                if rid not in final:
+                    self.engine.abort_request(rid)
+        return [final[rid] for rid in ids]
+
+    def generate_stream(self, prompts: Union[PromptType, Sequence[PromptType]],
+                        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+                        ) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput (cumulative text and tokens so far) each time a request advances."""
+        prompts, params = self._normalize(prompts, sampling_params)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        pending = set(ids)
+        try:
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in pending:
+                self.engine.abort_request(rid)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _normalize(prompts, sampling_params) -> Tuple[List[PromptType], List[SamplingParams]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return prompts, [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: pass one, or one per prompt")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be SamplingParams objects")
+        return prompts, params
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_expert_load(self) -> List[dict]:
+        """Per MoE layer: rows routed / dropped / rerouted per expert, imbalance, entropy."""
+        moe_layers = set(self.engine.runner.arch.moe_layer_ids)
+        return [row for row in self.engine.runner.stats.summary() if row["layer"] in moe_layers]
+
+    def reset_expert_load(self) -> None:
+        self.engine.runner.stats.reset()

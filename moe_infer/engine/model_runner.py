@@ -1,0 +1,139 @@
+"""The model runner: loads the model, owns the KV cache, turns a step's plan into tensors, runs, samples.
+
+It never decides policy: the plan (`SchedulerOutput`) says which tokens of which sequences run and
+which sequences sample. The step's tensors are built once, on the host then copied: input ids,
+positions, slot mapping, block tables, query_start_loc, seq lens. Logits are computed only for the
+last token of each sequence that samples (a decode, or the chunk that ends a prompt).
+
+Legend: T tokens of the step, B sequences of the step, S sequences that sample, M max blocks per
+sequence, V vocabulary, D hidden.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+
+from moe_infer.config import EngineConfig
+from moe_infer.engine.backends import resolve_moe_backends
+from moe_infer.engine.forward_context import AttentionMetadata, forward_context
+from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
+from moe_infer.engine.sequence import SchedulerOutput
+from moe_infer.routing.stats import ExpertLoadStats
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 4 << 30  # the most a CPU KV cache takes when num_kv_blocks is not given
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+        from moe_infer.models import load_model
+
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.block_size = cfg.cache.block_size
+        self.backends = resolve_moe_backends(cfg, device)
+        self.model = load_model(model_path, dtype, device, self.backends)
+        arch = self.model.arch
+        self.arch = arch
+        self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
+        self.backends.stats = self.stats  # the MoE layers share this MoEBackends object
+        self.max_model_len = min(cfg.model.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:
+            raise ValueError(f"model.max_model_len={cfg.model.max_model_len} exceeds the checkpoint's "
+                             f"max_position_embeddings={arch.max_position_embeddings}")
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
+
+    # ------------------------------------------------------------------ KV cache
+    def _num_kv_blocks(self) -> int:
+        bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        useful = blocks_per_seq * self.cfg.scheduler.max_num_seqs  # more can never be used at once
+        if self.cfg.cache.num_kv_blocks is not None:
+            return self.cfg.cache.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - self.cfg.cache.gpu_memory_utilization) - self._activation_bytes()
+            num = min(int(budget // bytes_per_block), useful)
+            if num < blocks_per_seq:
+                raise RuntimeError(
+                    f"only {max(num, 0)} KV blocks fit in GPU memory (free {free / 2**30:.1f} GiB, "
+                    f"gpu_memory_utilization={self.cfg.cache.gpu_memory_utilization}); one sequence of "
+                    f"max_model_len={self.max_model_len} needs {blocks_per_seq}: lower max_model_len")
+            return num
+        return max(1, min(useful, CPU_KV_CACHE_BYTES // bytes_per_block))
+
+    def _activation_bytes(self) -> int:
+        """A generous bound on one step's activations (MoE rows dominate), kept out of the KV budget."""
+        T = self.cfg.scheduler.max_num_batched_tokens
+        hf = self.model.hf_config
+        D = getattr(hf, "hidden_size", 4096)
+        F = max(getattr(hf, "moe_intermediate_size", 0) or 0, getattr(hf, "intermediate_size", 0) or 0)
+        elem = torch.finfo(self.dtype).bits // 8
+        return int(T * (16 * D + 6 * self.arch.top_k * F) * elem + self.cfg.scheduler.max_num_seqs
+                   * self.arch.vocab_size * 4 * 4) + (512 << 20)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        a = self.arch
+        shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(a.num_layers)]
+
+    # ------------------------------------------------------------------ the step
+    def prepare(self, plan: SchedulerOutput) -> Tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """input_ids_T, the attention metadata and the row of each sampling sequence's last token."""
+        seqs = plan.seqs
+        q_lens = [len(s.token_ids) for s in seqs]
+        starts = [s.start_pos for s in seqs]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        bs = self.block_size
+        input_ids_T = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
+        block_tables_BM = torch.tensor([s.block_table + [-1] * (max_blocks - len(s.block_table)) for s in seqs],
+                                       dtype=torch.int32)
+        q_lens_B = torch.tensor(q_lens, dtype=torch.int64)
+        query_start_loc_B1 = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_B, 0, out=query_start_loc_B1[1:])
+        seq_idx_T = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_B)
+        offset_T = torch.arange(input_ids_T.numel()) - query_start_loc_B1[:-1].repeat_interleave(q_lens_B)
+        positions_T = torch.tensor(starts, dtype=torch.int64)[seq_idx_T] + offset_T
+        block_T = block_tables_BM[seq_idx_T, positions_T // bs].long()
+        slot_mapping_T = block_T * bs + positions_T % bs
+        seq_lens_B = torch.tensor(starts, dtype=torch.int64) + q_lens_B
+        sample_rows_S = (query_start_loc_B1[1:] - 1)[torch.tensor([s.do_sample for s in seqs], dtype=torch.bool)]
+        dev = self.device
+        to = lambda t, dtype=None: t.to(dev, dtype=dtype, non_blocking=True)  # noqa: E731
+        meta = AttentionMetadata(
+            positions_T=to(positions_T), slot_mapping_T=to(slot_mapping_T), block_tables_BM=to(block_tables_BM),
+            query_start_loc_B1=to(query_start_loc_B1, torch.int32), seq_lens_B=to(seq_lens_B, torch.int32),
+            max_query_len=max(q_lens), max_seq_len=int(seq_lens_B.max()), block_size=bs,
+        )
+        return to(input_ids_T), meta, to(sample_rows_S)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
+        """Runs one step; returns per plan entry the sampled token (None: no sample) and its logprobs."""
+        self.sampler.forget(plan.finished_seq_ids)
+        if plan.is_empty:
+            return [], []
+        input_ids_T, meta, sample_rows_S = self.prepare(plan)
+        with forward_context(meta):
+            hidden_TD = self.model(input_ids_T, meta.positions_T)
+        sampling = [s for s in plan.seqs if s.do_sample]
+        tokens: List[Optional[int]] = [None] * len(plan.seqs)
+        logprobs: List[Optional[tuple]] = [None] * len(plan.seqs)
+        if not sampling:
+            return tokens, logprobs
+        logits_SV = self.model.compute_logits(hidden_TD[sample_rows_S])
+        reqs = [SampleRequest(s.seq_id, s.params, s.num_prompt_tokens,
+                              s.start_pos + len(s.token_ids) - s.num_prompt_tokens, s.history) for s in sampling]
+        out: SamplerOutput = self.sampler(logits_SV, reqs)
+        it = iter(zip(out.token_ids, out.logprobs))
+        for i, s in enumerate(plan.seqs):
+            if s.do_sample:
+                tokens[i], logprobs[i] = next(it)
+        return tokens, logprobs

@@ -1,0 +1,168 @@
+"""The sampler: logits of the sequences that sample this step -> next tokens (+ logprobs).
+
+Vectorised over the batch: penalties, temperature, top-k, top-p and min-p are tensor ops on
+[B, V]; the only per-sequence work is drawing the random noise of a request with its own seed
+from its own torch.Generator (so a seeded request samples the same tokens alone or in any batch).
+Sampling uses the exponential race: argmax(p / q), q ~ Exp(1), which draws from p exactly.
+Logprobs are those of the raw model logits (before penalties and temperature), as vLLM reports.
+
+Legend: B sequences that sample, V vocabulary, Kp logprobs requested (max over the batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence as Seq
+
+import torch
+
+from moe_infer.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs of one sequence (built from the plan's ScheduledSeq)."""
+
+    seq_id: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_output_tokens: int
+    history: Optional[List[int]] = None  # prompt + output tokens; needed when params.has_penalties
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: List[int]
+    # per sequence: None, or (chosen logprob, chosen rank, top token ids, top logprobs)
+    logprobs: List[Optional[tuple]]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Seq[int], device: torch.device, seed: int = 0) -> None:
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seeded: Dict[int, torch.Generator] = {}
+
+    def forget(self, seq_ids: Seq[int]) -> None:
+        for s in seq_ids:
+            self._seeded.pop(s, None)
+
+    def __call__(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> SamplerOutput:
+        B, V = logits_BV.shape
+        assert B == len(reqs), f"{B} logit rows for {len(reqs)} requests"
+        logits_BV = logits_BV.float()
+        num_lp = [r.params.logprobs for r in reqs]
+        raw_logprobs_BV = torch.log_softmax(logits_BV, -1) if any(n is not None for n in num_lp) else None
+        logits_BV = self._apply_penalties(logits_BV, reqs)
+        logits_BV = self._apply_min_tokens(logits_BV, reqs)
+        greedy_B = torch.tensor([r.params.is_greedy for r in reqs], device=self.device)
+        if bool(greedy_B.all()):
+            tokens_B = logits_BV.argmax(-1)
+        else:
+            tokens_B = torch.where(greedy_B, logits_BV.argmax(-1), self._sample(logits_BV, reqs))
+        token_list = tokens_B.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs_BV, tokens_B, num_lp))
+
+    # ------------------------------------------------------------------ logit processing
+    def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        if not idx:
+            return logits_BV
+        rows, outs, prompts_rows, prompts = [], [], [], []
+        for j, i in enumerate(idx):
+            r = reqs[i]
+            hist = r.history if r.history is not None else []
+            out_ids = hist[r.num_prompt_tokens:]
+            rows += [j] * len(out_ids)
+            outs += out_ids
+            prompts_rows += [j] * r.num_prompt_tokens
+            prompts += hist[:r.num_prompt_tokens]
+        n, V = len(idx), logits_BV.shape[1]
+        dev = self.device
+        out_count_nV = torch.zeros(n, V, device=dev)
+        if outs:
+            out_count_nV.index_put_((torch.tensor(rows, device=dev), torch.tensor(outs, device=dev)),
+                                    torch.ones(len(outs), device=dev), accumulate=True)
+        prompt_mask_nV = torch.zeros(n, V, dtype=torch.bool, device=dev)
+        if prompts:
+            prompt_mask_nV[torch.tensor(prompts_rows, device=dev), torch.tensor(prompts, device=dev)] = True
+        ps = [reqs[i].params for i in idx]
+        rep_n1 = torch.tensor([p.repetition_penalty for p in ps], device=dev).unsqueeze(1)
+        pres_n1 = torch.tensor([p.presence_penalty for p in ps], device=dev).unsqueeze(1)
+        freq_n1 = torch.tensor([p.frequency_penalty for p in ps], device=dev).unsqueeze(1)
+        idx_t = torch.tensor(idx, device=dev)
+        x_nV = logits_BV[idx_t]
+        seen_nV = prompt_mask_nV | (out_count_nV > 0)
+        x_nV = torch.where(seen_nV, torch.where(x_nV > 0, x_nV / rep_n1, x_nV * rep_n1), x_nV)
+        x_nV = x_nV - freq_n1 * out_count_nV - pres_n1 * (out_count_nV > 0).float()
+        logits_BV = logits_BV.clone()
+        logits_BV[idx_t] = x_nV
+        return logits_BV
+
+    def _apply_min_tokens(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                rows += [i] * len(banned)
+                cols += banned
+        if not rows:
+            return logits_BV
+        logits_BV = logits_BV.clone()
+        logits_BV[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = float("-inf")
+        return logits_BV
+
+    def _sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+        dev = self.device
+        temp_B1 = torch.tensor([r.params.temperature if not r.params.is_greedy else 1.0 for r in reqs],
+                               device=dev).unsqueeze(1)
+        probs_BV = torch.softmax(logits_BV / temp_B1, -1)
+        probs_BV = self._filter(probs_BV, reqs)
+        q_BV = torch.empty_like(probs_BV).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):  # one noise row per seeded request, from its own generator
+            if r.params.seed is not None and not r.params.is_greedy:
+                gen = self._seeded.get(r.seq_id)
+                if gen is None:
+                    gen = self._seeded[r.seq_id] = torch.Generator(device=dev).manual_seed(r.params.seed)
+                q_BV[i].exponential_(generator=gen)
+        return (probs_BV / q_BV).argmax(-1)
+
+    def _filter(self, probs_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+        """Zero the tokens outside top-k, outside the top-p nucleus and below min_p * p_max."""
+        ps = [r.params for r in reqs]
+        use_k = any(p.top_k != -1 for p in ps)
+        use_p = any(p.top_p < 1.0 for p in ps)
+        use_min_p = any(p.min_p > 0.0 for p in ps)
+        dev, V = self.device, probs_BV.shape[1]
+        if use_k or use_p:
+            sorted_BV, order_BV = probs_BV.sort(-1, descending=True)
+            remove_BV = torch.zeros_like(sorted_BV, dtype=torch.bool)
+            if use_k:
+                k_B1 = torch.tensor([p.top_k if p.top_k != -1 else V for p in ps], device=dev).unsqueeze(1)
+                remove_BV |= torch.arange(V, device=dev).unsqueeze(0) >= k_B1
+                sorted_BV = sorted_BV.masked_fill(remove_BV, 0.0)
+            if use_p:  # nucleus of the (top-k renormalised) distribution; the top token always stays
+                top_p_B1 = torch.tensor([p.top_p for p in ps], device=dev).unsqueeze(1)
+                renorm_BV = sorted_BV / sorted_BV.sum(-1, keepdim=True)
+                mass_before_BV = renorm_BV.cumsum(-1) - renorm_BV
+                remove_BV |= mass_before_BV >= top_p_B1
+            probs_BV = probs_BV.scatter(1, order_BV, sorted_BV.masked_fill(remove_BV, 0.0))
+        if use_min_p:
+            min_p_B1 = torch.tensor([p.min_p for p in ps], device=dev).unsqueeze(1)
+            probs_BV = probs_BV.masked_fill(probs_BV < min_p_B1 * probs_BV.max(-1, keepdim=True).values, 0.0)
+        return probs_BV
+
+    # ------------------------------------------------------------------ logprobs
+    @staticmethod
+    def _logprobs(logprobs_BV: Optional[torch.Tensor], tokens_B: torch.Tensor,
+                  num_lp: List[Optional[int]]) -> List[Optional[tuple]]:
+        if logprobs_BV is None:
+            return [None] * len(num_lp)
+        k = max(n for n in num_lp if n is not None)
+        chosen_B = logprobs_BV.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
+        rank_B = (logprobs_BV > chosen_B.unsqueeze(1)).sum(-1) + 1
+        top_vals_BK, top_ids_BK = logprobs_BV.topk(k, dim=-1) if k > 0 else (chosen_B[:, None][:, :0],) * 2
+        chosen, rank = chosen_B.tolist(), rank_B.tolist()
+        top_vals, top_ids = top_vals_BK.tolist(), top_ids_BK.long().tolist()
+        return [None if n is None else (chosen[i], rank[i], top_ids[i][:n], top_vals[i][:n])
+                for i, n in enumerate(num_lp)]

@@ -1,0 +1,186 @@
+"""Continuous batching: which sequences run this step, with how many tokens each. No tensors here.
+
+One token budget per step (`max_num_batched_tokens`) is shared by everything: running sequences go
+first, oldest first (a decode takes 1 token, an unfinished prefill its next chunk), then waiting
+requests are admitted in arrival order while `max_num_seqs` and the budget allow, a long prompt
+taking only the chunk that fits (chunked prefill). When a running sequence needs a block and none
+is free, the newest running sequence is preempted: its blocks are freed and it goes back to the
+front of the waiting queue to be recomputed (its finished blocks usually come back from the prefix
+cache). No new request is admitted in a step that preempted.
+
+A request that can never run (prompt longer than max_model_len, or than the whole KV cache) is
+finished at once with finish_reason "error" and the reason in `seq.error`; the others go on.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, List, Optional
+
+from moe_infer.engine.block_manager import BlockManager
+from moe_infer.engine.sequence import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 eos_token_ids: Optional[List[int]] = None) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.eos_token_ids = set(eos_token_ids or [])
+        self.waiting: Deque[Sequence] = deque()
+        self.running: List[Sequence] = []
+        self._finished_ids: List[int] = []
+        self.num_preemptions = 0  # total, for tests and metrics
+        self.num_chunked_prefills = 0  # prompt chunks that did not reach the prompt's end
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seq: Sequence) -> None:
+        """Queue seq, or finish it with an error when it can never run."""
+        error = self._admission_error(seq)
+        if error is not None:
+            seq.finish("error", error=error)
+            return
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: object = None, error: Optional[str] = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason, stop_reason, error)
+        self._finished_ids.append(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput()
+        scheduled: List[Sequence] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:  # seq preempted itself
+                break
+            self.block_manager.append(seq, seq.num_computed_tokens + num_new)
+            scheduled.append(seq)
+            out.seqs.append(self._plan(seq, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached_ids = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached_ids) * self.block_manager.block_size
+            num_new = min(len(seq) - num_cached, budget)
+            if num_new < len(seq) - num_cached and not self.enable_chunked_prefill:
+                break
+            if not self.block_manager.can_allocate(num_cached + num_new, cached_ids):
+                if not self.running:  # nothing will ever free a block: the cache is too small for it
+                    self.waiting.popleft()
+                    self.finish(seq, "error", error=self._too_big(len(seq)))
+                    continue
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_cached + num_new, cached_ids)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(self._plan(seq, num_new))
+            budget -= num_new
+        out.finished_seq_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def postprocess(self, plan: SchedulerOutput, sampled: List[Optional[int]]) -> List[Sequence]:
+        """Advance the computed counts, append sampled tokens; finish on EOS / stop id / length.
+
+        sampled[i] is the token sampled for plan.seqs[i] (None when it did not sample).
+        Returns the sequences that got a new token (stop strings are checked by the engine).
+        """
+        by_id = {s.seq_id: s for s in self.running}
+        updated = []
+        for item, token in zip(plan.seqs, sampled):
+            seq = by_id.get(item.seq_id)
+            if seq is None:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += len(item.token_ids)
+            self.block_manager.cache_computed_blocks(seq)
+            if token is None:
+                self.num_chunked_prefills += 1
+                continue
+            seq.append_token(token)
+            updated.append(seq)
+            reason, stop = self._stop_by_token(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, stop)
+        return updated
+
+    # ------------------------------------------------------------------ internals
+    def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        do_sample = start + num_new == len(seq)
+        return ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new], start_pos=start,
+            block_table=list(seq.block_table), do_sample=do_sample,
+            params=seq.params if do_sample else None,
+            history=seq.token_ids if do_sample and seq.params.has_penalties else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _stop_by_token(self, seq: Sequence, token: int):
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if len(seq) >= self.max_model_len:
+            return "length", None
+        if not self.block_manager.can_ever_fit(len(seq)):
+            return "length", None  # the whole cache is full of this one sequence
+        return None, None
+
+    def _admission_error(self, seq: Sequence) -> Optional[str]:
+        if len(seq) == 0:
+            return "the prompt is empty"
+        if len(seq) > self.max_model_len - 1:
+            return (f"prompt of {len(seq)} tokens is too long: max_model_len is {self.max_model_len} "
+                    f"and at least one token must be generated")
+        if not self.block_manager.can_ever_fit(len(seq) + 1):
+            return self._too_big(len(seq))
+        if not self.enable_chunked_prefill and len(seq) > self.max_num_batched_tokens:
+            return (f"prompt of {len(seq)} tokens exceeds max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} and chunked prefill is off")
+        return None
+
+    def _too_big(self, num_tokens: int) -> str:
+        bm = self.block_manager
+        return (f"prompt of {num_tokens} tokens can never fit in the KV cache: it holds "
+                f"{bm.num_blocks} blocks x {bm.block_size} tokens = {bm.num_blocks * bm.block_size} tokens")

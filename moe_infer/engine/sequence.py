@@ -1,0 +1,120 @@
+"""A request's sequence: its tokens, how many of them have KV in the cache, and its blocks.
+
+Plain Python, no tensors. `token_ids` holds the prompt then every generated token; the last
+generated token has no KV yet (it is the next step's input), so `num_computed_tokens` trails
+`len(token_ids)` by one while decoding, and by the unprocessed prompt while prefilling.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from moe_infer.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams,
+                 prompt: Optional[str] = None) -> None:
+        self.seq_id = next(_counter)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids: List[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the last admission
+        self.block_table: List[int] = []
+        self.block_hashes: List[int] = []  # hashes of the leading full, computed blocks
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: Optional[str] = None  # stop | length | abort | error
+        self.stop_reason: Optional[object] = None  # the stop string or stop token id that matched
+        self.error: Optional[str] = None
+        self.metrics = SequenceMetrics(arrival_time=time.monotonic())
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> List[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: object = None, error: Optional[str] = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+        self.metrics.finished_time = time.monotonic()
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: feed `token_ids` at positions start_pos.. and maybe sample."""
+
+    seq_id: int
+    token_ids: List[int]
+    start_pos: int
+    block_table: List[int]
+    do_sample: bool
+    params: Optional[SamplingParams] = None  # set when do_sample
+    history: Optional[List[int]] = None  # prompt + output tokens, set when do_sample with penalties
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan: plain, picklable data (expert parallelism broadcasts it from rank 0)."""
+
+    seqs: List[ScheduledSeq] = field(default_factory=list)
+    finished_seq_ids: List[int] = field(default_factory=list)  # since the last plan: drop their state
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
