@@ -1,0 +1,99 @@
+"""Raw Triton kernel: fused router gating (scores -> optional grouped top-k -> top-k -> weights).
+
+Legend: T tokens, E experts, K top-k, G expert groups (`n_group`).
+One program handles BLOCK_T tokens and holds their [BLOCK_T, BLOCK_E] scores in registers.
+Every top-k step is an argmax that breaks ties toward the lowest expert id, so the order of the K
+outputs equals a stable descending sort (the PyTorch reference, `select_experts_torch`).
+Launch wrapper: `moe_infer.routing.triton_select.select_experts_triton`.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _argmax_lowest(x, cand, cols, BIG: tl.constexpr):
+    """Per row: (max of x over cand, lowest column holding it). x [B, C], cand bool [B, C]."""
+    m = tl.max(tl.where(cand, x, float("-inf")), axis=1)
+    idx = tl.min(tl.where(cand & (x == m[:, None]), cols[None, :], BIG), axis=1)
+    return m, idx
+
+
+@triton.jit
+def routing_gate_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    T, E, stride_lt, stride_le, routed_scaling_factor,
+    K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t_B = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols_E = tl.arange(0, BLOCK_E)
+    is_tok_B = t_B < T
+    is_col_E = cols_E < E
+    mask_BE = is_tok_B[:, None] & is_col_E[None, :]
+    x_BE = tl.load(
+        logits_ptr + t_B[:, None] * stride_lt + cols_E[None, :] * stride_le, mask=mask_BE, other=0.0
+    ).to(tl.float32)  # bf16/fp16 arithmetic is not used anywhere: upcast once
+    x_BE = tl.where(is_col_E[None, :], x_BE, float("-inf"))  # padding columns; padding tokens read 0
+
+    if IS_SIGMOID:
+        scores_BE = tl.sigmoid(x_BE)
+    else:
+        e_BE = tl.exp(x_BE - tl.max(x_BE, axis=1)[:, None])
+        scores_BE = e_BE / tl.sum(e_BE, axis=1)[:, None]
+    scores_BE = tl.where(mask_BE, scores_BE, 0.0)
+    if HAS_BIAS:
+        bias_E = tl.load(bias_ptr + cols_E, mask=is_col_E, other=0.0).to(tl.float32)
+        choice_BE = scores_BE + bias_E[None, :]
+    else:
+        choice_BE = scores_BE
+    valid_BE = is_col_E[None, :] & (t_B[:, None] >= 0)  # [BLOCK_T, BLOCK_E]: real expert columns
+    choice_BE = tl.where(valid_BE, choice_BE, float("-inf"))
+
+    if G > 1:  # DeepSeek grouped top-k: keep the TOPK_GROUP best groups, mask the others
+        per_group = E // G
+        group_E = cols_E // per_group
+        gcols_G = tl.arange(0, BLOCK_G)
+        gscore_BG = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            in_g_BE = (group_E[None, :] == g) & valid_BE
+            m1_B, i1_B = _argmax_lowest(choice_BE, in_g_BE, cols_E, BLOCK_E)
+            if HAS_BIAS:  # DeepSeek-V3: a group's score is the sum of its top-2 experts
+                m2_B = tl.max(tl.where(in_g_BE & (cols_E[None, :] != i1_B[:, None]), choice_BE, float("-inf")), axis=1)
+                if per_group < 2:
+                    m2_B = tl.zeros_like(m1_B)
+                s_B = m1_B + m2_B
+            else:
+                s_B = m1_B
+            gscore_BG = tl.where(gcols_G[None, :] == g, s_B[:, None], gscore_BG)
+        gtaken_BG = gcols_G[None, :] < 0  # all False, [BLOCK_T, BLOCK_G]
+        is_group_G = gcols_G < G
+        for _j in tl.static_range(TOPK_GROUP):
+            _, gi_B = _argmax_lowest(gscore_BG, ~gtaken_BG & is_group_G[None, :], gcols_G, BLOCK_G)
+            gtaken_BG = gtaken_BG | (gcols_G[None, :] == gi_B[:, None])
+        keep_BE = cols_E[None, :] < 0
+        for g in tl.static_range(G):
+            kept_B = tl.sum(tl.where(gtaken_BG & (gcols_G[None, :] == g), 1, 0), axis=1) > 0
+            keep_BE = keep_BE | ((group_E[None, :] == g) & kept_B[:, None])
+        choice_BE = tl.where(keep_BE, choice_BE, float("-inf"))
+
+    kcols_K = tl.arange(0, BLOCK_K)
+    ids_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    w_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    taken_BE = cols_E[None, :] < 0
+    for k in tl.static_range(K):
+        _, idx_B = _argmax_lowest(choice_BE, ~taken_BE & is_col_E[None, :], cols_E, BLOCK_E)
+        hit_BE = cols_E[None, :] == idx_B[:, None]
+        taken_BE = taken_BE | hit_BE
+        w_B = tl.sum(tl.where(hit_BE, scores_BE, 0.0), axis=1)
+        ids_BK = tl.where(kcols_K[None, :] == k, idx_B[:, None], ids_BK)
+        w_BK = tl.where(kcols_K[None, :] == k, w_B[:, None], w_BK)
+    if RENORMALIZE:
+        w_BK = w_BK / tl.maximum(tl.sum(w_BK, axis=1), 1e-20)[:, None]
+    w_BK = w_BK * routed_scaling_factor
+
+    out_mask_BK = is_tok_B[:, None] & (kcols_K[None, :] < K)
+    offs_BK = t_B[:, None] * K + kcols_K[None, :]
+    tl.store(weights_ptr + offs_BK, w_BK, mask=out_mask_BK)
+    tl.store(ids_ptr + offs_BK, ids_BK, mask=out_mask_BK)

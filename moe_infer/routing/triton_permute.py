@@ -1,0 +1,121 @@
+"""Launch wrappers for the permutation / ranking kernels (`moe_infer.kernels.permute_rows`).
+
+Registers PERMUTE_BACKENDS["triton"]; `expert_ranks_triton` is the ranking step of the Triton
+capacity backend. Legend: T tokens, K top-k, N = T*K rows, E (local) experts, S tiles, P padded
+slots, B blocks. Same results, bit for bit, as the PyTorch references (`permute_rows_torch`,
+`expert_ranks_torch`); three launches, no host sync.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from moe_infer.kernels.permute_rows import tile_hist_kernel, tile_scan_kernel, tile_scatter_kernel
+from moe_infer.routing.permute import (
+    PERMUTE_BACKENDS, BlockLayout, RowPermutation, max_padded_rows, permute_rows_torch,
+)
+from moe_infer.routing.triton_common import check_int_ids, check_triton_device
+
+BLOCK_N = 128  # visiting positions per tile
+BLOCK_P = 128  # padded slots per program (sentinel fill)
+BLOCK_B = 64  # blocks per program (block -> expert map)
+MAX_EXPERTS = 1024
+
+
+def _check(ids_TK: torch.Tensor, num_experts: int, order_N: Optional[torch.Tensor]) -> None:
+    check_int_ids("topk_ids_TK", ids_TK)
+    check_triton_device("topk_ids_TK", ids_TK)
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    if order_N is not None and (order_N.shape != (ids_TK.numel(),) or order_N.device != ids_TK.device):
+        raise ValueError(f"order_N must be [N={ids_TK.numel()}] on {ids_TK.device}, got {tuple(order_N.shape)}")
+
+
+def _tile_counts(
+    ids_N: torch.Tensor, order_N: Optional[torch.Tensor], num_experts: int, expert_start: int
+) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Launches 1 and 2: per-tile base ranks [S, BLOCK_E] (int32) and counts_E (int64)."""
+    N, device = ids_N.numel(), ids_N.device
+    block_e = triton.next_power_of_2(num_experts)
+    num_tiles = triton.cdiv(N, BLOCK_N)
+    tile_counts_SE = torch.empty(num_tiles, block_e, dtype=torch.int32, device=device)
+    counts_E = torch.empty(num_experts, dtype=torch.int64, device=device)
+    order = order_N if order_N is not None else ids_N
+    tile_hist_kernel[(num_tiles,)](
+        ids_N, order, tile_counts_SE, N, num_experts, expert_start,
+        HAS_ORDER=order_N is not None, BLOCK_N=BLOCK_N, BLOCK_E=block_e,
+    )
+    chunk_e = min(block_e, 32)
+    block_s = min(triton.next_power_of_2(num_tiles), 16384 // chunk_e)
+    tile_scan_kernel[(block_e // chunk_e,)](
+        tile_counts_SE, counts_E, num_tiles, num_experts, BLOCK_E=block_e, BLOCK_S=block_s, CHUNK_E=chunk_e,
+    )
+    return tile_counts_SE, counts_E, num_tiles, block_e
+
+
+def expert_ranks_triton(
+    ids_TK: torch.Tensor, num_experts: int, order_N: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """rank_N (int64, -1 for ids outside [0, E)) and counts_E (int64); see `expert_ranks_torch`."""
+    _check(ids_TK, num_experts, order_N)
+    ids_N = ids_TK.reshape(-1)
+    N = ids_N.numel()
+    rank_N = torch.empty(N, dtype=torch.int64, device=ids_N.device)
+    if N == 0:
+        return rank_N, torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
+    tiles_SE, counts_E, num_tiles, block_e = _tile_counts(ids_N, order_N, num_experts, 0)
+    d = rank_N  # unused pointer arguments
+    tile_scatter_kernel[(num_tiles,)](
+        ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E,
+        rank_N, d, d, d, d, d, d, d, d, d,
+        N, num_experts, 0, 1, num_tiles, 0, 0,
+        HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
+        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B,
+    )
+    return rank_N, counts_E
+
+
+@PERMUTE_BACKENDS.register("triton")
+def permute_rows_triton(
+    topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int, expert_start: int = 0,
+    block_size: Optional[int] = None,
+) -> RowPermutation:
+    """Same contract and results as `permute_rows_torch`."""
+    _check(topk_ids_TK, num_experts, None)
+    if topk_weights_TK.shape != topk_ids_TK.shape or topk_weights_TK.device != topk_ids_TK.device:
+        raise ValueError("topk_weights_TK must match topk_ids_TK in shape and device")
+    N, K, E, device = topk_ids_TK.numel(), topk_ids_TK.shape[1], num_experts, topk_ids_TK.device
+    if N == 0:
+        return permute_rows_torch(topk_ids_TK, topk_weights_TK, E, expert_start, block_size)
+    ids_N = topk_ids_TK.reshape(-1).contiguous()
+    w_N = topk_weights_TK.reshape(-1).contiguous()
+    tiles_SE, counts_E, num_tiles, block_e = _tile_counts(ids_N, None, E, expert_start)
+    i64 = dict(dtype=torch.int64, device=device)
+    order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
+    weights_R = torch.empty(N, dtype=torch.float32, device=device)
+    offsets_E1 = torch.empty(E + 1, **i64)
+    grid, P, num_blocks, layout = num_tiles, 0, 0, None
+    if block_size is not None:
+        P = max_padded_rows(N, E, block_size)
+        num_blocks = P // block_size
+        layout = BlockLayout(
+            block_size=block_size, sorted_rows_P=torch.empty(P, dtype=torch.int32, device=device),
+            block_expert_B=torch.empty(num_blocks, dtype=torch.int32, device=device),
+            padded_offsets_E1=torch.empty(E + 1, **i64), num_padded=torch.empty(1, dtype=torch.int32, device=device),
+        )
+        grid = max(num_tiles, triton.cdiv(P, BLOCK_P), triton.cdiv(num_blocks, BLOCK_B))
+    lay = (layout.sorted_rows_P, layout.block_expert_B, layout.padded_offsets_E1, layout.num_padded) if layout else (
+        order_R,) * 4
+    tile_scatter_kernel[(grid,)](
+        ids_N, ids_N, w_N, tiles_SE, counts_E,
+        order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
+        N, E, expert_start, K, num_tiles, P, num_blocks,
+        HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=block_size or 0,
+        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B,
+    )
+    return RowPermutation(
+        order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,
+        counts_E=counts_E, offsets_E1=offsets_E1, layout=layout,
+    )

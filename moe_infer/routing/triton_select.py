@@ -1,0 +1,68 @@
+"""Triton routing backends: registers ROUTING_BACKENDS["triton"] (fused gating), and on import the
+Triton permutation (PERMUTE_BACKENDS["triton"]) and capacity ranking (RANK_BACKENDS["triton"]).
+
+Importing needs triton but no GPU; calling needs CUDA tensors, or CPU tensors under
+TRITON_INTERPRET=1 (tests). Legend: T tokens, E experts, K top-k, G expert groups.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from moe_infer.kernels.routing_gate import routing_gate_kernel
+from moe_infer.routing import triton_capacity, triton_permute  # noqa: F401  (register on import)
+from moe_infer.routing.select import ROUTING_BACKENDS
+from moe_infer.routing.spec import RoutingSpec
+from moe_infer.routing.triton_common import check_triton_device
+
+MAX_EXPERTS = 1024
+MAX_TOP_K = 32
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def gate_launch_config(num_tokens: int, num_experts: int) -> Tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, num_warps): about 4096 fp32 scores per program."""
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(16, 4096 // block_e, triton.next_power_of_2(num_tokens)))
+    return block_t, block_e, 8 if block_e >= 512 else 4
+
+
+@ROUTING_BACKENDS.register("triton")
+def select_experts_triton(
+    logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `select_experts_torch`: returns topk_weights_TK (float32), topk_ids_TK (int32)."""
+    if logits_TE.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got shape {tuple(logits_TE.shape)}")
+    T, E = logits_TE.shape
+    if E != spec.num_experts:
+        raise ValueError(f"router logits have {E} experts, the routing spec says {spec.num_experts}")
+    if logits_TE.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"router logits must be float32/float16/bfloat16, got {logits_TE.dtype}")
+    if E > MAX_EXPERTS or spec.top_k > MAX_TOP_K:
+        raise ValueError(f"triton gating supports E <= {MAX_EXPERTS}, K <= {MAX_TOP_K}; got E={E}, K={spec.top_k}")
+    check_triton_device("router logits", logits_TE)
+    if bias_E is not None:
+        if bias_E.shape != (E,):
+            raise ValueError(f"score bias must be [E={E}], got shape {tuple(bias_E.shape)}")
+        if bias_E.device != logits_TE.device:
+            raise ValueError(f"score bias is on {bias_E.device}, router logits on {logits_TE.device}")
+        bias_E = bias_E.contiguous()
+    K, G = spec.top_k, spec.num_expert_group
+    weights_TK = torch.empty(T, K, dtype=torch.float32, device=logits_TE.device)
+    ids_TK = torch.empty(T, K, dtype=torch.int32, device=logits_TE.device)
+    if T == 0:
+        return weights_TK, ids_TK
+    block_t, block_e, num_warps = gate_launch_config(T, E)
+    grid = (triton.cdiv(T, block_t),)
+    routing_gate_kernel[grid](
+        logits_TE, bias_E if bias_E is not None else weights_TK, weights_TK, ids_TK,
+        T, E, logits_TE.stride(0), logits_TE.stride(1), float(spec.routed_scaling_factor),
+        K=K, G=G, TOPK_GROUP=spec.topk_group,
+        IS_SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias_E is not None, RENORMALIZE=spec.renormalize,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K),
+        BLOCK_G=triton.next_power_of_2(G), num_warps=num_warps,
+    )
+    return weights_TK, ids_TK
