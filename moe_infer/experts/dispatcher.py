@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from moe_infer.routing.permute import permute_rows
+
 
 @dataclass(frozen=True)
 class DispatchMetadata:
@@ -31,33 +33,24 @@ class DispatchMetadata:
 class LocalDispatcher:
     """All experts `[expert_start, expert_start + num_local_experts)` are computed on this rank."""
 
-    def __init__(self, num_experts: int, num_local_experts: int | None = None, expert_start: int = 0) -> None:
+    def __init__(
+        self, num_experts: int, num_local_experts: int | None = None, expert_start: int = 0,
+        permute_backend: str = "auto",
+    ) -> None:
         self.num_experts = num_experts
         self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.expert_start = expert_start
         # logical expert held in each local slot (EP placements with replicas need not be contiguous)
         self.local_expert_ids = list(range(expert_start, expert_start + self.num_local_experts))
+        self.permute_backend = permute_backend  # PERMUTE_BACKENDS name; "auto": Triton on CUDA, torch on CPU
 
     def sort_rows(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_tokens: int) -> DispatchMetadata:
-        E = self.num_local_experts
-        K = topk_ids_TK.shape[1]
-        local_N = topk_ids_TK.reshape(-1).long() - self.expert_start
-        is_local_N = (local_N >= 0) & (local_N < E) & (topk_ids_TK.reshape(-1) >= 0)
-        key_N = torch.where(is_local_N, local_N, torch.full_like(local_N, E))
-        key_R, order_R = torch.sort(key_N, stable=True)
-        counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=key_N.device)
-        counts_E1.scatter_add_(0, key_N, torch.ones_like(key_N))
-        counts_E = counts_E1[:E]
-        offsets_E1 = torch.zeros(E + 1, dtype=torch.int64, device=key_N.device)
-        torch.cumsum(counts_E, 0, out=offsets_E1[1:])
-        inv_N = torch.empty_like(order_R)
-        inv_N[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-        weights_R = torch.where(
-            is_local_N[order_R], topk_weights_TK.reshape(-1)[order_R].float(), torch.zeros((), device=key_N.device)
+        perm = permute_rows(
+            topk_ids_TK, topk_weights_TK, self.num_local_experts, self.expert_start, backend=self.permute_backend
         )
         return DispatchMetadata(
-            num_tokens=num_tokens, top_k=K, token_idx_R=order_R // K, weights_R=weights_R,
-            counts_E=counts_E, offsets_E1=offsets_E1, inv_N=inv_N,
+            num_tokens=num_tokens, top_k=topk_ids_TK.shape[1], token_idx_R=perm.token_idx_R,
+            weights_R=perm.weights_R, counts_E=perm.counts_E, offsets_E1=perm.offsets_E1, inv_N=perm.inv_N,
         )
 
     def dispatch(

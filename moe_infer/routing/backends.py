@@ -1,9 +1,10 @@
 """Resolving a backend name ("auto" included) against a registry, by the device of the tensors.
 
 "auto" means the Triton kernels on CUDA and the PyTorch references elsewhere; the table below is
-the only place that choice is made (no `if` chains in the callers). A Triton backend registers on
-import of `moe_infer.routing.triton_select` (see `moe_infer.plugins`); until it is loaded, "auto"
-falls back to the reference.
+the only place that choice is made for the routing-internal registries (permutation, capacity
+kernels); the engine resolves its config strings the same way (`moe_infer.engine.backends`). A
+Triton backend registers on import of `moe_infer.routing.triton_select` (see `moe_infer.plugins`);
+until it is loaded, "auto" falls back to the reference.
 """
 from __future__ import annotations
 
@@ -23,11 +24,3 @@ def resolve_backend(registry: Registry, name: str, device: torch.device | str) -
     preferred = AUTO_BACKEND_BY_DEVICE.get(torch.device(device).type, REFERENCE_BACKEND)
     return preferred if preferred in registry else REFERENCE_BACKEND
 
-
-def resolve_routing_backend(name: str, device: torch.device | str) -> str:
-    """The engine's helper for `RoutingConfig.backend`: loads the optional plugins, then resolves."""
-    from moe_infer.plugins import load_plugins
-    from moe_infer.routing.select import ROUTING_BACKENDS
-
-    load_plugins()
-    return resolve_backend(ROUTING_BACKENDS, name, device)
