@@ -88,6 +88,7 @@ class ParallelConfig:
     ep: int = 1
     dispatcher: str = "exact"  # all-to-all backend when ep > 1: exact | capacity
     overlap: bool = True
+    overlap_min_tokens: int = 256  # two micro-batches only from this many tokens per MoE layer up
     placement_file: Optional[str] = None
     timeout_s: float = 300.0
 
@@ -95,6 +96,12 @@ class ParallelConfig:
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"parallel.{name} must be positive, got {getattr(self, name)}")
+        if self.dispatcher not in ("exact", "capacity"):
+            raise ValueError(f"parallel.dispatcher must be 'exact' or 'capacity', got {self.dispatcher!r}")
+        if self.overlap_min_tokens < 0:
+            raise ValueError(f"parallel.overlap_min_tokens must be >= 0, got {self.overlap_min_tokens}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
 
 
 @dataclass

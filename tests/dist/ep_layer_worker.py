@@ -1,0 +1,174 @@
+"""torchrun worker: the EP MoE layer equals the single-rank layer, case by case.
+
+    torchrun --nproc-per-node N tests/dist/ep_layer_worker.py [--device cuda] [--dtypes float32,bfloat16]
+
+Every rank builds the same single-rank layer (all experts, seeded weights) and an EP layer holding
+only its slots' experts, feeds both its own tokens and compares. Cases: dispatcher backend x
+overlap x replicas (placement file) x replicated tokens x dtype, with the dropless policy (exact)
+and the drop / reroute policies (both backends). For non-replicated cases the dispatcher's dropped
+rows must be exactly the rows the routing policy dropped. Also checked: the plain dispatch() /
+combine() API, and that ranks disagreeing on micro-batches raise instead of hanging.
+Prints `EP LAYER OK <cases>` on rank 0 and exits 0 only if every case passed on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
+from moe_infer.experts.reference import EXPERT_BACKENDS  # noqa: E402
+from moe_infer.layers.moe import MoEBackends, MoELayer  # noqa: E402
+from moe_infer.parallel import init, replicate_hot_experts  # noqa: E402
+from moe_infer.routing.spec import RoutingSpec  # noqa: E402
+
+E, K, D, F_ = 8, 2, 32, 24
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def build_reference(dtype, device, policy, policy_kwargs, experts):
+    torch.manual_seed(1234)  # the same weights on every rank
+    spec = RoutingSpec(num_experts=E, top_k=K)
+    layer = MoELayer(0, D, F_, spec, MoEBackends(policy=policy, policy_kwargs=policy_kwargs, experts=experts), dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return layer.to(device)
+
+
+def build_ep_layer(ref, ctx, pcfg, policy, policy_kwargs, experts, tokens_replicated):
+    routing = RoutingConfig(policy=policy, **{k: v for k, v in policy_kwargs.items() if k != "backend"})
+    ctx.cfg = pcfg
+    disp = ctx.make_dispatcher(E, K, routing, tokens_replicated=tokens_replicated)
+    backends = MoEBackends(policy=policy, policy_kwargs=policy_kwargs, experts=experts, dispatcher=disp)
+    layer = MoELayer(0, D, F_, ref.spec, backends, ref.gate.weight.dtype).to(ctx.device)
+    with torch.no_grad():
+        layer.gate.weight.copy_(ref.gate.weight)
+        ids = torch.tensor(disp.local_expert_ids, device=ctx.device)
+        layer.store.w13_E2FD.copy_(ref.store.w13_E2FD[ids])
+        layer.store.w2_EDF.copy_(ref.store.w2_EDF[ids])
+    return layer, disp
+
+
+def check_case(ctx, case, placement_path):
+    backend, overlap, replicas, replicated, dtype_name, policy = case
+    dtype, dev, ep, rank = getattr(torch, dtype_name), ctx.device, ctx.dims.ep, ctx.rank
+    policy_kwargs = {} if policy == "dropless" else dict(capacity_factor=1.0, min_capacity=2)
+    ref = build_reference(dtype, dev, policy, policy_kwargs, ctx.experts)
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher=backend, overlap=overlap, overlap_min_tokens=0,
+                               placement_file=placement_path if replicas else None)
+    layer, disp = build_ep_layer(ref, ctx, pcfg, policy, policy_kwargs, ctx.experts, replicated)
+    uniform = replicated or backend == "capacity"
+    gen = torch.Generator().manual_seed(99 if replicated else 100 + rank)
+    T = 21 if uniform else 9 + 5 * rank
+    x_TD = torch.randn(T, D, generator=gen).to(dev, dtype)
+    plans = []
+    run = layer._run_experts
+    layer._run_experts = lambda x, m: (plans.append(m.plan), run(x, m))[1]
+    with torch.no_grad():
+        out_TD = layer(x_TD)
+        ref_TD = ref(x_TD)
+        logits_TE = ref.gate(x_TD)
+        w_TK, ids_TK = ref._select(logits_TE, ref.spec, None)
+        kept_TK, _ = ref._policy(ids_TK, w_TK, logits_TE=logits_TE, spec=ref.spec, **policy_kwargs)
+    err = (out_TD.float() - ref_TD.float()).abs().max().item() / max(ref_TD.float().abs().max().item(), 1e-6)
+    problems = []
+    if not err <= TOL[dtype]:
+        problems.append(f"max rel err {err:.2e}")
+    if any(bool(p.overflow_N.any()) for p in plans):
+        problems.append("the dispatcher dropped rows the policy kept")
+    if not replicated:
+        plan = plans[0]
+        if not torch.equal(~plan.sent_N, kept_TK.reshape(-1) < 0):
+            problems.append("rows the dispatcher did not send differ from the rows the routing policy dropped")
+        expected = 2 if overlap and disp.num_local_experts > 1 else 1
+        if len(plan.slot_ranges) != expected or len(plans) != expected:
+            problems.append(f"expected {expected} micro-batches, got {len(plan.slot_ranges)} ({len(plans)} expert calls)")
+    return err, problems
+
+
+def check_plain_api(ctx, backend):
+    """dispatch() -> experts -> combine() without forward_experts."""
+    policy, kw = ("drop", dict(capacity_factor=1.0, min_capacity=2))
+    ref = build_reference(torch.float32, ctx.device, policy, kw, ctx.experts)
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher=backend, overlap=False)
+    layer, disp = build_ep_layer(ref, ctx, pcfg, policy, kw, ctx.experts, False)
+    x_TD = torch.randn(16, D, generator=torch.Generator().manual_seed(7 + ctx.rank)).to(ctx.device)
+    with torch.no_grad():
+        w_TK, ids_TK = ref._select(ref.gate(x_TD), ref.spec, None)
+        kept_TK, kw_TK = ref._policy(ids_TK, w_TK, logits_TE=ref.gate(x_TD), spec=ref.spec, **kw)
+        x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)
+        out_TD = disp.combine(layer._run_experts(x_RD, meta), meta)
+        ref_TD = ref(x_TD)
+    return [] if torch.allclose(out_TD, ref_TD, atol=1e-5, rtol=1e-5) else ["plain dispatch/combine differs"]
+
+
+def check_mismatch_raises(ctx):
+    """Rank 0 runs two micro-batches, the others one: every rank must raise, none may hang."""
+    ref = build_reference(torch.float32, ctx.device, "dropless", {}, ctx.experts)
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher="exact", overlap=True, overlap_min_tokens=16)
+    layer, _ = build_ep_layer(ref, ctx, pcfg, "dropless", {}, ctx.experts, False)
+    x_TD = torch.randn(20 if ctx.rank == 0 else 8, D, device=ctx.device)
+    try:
+        with torch.no_grad():
+            layer(x_TD)
+    except RuntimeError as err:
+        return [] if "micro-batch" in str(err) else [f"unexpected error: {err}"]
+    return ["ranks with different micro-batch counts did not raise"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--experts", default="torch")
+    args = ap.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+    ctx = init(ParallelConfig(ep=world, timeout_s=120), device=args.device)
+    ctx.base_cfg = ctx.cfg
+    ctx.experts = args.experts
+    EXPERT_BACKENDS.get(args.experts) if args.experts == "torch" else __import__("moe_infer.plugins").plugins.load_plugins()
+    load_E = [1.0 + 10.0 * (e == 3) + 4.0 * (e == 6) for e in range(E)]  # hot experts 3 and 6
+    placement = replicate_hot_experts(load_E, world, num_redundant=world)
+    path = os.path.join(tempfile.mkdtemp(), "placement.json")
+    with open(path, "w") as f:
+        f.write(placement.to_json())
+    cases = [c for c in itertools.product(("exact", "capacity"), (False, True), (False, True), (False, True),
+                                          args.dtypes.split(","), ("dropless", "drop", "reroute"))
+             if not (c[0] == "capacity" and c[5] == "dropless")]
+    failures, rows = [], []
+    for case in cases:
+        err, problems = check_case(ctx, case, path)
+        rows.append((case, err))
+        failures += [f"rank {ctx.rank} {case}: {p}" for p in problems]
+    for backend in ("exact", "capacity"):
+        failures += [f"rank {ctx.rank} plain {backend}: {p}" for p in check_plain_api(ctx, backend)]
+    failures += [f"rank {ctx.rank} mismatch: {p}" for p in check_mismatch_raises(ctx)]
+    all_failures: list = [None] * world
+    dist.all_gather_object(all_failures, failures)
+    if ctx.rank == 0:
+        worst = {}
+        for case, err in rows:
+            worst[case[4]] = max(worst.get(case[4], 0.0), err)
+        print(json.dumps({"ranks": world, "cases": len(cases), "worst_rel_err": worst}))
+        flat = [f for fs in all_failures for f in fs]
+        for f in flat:
+            print("FAIL", f)
+        if not flat:
+            print(f"EP LAYER OK {len(cases)}")
+    ok = not any(all_failures)
+    ctx.shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
