@@ -1,7 +1,8 @@
 """Decoder self-attention on a paged KV cache: fused qkv projection (optional bias), q/k norm
 (per head: Qwen3-MoE; over the whole projection: OLMoE), clip_qkv (OLMoE), rotary, GQA.
 
-The step's attention metadata comes from `get_forward_context().attn`; the layer's (k_cache,
+The K/V write + paged attention is one call of a backend from ATTENTION_BACKENDS ("torch": the
+reference of paged_attention.py). The step's attention metadata comes from `get_forward_context().attn`; the layer's (k_cache,
 v_cache) is bound once by the model runner through `MoEModel.bind_kv_cache`.
 
 Legend: T tokens, D hidden, H query heads, Hkv KV heads, d head_dim.
@@ -15,14 +16,17 @@ from torch import nn
 
 from moe_infer.engine.forward_context import get_forward_context
 from moe_infer.layers.norm import RMSNorm
-from moe_infer.layers.paged_attention import paged_attention_ref, store_kv
+from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.models.arch import ModelArch
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str = "torch"
+    ) -> None:
         super().__init__()
+        self._attend = ATTENTION_BACKENDS.get(backend)
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
@@ -66,9 +70,5 @@ class Attention(nn.Module):
         q_THd, k_THd, v_THd = self._qkv(x_TD)
         q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
         k_cache, v_cache = self.kv_cache
-        store_kv(k_THd, v_THd, k_cache, v_cache, attn.slot_mapping_T)
-        o_THd = paged_attention_ref(
-            q_THd, k_cache, v_cache, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
-            positions_T, self.scale, attn.max_query_len, attn.max_seq_len, self.sliding_window,
-        )
+        o_THd = self._attend(q_THd, k_THd, v_THd, k_cache, v_cache, attn, positions_T, self.scale, self.sliding_window)
         return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))

@@ -16,9 +16,12 @@ L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb b
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+from moe_infer.engine.forward_context import AttentionMetadata
+from moe_infer.registry import Registry
 
 
 def store_kv(
@@ -94,3 +97,23 @@ def paged_attention_ref(
     out_BHkvGQd = torch.matmul(probs, v_BLHd.permute(0, 2, 1, 3)[:, :, None])
     out_BQHd = out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, d)
     return out_BQHd[seq_T, row_T].to(q_THd.dtype)
+
+
+# ---- backends: one call writes the step's K/V and attends; a Triton kernel registers beside "torch" ----
+
+AttentionFn = Callable[..., torch.Tensor]
+ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention backend")
+
+
+@ATTENTION_BACKENDS.register("torch")
+def paged_attention_torch(
+    q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor,
+    k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
+    attn: AttentionMetadata, positions_T: torch.Tensor, scale: float, sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """store_kv at attn.slot_mapping_T, then paged_attention_ref over the cache -> out [T, H, d]."""
+    store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
+    return paged_attention_ref(
+        q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
+        positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window,
+    )

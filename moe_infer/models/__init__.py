@@ -24,16 +24,18 @@ def load_model(
     dtype: torch.dtype,
     device: Union[torch.device, str],
     backends: Optional[MoEBackends] = None,
+    attn_backend: str = "torch",
 ) -> MoEModel:
     """Build the model of the local checkpoint folder `path` on `device` in `dtype` and load its weights.
 
-    Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read.
+    Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read. attn_backend
+    names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
     arch, hf_config = load_arch(path)
     with torch.device(device):
-        model = MoEModel(arch, hf_config, dtype, backends)
+        model = MoEModel(arch, hf_config, dtype, backends, attn_backend)
     load_weights(model, path)
     return model.eval()
 

@@ -24,11 +24,12 @@ from moe_infer.routing.spec import RoutingSpec
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, backends: MoEBackends, dtype: torch.dtype
+        self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, backends: MoEBackends, dtype: torch.dtype,
+        attn_backend: str = "torch",
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, layer_idx, rotary, dtype)
+        self.self_attn = Attention(arch, layer_idx, rotary, dtype, attn_backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.is_moe = arch.is_moe_layer(layer_idx)
         if self.is_moe:
@@ -50,7 +51,8 @@ class MoEModel(nn.Module):
     """A causal MoE LM over a paged KV cache. Build through `moe_infer.models.load_model`."""
 
     def __init__(
-        self, arch: ModelArch, hf_config: Any, dtype: torch.dtype, backends: Optional[MoEBackends] = None
+        self, arch: ModelArch, hf_config: Any, dtype: torch.dtype, backends: Optional[MoEBackends] = None,
+        attn_backend: str = "torch",
     ) -> None:
         super().__init__()
         self.arch, self.hf_config, self.dtype = arch, hf_config, dtype
@@ -58,7 +60,7 @@ class MoEModel(nn.Module):
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, self.rotary, self.backends, dtype) for i in range(arch.num_layers)
+            DecoderLayer(arch, i, self.rotary, self.backends, dtype, attn_backend) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)

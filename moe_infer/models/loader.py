@@ -160,6 +160,10 @@ def load_weights(model, path: str) -> None:
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors: {_few(missing)}")
     params = dict(model.named_parameters(remove_duplicate=False))
+    covered = {t.param for t in targets.values() if t.param is not None}
+    uncovered = sorted(n for n in params if n not in covered and not (n == "lm_head.weight" and model.arch.tie_word_embeddings))
+    if uncovered:  # a parameter no checkpoint tensor maps to: a bug in weight_targets, not in the checkpoint
+        raise RuntimeError(f"no checkpoint tensor maps to parameters: {_few(uncovered)}")
     handles: Dict[str, object] = {}
     for canon, name in by_canon.items():
         tgt = targets.get(canon)
