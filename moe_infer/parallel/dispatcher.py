@@ -153,7 +153,24 @@ class A2ADispatcher(LocalDispatcher):
 
     # ---- one micro-batch: dispatch and combine, each split into start / finish -----------------
     def _a2a(self, out, inp, out_splits, in_splits, async_op: bool):
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
+        try:
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._comm_error(err) from err
+
+    def _wait(self, work) -> None:
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self._comm_error(err) from err
+
+    def _comm_error(self, err: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"EP all-to-all failed on EP rank {self.rank} of {self.ep}: a peer rank died, hung past the "
+            f"collective timeout (parallel.timeout_s), or runs a different layer sequence ({err})"
+        )
 
     def _start_dispatch(self, plan: RoutePlan, x_TD: torch.Tensor, m: int, async_op: bool):
         send_RD = self._send_buffer(plan, x_TD, m)
@@ -164,8 +181,7 @@ class A2ADispatcher(LocalDispatcher):
 
     def _finish_dispatch(self, plan: RoutePlan, m: int, pending) -> tuple[torch.Tensor, A2AMetadata]:
         recv_RD, work = pending
-        if work is not None:
-            work.wait()
+        self._wait(work)
         slot_order_R, counts_S = self._regroup(plan, m)
         offsets_S1 = torch.zeros(counts_S.numel() + 1, dtype=torch.int64, device=counts_S.device)
         torch.cumsum(counts_S, 0, out=offsets_S1[1:])
@@ -184,12 +200,10 @@ class A2ADispatcher(LocalDispatcher):
         y_back_RD = y_RD.new_empty(num_back, y_RD.shape[1])
         return y_back_RD, self._a2a(y_back_RD, y_recv_RD, splits, plan.recv_splits[m], async_op)
 
-    @staticmethod
-    def _finish_combine(plan: RoutePlan, pending: Sequence) -> torch.Tensor:
+    def _finish_combine(self, plan: RoutePlan, pending: Sequence) -> torch.Tensor:
         backs = []
         for y_back_RD, work in pending:
-            if work is not None:
-                work.wait()
+            self._wait(work)
             backs.append(y_back_RD)
         D = backs[0].shape[1]
         backs.append(backs[0].new_zeros(1, D))  # the sentinel row of dropped rows
@@ -221,7 +235,10 @@ class A2ADispatcher(LocalDispatcher):
         mine = slice(self.rank * Tr, (self.rank + 1) * Tr)
         out_TrD = self._run(x_TD[mine], topk_ids_TK[mine], topk_weights_TK[mine], experts_fn, T)
         out_TD = out_TrD.new_empty(Tr * self.ep, out_TrD.shape[1])
-        _all_gather_single(out_TD, out_TrD.contiguous(), group=self.group)
+        try:
+            _all_gather_single(out_TD, out_TrD.contiguous(), group=self.group)
+        except RuntimeError as err:
+            raise self._comm_error(err) from err
         return out_TD[:T]
 
     def _run(self, x_TD, ids_TK, weights_TK, experts_fn: ExpertsCall, capacity_tokens: int) -> torch.Tensor:

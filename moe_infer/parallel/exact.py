@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
 
@@ -36,7 +35,7 @@ class ExactDispatcher(A2ADispatcher):
         for a, b in ranges:
             send_cnt_rX[:, _HEADER + a:_HEADER + b] = counts_V1[a * ep:b * ep].view(ep, b - a)
         recv_cnt_rX = torch.empty_like(send_cnt_rX)
-        dist.all_to_all_single(recv_cnt_rX, send_cnt_rX, group=self.group)
+        self._a2a(recv_cnt_rX, send_cnt_rX, None, None, async_op=False)
         host = torch.stack([send_cnt_rX, recv_cnt_rX]).cpu().tolist()  # the one host sync
         self._check_header(host[1], len(ranges), T)
         send_splits: List[List[int]] = []
