@@ -70,7 +70,9 @@ class PagedSim:
         return out
 
 
-def run_schedule(sim: PagedSim, tokens: Dict[int, List[int]], schedule: List[Dict[int, int]]) -> Dict[int, torch.Tensor]:
+def run_schedule(
+    sim: PagedSim, tokens: Dict[int, List[int]], schedule: List[Dict[int, int]]
+) -> Dict[int, torch.Tensor]:
     """schedule: per step, seq -> how many of its next tokens to feed. Returns seq -> logits [L, V]."""
     fed: Dict[int, int] = {s: 0 for s in tokens}
     logits: Dict[int, List[torch.Tensor]] = {s: [] for s in tokens}

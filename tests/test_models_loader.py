@@ -61,7 +61,8 @@ def test_low_precision_load(dtype, tmp_path):
     low = load_model(path, dtype, "cpu")
     assert all(p.dtype == dtype for p in low.parameters())
     assert low.kv_cache_bytes_per_block(16) * 2 == ref.kv_cache_bytes_per_block(16)
-    torch.testing.assert_close(low.layers[1].mlp.store.w2_EDF.float(), ref.layers[1].mlp.store.w2_EDF, rtol=1e-2, atol=1e-3)
+    low_w2, ref_w2 = low.layers[1].mlp.store.w2_EDF, ref.layers[1].mlp.store.w2_EDF
+    torch.testing.assert_close(low_w2.float(), ref_w2, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -76,7 +77,8 @@ def test_tied_embeddings(tied, tmp_path):
 
 
 def test_arch_fields(tmp_path):
-    arch, cfg = load_arch(make_tiny_checkpoint("qwen2_moe", tmp_path / "q2", mlp_only_layers=[1], decoder_sparse_step=1))
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "q2", mlp_only_layers=[1], decoder_sparse_step=1)
+    arch, _ = load_arch(path)
     assert arch.family == "qwen2_moe" and arch.moe_layer_ids == [0, 2] and arch.qkv_bias
     assert arch.shared_expert_intermediate_size == 40 and arch.eos_token_ids == [2]
     arch, _ = load_arch(make_tiny_checkpoint("qwen3_moe", tmp_path / "q3", decoder_sparse_step=2))
@@ -98,7 +100,8 @@ def test_unknown_architecture(tmp_path):
     cfg = json.load(open(cfg_file))
     cfg["architectures"] = ["MixtralForSequenceClassification"]
     json.dump(cfg, open(cfg_file, "w"))
-    with pytest.raises(ValueError, match="unsupported model architecture: MixtralForSequenceClassification.*supported:.*Qwen3MoeForCausalLM"):
+    msg = "unsupported model architecture: MixtralForSequenceClassification.*supported:.*Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match=msg):
         load_model(path, torch.float32, "cpu")
 
 
@@ -144,7 +147,8 @@ def test_wrong_shape(tmp_path):
     path = make_tiny_checkpoint("qwen2_moe", tmp_path / "q")
     name = "model.layers.0.mlp.experts.gate_up_proj"
     _rewrite(path, lambda sd: {**sd, name: sd[name][:, :-1].contiguous()})
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' has shape \[8, 63, 64\], expected \[8, 64, 64\]"):
+    msg = r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' has shape \[8, 63, 64\], expected \[8, 64, 64\]"
+    with pytest.raises(ValueError, match=msg):
         load_model(path, torch.float32, "cpu")
 
 
@@ -153,3 +157,16 @@ def test_unexpected_tensor(tmp_path):
     _rewrite(path, lambda sd: {**sd, "model.layers.0.mlp.mystery.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"unexpected tensors .*model\.layers\.0\.mlp\.mystery\.weight"):
         load_model(path, torch.float32, "cpu")
+
+
+def test_generation_config_adds_eos_ids(tmp_path):
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "q")
+    json.dump({"eos_token_id": [7, 2]}, open(os.path.join(path, "generation_config.json"), "w"))
+    arch, _ = load_arch(path)
+    assert arch.eos_token_ids == [2, 7]
+
+
+def test_unknown_attention_backend(tmp_path):
+    path = make_tiny_checkpoint("olmoe", tmp_path / "o")
+    with pytest.raises(KeyError, match="unknown attention backend 'flash'; available: torch"):
+        load_model(path, torch.float32, "cpu", attn_backend="flash")

@@ -30,7 +30,9 @@ def store_kv(
 ) -> None:
     """Write each token's K/V into the cache at its slot (in place); negative slots are skipped."""
     if k_THd.shape != v_THd.shape or k_THd.shape[1:] != k_cache_NbSHd.shape[2:]:
-        raise ValueError(f"k {tuple(k_THd.shape)} / v {tuple(v_THd.shape)} do not fit cache {tuple(k_cache_NbSHd.shape)}")
+        raise ValueError(
+            f"k {tuple(k_THd.shape)} / v {tuple(v_THd.shape)} do not fit cache {tuple(k_cache_NbSHd.shape)}"
+        )
     if slot_mapping_T.shape != k_THd.shape[:1]:
         raise ValueError(f"slot_mapping {tuple(slot_mapping_T.shape)} does not match {k_THd.shape[0]} tokens")
     k_flat = k_cache_NbSHd.view(-1, *k_cache_NbSHd.shape[2:])
@@ -59,7 +61,9 @@ def paged_attention_ref(
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
     B = seq_lens_B.shape[0]
     if dk != d or H % Hkv:
-        raise ValueError(f"q {tuple(q_THd.shape)} does not fit cache {tuple(k_cache_NbSHd.shape)} (GQA needs H % Hkv == 0)")
+        raise ValueError(
+            f"q {tuple(q_THd.shape)} does not fit cache {tuple(k_cache_NbSHd.shape)} (GQA needs H % Hkv == 0)"
+        )
     if query_start_loc_B1.shape[0] != B + 1 or block_tables_BM.shape[0] != B:
         raise ValueError("query_start_loc must have B+1 entries and block_tables B rows, B = len(seq_lens)")
     G, dev = H // Hkv, q_THd.device

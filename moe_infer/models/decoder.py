@@ -94,7 +94,8 @@ class MoEModel(nn.Module):
         for i, (k, v) in enumerate(kv_caches):
             if k.dim() != 4 or tuple(k.shape[2:]) != want or k.shape != v.shape:
                 raise ValueError(
-                    f"layer {i}: k {tuple(k.shape)} / v {tuple(v.shape)} must both be [num_blocks, block_size, {want[0]}, {want[1]}]"
+                    f"layer {i}: k {tuple(k.shape)} / v {tuple(v.shape)} must both be "
+                    f"[num_blocks, block_size, {want[0]}, {want[1]}]"
                 )
             if k.dtype != self.dtype or v.dtype != self.dtype:
                 raise ValueError(f"layer {i}: KV cache dtype {k.dtype}/{v.dtype}, model dtype {self.dtype}")

@@ -97,7 +97,8 @@ def _qwen3_moe(cfg: Any) -> dict:
 @_family("olmoe", "OlmoeForCausalLM")
 def _olmoe(cfg: Any) -> dict:
     bias = bool(getattr(cfg, "attention_bias", False))
-    if (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * cfg.num_attention_heads != cfg.hidden_size:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ValueError("olmoe: q_norm spans hidden_size, so head_dim * num_heads must equal hidden_size")
     return dict(
         num_experts=cfg.num_experts, moe_layer_ids=list(range(cfg.num_hidden_layers)),

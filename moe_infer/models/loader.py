@@ -137,7 +137,8 @@ def weight_targets(model, names: set) -> Dict[str, _Target]:
         disp = layer.mlp.dispatcher
         out.update(_expert_targets(arch, i, disp.expert_start, disp.num_local_experts, names))
         if arch.shared_expert_intermediate_size:
-            out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, arch.shared_expert_intermediate_size))
+            shared_F = arch.shared_expert_intermediate_size
+            out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, shared_F))
             if arch.shared_expert_gated:
                 out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
     return out
@@ -161,7 +162,9 @@ def load_weights(model, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} is missing tensors: {_few(missing)}")
     params = dict(model.named_parameters(remove_duplicate=False))
     covered = {t.param for t in targets.values() if t.param is not None}
-    uncovered = sorted(n for n in params if n not in covered and not (n == "lm_head.weight" and model.arch.tie_word_embeddings))
+    if model.arch.tie_word_embeddings:
+        covered.add("lm_head.weight")
+    uncovered = sorted(n for n in params if n not in covered)
     if uncovered:  # a parameter no checkpoint tensor maps to: a bug in weight_targets, not in the checkpoint
         raise RuntimeError(f"no checkpoint tensor maps to parameters: {_few(uncovered)}")
     handles: Dict[str, object] = {}

@@ -1,0 +1,73 @@
+"""Shared cases of the model parity tests (CPU and GPU): checkpoints, a step schedule, the oracle."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from moe_infer.models import load_model
+from paged_sim import PagedSim, run_schedule
+from tiny_hf import load_hf_model, make_tiny_checkpoint
+
+PROMPTS = {0: 9, 1: 6, 2: 3}
+SCHEDULE: List[Dict[int, int]] = [
+    {0: 9, 1: 4},  # seq 0 prefill, seq 1 first chunk
+    {0: 1, 1: 2},  # seq 0 decodes while seq 1 finishes its prefill
+    {0: 1, 1: 1, 2: 3},  # seq 2 joins
+    {0: 1, 1: 1, 2: 1},
+    {0: 1, 1: 1, 2: 1},
+    {0: 1, 1: 1, 2: 1},
+]
+
+CASES: Dict[str, Tuple[str, dict]] = {
+    "mixtral": ("mixtral", {}),
+    "mixtral_window": ("mixtral", {"sliding_window": 5}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_tied": ("qwen3_moe", {"tie_word_embeddings": True}),
+    "qwen3_moe_sparse_step_yarn": ("qwen3_moe", {
+        "decoder_sparse_step": 2,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 128},
+    }),
+    "olmoe": ("olmoe", {}),
+}
+
+
+def make_tokens(vocab: int, seed: int) -> Dict[int, List[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = {s: sum(step.get(s, 0) for step in SCHEDULE) for s in PROMPTS}
+    return {s: torch.randint(3, vocab, (n,), generator=g).tolist() for s, n in lengths.items()}
+
+
+def hf_logits(hf, tokens: dict, device="cpu") -> dict:
+    with torch.no_grad():
+        return {s: hf(torch.tensor([t], device=device)).logits[0].float() for s, t in tokens.items()}
+
+
+def run_case(case: str, tmp_path, dtype: torch.dtype, device: str) -> tuple:
+    """(our logits, transformers' fp32 logits, checkpoint path, tokens); logits are per sequence
+    [len, V] float32, ours from the model in dtype on device."""
+    family, overrides = CASES[case]
+    path = make_tiny_checkpoint(family, tmp_path / case, seed=3, **overrides)
+    model = load_model(path, dtype, device)
+    tokens = make_tokens(model.arch.vocab_size, seed=1)
+    ours = run_schedule(PagedSim(model, block_size=4, num_blocks=32, seed=2, device=device), tokens, SCHEDULE)
+    return ours, hf_logits(load_hf_model(path).to(device), tokens, device), path, tokens
+
+
+def low_precision_errors(case: str, tmp_path, dtype: torch.dtype, device: str) -> dict:
+    """Mean |logit error| and greedy agreement vs the fp32 oracle: ours in dtype and transformers' in dtype.
+
+    A random tiny MoE flips near-tied router choices under bf16 rounding (in transformers' model
+    too), moving some logits by O(1); so low-precision checks compare against transformers' own
+    low-precision error instead of a fixed atol.
+    """
+    ours, ref32, path, tokens = run_case(case, tmp_path, dtype, device)
+    ref16 = hf_logits(load_hf_model(path, dtype).to(device), tokens, device)
+    o, r32, r16 = (torch.cat([d[s] for s in tokens]) for d in (ours, ref32, ref16))
+    return dict(
+        err_ours=(o - r32).abs().mean().item(), err_hf=(r16 - r32).abs().mean().item(),
+        agree_ours=(o.argmax(-1) == r32.argmax(-1)).float().mean().item(),
+        agree_hf=(r16.argmax(-1) == r32.argmax(-1)).float().mean().item(),
+    )
