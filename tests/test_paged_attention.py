@@ -20,12 +20,17 @@ def _dense(q_LHd, k_LHd, v_LHd, start, scale, window):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
-@pytest.mark.parametrize("H,Hkv,S,window", [(4, 2, 4, None), (6, 6, 3, None), (8, 1, 5, 4), (4, 2, 16, None)])
-def test_matches_dense(H, Hkv, S, window):
+MIXED, DECODE, PREFILL = [1, 7, 2, 4], [1, 1, 1, 1], [3, 7, 2, 4]  # this step's tokens per sequence
+
+
+@pytest.mark.parametrize("H,Hkv,S,window,new", [
+    (4, 2, 4, None, MIXED), (6, 6, 3, None, MIXED), (8, 1, 5, 4, MIXED), (4, 2, 16, None, MIXED),
+    (4, 2, 4, None, DECODE), (8, 1, 5, 4, DECODE), (4, 2, 4, None, PREFILL), (8, 2, 3, 3, PREFILL),
+])
+def test_matches_dense(H, Hkv, S, window, new):
     torch.manual_seed(H * 10 + S)
     d, Nb = 8, 40
     cached = [5, 0, 11, 3]  # tokens already in the cache per sequence
-    new = [1, 7, 2, 4]  # this step's tokens
     k_cache = torch.full((Nb, S, Hkv, d), float("nan"))
     v_cache = torch.full((Nb, S, Hkv, d), float("nan"))
     free = torch.randperm(Nb).tolist()

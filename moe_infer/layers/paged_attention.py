@@ -8,8 +8,11 @@ sequence through `query_start_loc_B1`; sequence b reads its keys through `block_
 `paged_attention_ref` then attends every query over its sequence's cached keys 0..seq_len-1 with a
 causal mask by position (key j is visible to a query at position p iff j <= p, and p - j < window
 when a sliding window is set). Vectorised over tokens: queries are scattered into a padded
-[B, Qmax] layout, keys gathered to [B, Lmax]; no Python loop over tokens or sequences.
-Computed in float32, returned in q's dtype.
+[B, Qmax] layout, keys gathered to [B, L]; no Python loop over tokens or sequences. In a mixed
+step (decodes beside prefill chunks) the single-token sequences are attended as their own group,
+so they are not padded to the longest chunk (one host sync: the group sizes). Computed in
+float32, returned in q's dtype. Memory: B * L * Hkv * d gathered keys and values, B * H * Qmax * L
+scores per group; a reference, not a kernel.
 
 Legend: T tokens, B sequences, M max blocks per sequence, Qmax max query tokens of a sequence,
 L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb blocks, S block size.
@@ -66,14 +69,40 @@ def paged_attention_ref(
         )
     if query_start_loc_B1.shape[0] != B + 1 or block_tables_BM.shape[0] != B:
         raise ValueError("query_start_loc must have B+1 entries and block_tables B rows, B = len(seq_lens)")
-    G, dev = H // Hkv, q_THd.device
+    dev = q_THd.device
     Qmax, L = max(int(max_query_len), 1), max(int(max_seq_len), 1)
-
     # token -> (sequence b, row i within the sequence's queries)
     tok_T = torch.arange(T, device=dev)
     starts_B1 = query_start_loc_B1.long()
     seq_T = torch.searchsorted(starts_B1[1:], tok_T, right=True).clamp_max(B - 1)
     row_T = tok_T - starts_B1[seq_T]
+    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window)
+    if Qmax > 1:  # a mixed step: padding decodes to Qmax would cost B * Qmax rows, so split them off
+        is_multi_B = (starts_B1[1:] - starts_B1[:-1]) > 1
+        num_multi = int(is_multi_B.sum())  # the one host sync, in steps with a prefill chunk only
+        if 0 < num_multi < B:
+            out_THd = torch.empty_like(q_THd)
+            for group_B, group_Qmax in ((~is_multi_B, 1), (is_multi_B, Qmax)):
+                seqs_b = group_B.nonzero().squeeze(1)
+                tok_t = group_B[seq_T].nonzero().squeeze(1)
+                local_B = torch.cumsum(group_B.long(), 0) - 1
+                out_THd[tok_t] = _attend_padded(
+                    q_THd[tok_t], local_B[seq_T[tok_t]], row_T[tok_t], positions_T[tok_t],
+                    block_tables_BM[seqs_b], seq_lens_B[seqs_b], group_Qmax, *args,
+                )
+            return out_THd
+    return _attend_padded(q_THd, seq_T, row_T, positions_T, block_tables_BM, seq_lens_B, Qmax, *args)
+
+
+def _attend_padded(
+    q_THd: torch.Tensor, seq_T: torch.Tensor, row_T: torch.Tensor, positions_T: torch.Tensor,
+    block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, Qmax: int,
+    k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, scale: float, L: int, sliding_window: Optional[int],
+) -> torch.Tensor:
+    """Queries scattered to [B, Qmax] (token t at row_T[t] of sequence seq_T[t]), keys gathered to [B, L]."""
+    T, H, d = q_THd.shape
+    Nb, S, Hkv, _ = k_cache_NbSHd.shape
+    B, G, dev = block_tables_BM.shape[0], H // Hkv, q_THd.device
     q_BQHd = q_THd.new_zeros(B, Qmax, H, d, dtype=torch.float32)
     q_BQHd[seq_T, row_T] = q_THd.float()
     pos_BQ = torch.full((B, Qmax), -1, dtype=torch.long, device=dev)
