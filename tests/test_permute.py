@@ -1,9 +1,6 @@
 """Token permutation: Triton kernels vs the PyTorch reference, and properties of the sorted order,
 the inverse map and the block-padded layout (hypothesis)."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU runs; must precede the triton import
-
+# conftest.py turns the Triton interpreter on when there is no CUDA device (before triton loads).
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

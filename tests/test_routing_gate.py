@@ -1,9 +1,6 @@
 """Fused Triton gating vs the PyTorch reference (interpreter on CPU, full shapes on a GPU), and the
 grouped sigmoid router vs transformers' DeepseekV3 router."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU runs; must precede the triton import
-
+# conftest.py turns the Triton interpreter on when there is no CUDA device (before triton loads).
 import pytest
 import torch
 

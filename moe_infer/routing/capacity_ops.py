@@ -37,7 +37,7 @@ def expert_ranks_torch(
     visit_V = ids_N if order_N is None else ids_N[order_N]  # id of the row visited at position v
     key_V = torch.where((visit_V >= 0) & (visit_V < E), visit_V, torch.full_like(visit_V, E))
     key_S, perm_S = torch.sort(key_V, stable=True)  # perm_S: visiting position of sorted slot s
-    counts_E1 = torch.bincount(key_V, minlength=E + 1)
+    counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=ids_N.device).scatter_add_(0, key_V, torch.ones_like(key_V))
     start_E1 = torch.cumsum(counts_E1, 0) - counts_E1
     rank_V = torch.empty(N, dtype=torch.int64, device=ids_N.device)
     rank_V[perm_S] = torch.arange(N, device=ids_N.device) - start_E1[key_S]

@@ -65,7 +65,7 @@ def block_layout_torch(key_N: torch.Tensor, num_experts: int, block_size: int) -
     N, E, device = key_N.numel(), num_experts, key_N.device
     P = max_padded_rows(N, E, block_size)
     key_R, order_R = torch.sort(key_N, stable=True)
-    counts_E = torch.bincount(key_N, minlength=E + 1)[:E]
+    counts_E = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key_N, torch.ones_like(key_N))[:E]
     padded_E = (counts_E + block_size - 1) // block_size * block_size
     padded_offsets_E1 = torch.zeros(E + 1, dtype=torch.int64, device=device)
     torch.cumsum(padded_E, 0, out=padded_offsets_E1[1:])
