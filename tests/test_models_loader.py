@@ -54,6 +54,20 @@ def test_only_local_experts_are_loaded(per_expert, tmp_path):
         assert torch.equal(w13_part, w13_full[2:5]) and torch.equal(w2_part, w2_full[2:5])
 
 
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_placement_with_replicas_loads_listed_experts(per_expert, tmp_path):
+    """An EP placement may hold any experts, a hot one twice: slot s gets expert local_expert_ids[s]."""
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "q", seed=2, per_expert_names=per_expert)
+    full = load_model(path, torch.float32, "cpu")
+    ids = [6, 7, 1, 6]
+    disp = LocalDispatcher(full.arch.num_experts, num_local_experts=4, expert_start=0)
+    disp.local_expert_ids = ids
+    part = load_model(path, torch.float32, "cpu", backends=MoEBackends(dispatcher=disp))
+    for lf, lp in zip(full.moe_layers(), part.moe_layers()):
+        assert torch.equal(lp.store.w13_E2FD, lf.store.w13_E2FD[ids])
+        assert torch.equal(lp.store.w2_EDF, lf.store.w2_EDF[ids])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_load(dtype, tmp_path):
     path = make_tiny_checkpoint("mixtral", tmp_path / "m", seed=4)

@@ -6,7 +6,9 @@ store) and the shape the checkpoint must have. Expert tensors come in either nam
   fused       `mlp.experts.gate_up_proj` [E, 2F, D] (gate; up), `mlp.experts.down_proj` [E, D, F]
   per expert  `mlp.experts.{e}.gate_proj|up_proj|down_proj.weight` (Mixtral: `block_sparse_moe.
               experts.{e}.w1|w3|w2.weight`)
-and only the experts local to each layer's dispatcher (`expert_start`, `num_local_experts`) are read.
+and only the experts local to each layer's dispatcher are read: slot s of the store holds logical
+expert `dispatcher.local_expert_ids[s]` (contiguous `expert_start + s` by default; an EP placement
+with hot-expert replicas may list any experts, a fused tensor is then read in runs of rows).
 A missing, misshaped or unexpected tensor and an unreadable file raise naming the tensor or file.
 
 Legend: E experts, F expert intermediate, D hidden.
@@ -33,6 +35,10 @@ class _Target:
     shape: Tuple[int, ...]  # the checkpoint tensor's expected shape
     dst: tuple = (_ALL,)  # index into the parameter
     src: tuple = (_ALL,)  # index into the checkpoint tensor (fused experts: local rows)
+    more: Tuple[Tuple[tuple, tuple], ...] = ()  # further (dst, src) copies (fused experts, uneven placement)
+
+    def places(self) -> Tuple[Tuple[tuple, tuple], ...]:
+        return ((self.dst, self.src),) + self.more
 
 
 def checkpoint_files(path: str) -> Dict[str, str]:
@@ -88,28 +94,49 @@ def _swiglu_targets(ckpt: str, param: str, D: int, F: int) -> Dict[str, _Target]
     }
 
 
-def _expert_targets(arch: ModelArch, i: int, start: int, n: int, names: set) -> Dict[str, _Target]:
+def _runs(expert_ids: List[int]) -> List[Tuple[int, int, int]]:
+    """(first slot, first expert, length) of each run of consecutive experts in consecutive slots."""
+    runs: List[Tuple[int, int, int]] = []
+    for slot, e in enumerate(expert_ids):
+        if runs and runs[-1][1] + runs[-1][2] == e and runs[-1][0] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, e, 1))
+    return runs
+
+
+def _expert_targets(arch: ModelArch, i: int, expert_ids: List[int], names: set) -> Dict[str, _Target]:
+    """expert_ids[s]: the logical expert held in local slot s of this layer's store."""
     p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp.store"
     E, F, D = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
     if f"{p}.experts.gate_up_proj" in names or f"{p}.experts.down_proj" in names:
-        local = slice(start, start + n)
+        places = tuple(((slice(s0, s0 + n),), (slice(e0, e0 + n),)) for s0, e0, n in _runs(expert_ids))
+
+        def fused(param: str, shape: Tuple[int, ...]) -> _Target:
+            if not places:
+                return _Target(None, shape)
+            return _Target(param, shape, places[0][0], places[0][1], places[1:])
+
         return {
-            f"{p}.experts.gate_up_proj": _Target(f"{t}.w13_E2FD", (E, 2 * F, D), src=(local,)),
-            f"{p}.experts.down_proj": _Target(f"{t}.w2_EDF", (E, D, F), src=(local,)),
+            f"{p}.experts.gate_up_proj": fused(f"{t}.w13_E2FD", (E, 2 * F, D)),
+            f"{p}.experts.down_proj": fused(f"{t}.w2_EDF", (E, D, F)),
         }
     mixtral = f"{p}.experts.0.w1.weight" in names
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    slots_of = {e: [s for s, x in enumerate(expert_ids) if x == e] for e in range(E)}
     out = {}
     for e in range(E):
-        is_local = start <= e < start + n
-        le = e - start
+        slots = slots_of[e]
 
-        def tgt(param: str, shape: Tuple[int, ...], dst: tuple) -> _Target:
-            return _Target(param if is_local else None, shape, dst)
+        def tgt(param: str, shape: Tuple[int, ...], rows: tuple) -> _Target:
+            if not slots:
+                return _Target(None, shape)
+            more = tuple(((s,) + rows, (_ALL,)) for s in slots[1:])
+            return _Target(param, shape, (slots[0],) + rows, (_ALL,), more)
 
-        out[f"{p}.experts.{e}.{gate}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (le, slice(0, F)))
-        out[f"{p}.experts.{e}.{up}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (le, slice(F, 2 * F)))
-        out[f"{p}.experts.{e}.{down}.weight"] = tgt(f"{t}.w2_EDF", (D, F), (le,))
+        out[f"{p}.experts.{e}.{gate}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (slice(0, F),))
+        out[f"{p}.experts.{e}.{up}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (slice(F, 2 * F),))
+        out[f"{p}.experts.{e}.{down}.weight"] = tgt(f"{t}.w2_EDF", (D, F), ())
     return out
 
 
@@ -134,14 +161,26 @@ def weight_targets(model, names: set) -> Dict[str, _Target]:
             out.update(_swiglu_targets(p, t, D, arch.intermediate_size))
             continue
         out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
-        disp = layer.mlp.dispatcher
-        out.update(_expert_targets(arch, i, disp.expert_start, disp.num_local_experts, names))
+        out.update(_expert_targets(arch, i, local_expert_ids(layer.mlp.dispatcher, arch.num_experts), names))
         if arch.shared_expert_intermediate_size:
             shared_F = arch.shared_expert_intermediate_size
             out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, shared_F))
             if arch.shared_expert_gated:
                 out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
     return out
+
+
+def local_expert_ids(dispatcher, num_experts: int) -> List[int]:
+    """Logical expert of each local slot: `local_expert_ids` (EP placements, replicas) or the
+    contiguous range [expert_start, expert_start + num_local_experts)."""
+    ids = getattr(dispatcher, "local_expert_ids", None)
+    if ids is None:
+        ids = range(dispatcher.expert_start, dispatcher.expert_start + dispatcher.num_local_experts)
+    ids = [int(e) for e in ids]
+    if len(ids) != dispatcher.num_local_experts or any(not 0 <= e < num_experts for e in ids):
+        raise ValueError(f"dispatcher's local experts {ids} do not fit {dispatcher.num_local_experts} slots "
+                         f"of {num_experts} experts")
+    return ids
 
 
 def _canonical(name: str) -> str:
@@ -186,15 +225,16 @@ def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -
         raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
     if shape != tgt.shape:
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(tgt.shape)} (file {file})")
-    try:
-        src = sl[tgt.src] if tgt.src != (_ALL,) else handle.get_tensor(name)
-    except Exception as e:
-        raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
-    dst = param[tgt.dst] if tgt.dst != (_ALL,) else param
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(src)
+    for dst_idx, src_idx in tgt.places():
+        try:
+            src = sl[src_idx] if src_idx != (_ALL,) else handle.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
+        dst = param[dst_idx] if dst_idx != (_ALL,) else param
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src)
 
 
 def _few(names: List[str], k: int = 6) -> str:
