@@ -33,6 +33,10 @@ def _check(ids_TK: torch.Tensor, num_experts: int, order_N: Optional[torch.Tenso
         raise ValueError(f"order_N must be [N={ids_TK.numel()}] on {ids_TK.device}, got {tuple(order_N.shape)}")
 
 
+def _warps(block_e: int) -> int:
+    return 8 if block_e >= 256 else 4  # [BLOCK_N, BLOCK_E] compare tiles: keep them out of local memory
+
+
 def _tile_counts(
     ids_N: torch.Tensor, order_N: Optional[torch.Tensor], num_experts: int, expert_start: int
 ) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -45,7 +49,7 @@ def _tile_counts(
     order = order_N if order_N is not None else ids_N
     tile_hist_kernel[(num_tiles,)](
         ids_N, order, tile_counts_SE, N, num_experts, expert_start,
-        HAS_ORDER=order_N is not None, BLOCK_N=BLOCK_N, BLOCK_E=block_e,
+        HAS_ORDER=order_N is not None, BLOCK_N=BLOCK_N, BLOCK_E=block_e, num_warps=_warps(block_e),
     )
     chunk_e = min(block_e, 32)
     block_s = min(triton.next_power_of_2(num_tiles), 16384 // chunk_e)
@@ -72,7 +76,7 @@ def expert_ranks_triton(
         rank_N, d, d, d, d, d, d, d, d, d,
         N, num_experts, 0, 1, num_tiles, 0, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
-        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B,
+        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B, num_warps=_warps(block_e),
     )
     return rank_N, counts_E
 
@@ -113,7 +117,7 @@ def permute_rows_triton(
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
         N, E, expert_start, K, num_tiles, P, num_blocks,
         HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=block_size or 0,
-        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B,
+        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B, num_warps=_warps(block_e),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,
