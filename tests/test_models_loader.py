@@ -119,6 +119,15 @@ def test_unknown_architecture(tmp_path):
         load_model(path, torch.float32, "cpu")
 
 
+def test_config_without_architectures_uses_model_type(tmp_path):
+    path = make_tiny_checkpoint("olmoe", tmp_path / "o")
+    cfg_file = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_file))
+    del cfg["architectures"]
+    json.dump(cfg, open(cfg_file, "w"))
+    assert load_arch(path)[0].family == "olmoe"
+
+
 def test_not_a_local_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a local folder"):
         load_model(str(tmp_path / "nope"), torch.float32, "cpu")

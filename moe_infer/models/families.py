@@ -26,6 +26,7 @@ class FamilySpec:
 
 
 MODEL_FAMILIES: Registry[FamilySpec] = Registry("model architecture")
+_BY_MODEL_TYPE = {}  # model_type -> FamilySpec, for configs that list no `architectures`
 
 
 def _family(name: str, *architectures: str):
@@ -33,8 +34,10 @@ def _family(name: str, *architectures: str):
         def parse(cfg: Any) -> ModelArch:
             return ModelArch(family=name, architecture=_architecture(cfg), **common_fields(cfg), **fn(cfg))
 
+        spec = FamilySpec(name, parse)
         for arch in architectures:
-            MODEL_FAMILIES.register(arch)(FamilySpec(name, parse))
+            MODEL_FAMILIES.register(arch)(spec)
+        _BY_MODEL_TYPE[name] = spec
         return fn
 
     return deco
@@ -115,6 +118,8 @@ def family_for(cfg: Any) -> FamilySpec:
     for arch in archs:
         if arch in MODEL_FAMILIES:
             return MODEL_FAMILIES.get(arch)
+    if not archs and getattr(cfg, "model_type", None) in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[cfg.model_type]
     shown = ", ".join(archs) if archs else f"none listed (model_type {getattr(cfg, 'model_type', '?')!r})"
     raise ValueError(
         f"unsupported model architecture: {shown}; supported: {', '.join(MODEL_FAMILIES.names())}"
