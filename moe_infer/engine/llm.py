@@ -17,6 +17,7 @@ from moe_infer.config import EngineConfig
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
+from moe_infer.parallel.engine_hooks import end_steps, serve_steps
 
 _GROUPS = ("model", "cache", "scheduler", "routing", "experts", "offload", "parallel")
 _ALIASES = {"model": ("model", "path")}  # LLM(model=PATH) is model.path, as in vLLM
@@ -79,6 +80,8 @@ class LLM:
         """One RequestOutput per prompt, in order (stream=True: the generator of generate_stream)."""
         if stream:
             return self.generate_stream(prompts, sampling_params)
+        if not self.engine.parallel.is_driver:  # EP: run the driver's steps, return its outputs
+            return serve_steps(self.engine.parallel, self.engine.runner)
         prompts, params = self._normalize(prompts, sampling_params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: Dict[str, RequestOutput] = {}
@@ -100,12 +103,15 @@ class LLM:
             for rid in ids:  # an interrupted generate leaves nothing behind
                 if rid not in final:
                     self.engine.abort_request(rid)
-        return [final[rid] for rid in ids]
+        return end_steps(self.engine.parallel, [final[rid] for rid in ids])
 
     def generate_stream(self, prompts: Union[PromptType, Sequence[PromptType]],
                         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
                         ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput (cumulative text and tokens so far) each time a request advances."""
+        if not self.engine.parallel.is_driver:  # EP: run the driver's steps
+            serve_steps(self.engine.parallel, self.engine.runner)
+            return
         prompts, params = self._normalize(prompts, sampling_params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         pending = set(ids)
@@ -119,6 +125,7 @@ class LLM:
         finally:
             for rid in pending:
                 self.engine.abort_request(rid)
+            end_steps(self.engine.parallel, [])
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

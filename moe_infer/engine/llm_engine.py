@@ -23,6 +23,7 @@ from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, 
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
 from moe_infer.engine.sequence import Sequence
+from moe_infer.parallel.engine_hooks import init_engine_parallel, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,11 @@ class _Request:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_path: str) -> None:
         self.cfg = cfg
+        self.parallel = init_engine_parallel(cfg)  # EP process group first: it picks this rank's GPU
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.seed)
-        self.runner = ModelRunner(cfg, model_path, self.device, self.dtype)
+        self.runner = ModelRunner(cfg, model_path, self.device, self.dtype, parallel=self.parallel)
         self.tokenizer = load_tokenizer(model_path)
         arch = self.runner.arch
         self.vocab_size = arch.vocab_size
@@ -128,7 +130,7 @@ class LLMEngine:
             if req.seq.metrics.first_scheduled_time is None:
                 req.seq.metrics.first_scheduled_time = now
         try:
-            tokens, logprobs = self.runner.execute(plan)
+            tokens, logprobs = run_step(self.parallel, self.runner, plan)  # EP: the plan goes to every rank
         except Exception as err:  # the step's requests fail; the engine and the other requests go on
             logger.exception("forward failed for %d requests", len(plan.seqs))
             for item in plan.seqs:

@@ -20,6 +20,7 @@ from moe_infer.engine.backends import resolve_moe_backends
 from moe_infer.engine.forward_context import AttentionMetadata, forward_context
 from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
+from moe_infer.parallel.engine_hooks import agree_min, expert_dispatcher, init_engine_parallel
 from moe_infer.routing.stats import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
@@ -28,12 +29,15 @@ CPU_KV_CACHE_BYTES = 4 << 30  # the most a CPU KV cache takes when num_kv_blocks
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
+                 parallel=None) -> None:
         from moe_infer.models import load_model
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.block_size = cfg.cache.block_size
         self.backends = resolve_moe_backends(cfg, device)
+        self.parallel = parallel if parallel is not None else init_engine_parallel(cfg)
+        self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
         self.model = load_model(model_path, dtype, device, self.backends)
         arch = self.model.arch
         self.arch = arch
@@ -44,7 +48,7 @@ class ModelRunner:
         if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:
             raise ValueError(f"model.max_model_len={cfg.model.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings={arch.max_position_embeddings}")
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = agree_min(self.parallel, self._num_kv_blocks())  # the same block ids on every rank
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
