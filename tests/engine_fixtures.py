@@ -16,7 +16,7 @@ from tiny_hf import load_hf_model, make_tiny_checkpoint
 
 _ROOT = tempfile.mkdtemp(prefix="moe_infer_engine_tests_")
 _CKPTS: Dict[Tuple, str] = {}
-_HF: Dict[str, torch.nn.Module] = {}
+_HF: Dict[Tuple[str, str], torch.nn.Module] = {}
 
 
 def checkpoint(family: str, tokenizer: bool = False, **overrides) -> str:
@@ -44,21 +44,21 @@ def save_char_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def hf_model(path: str) -> torch.nn.Module:
-    if path not in _HF:
-        model = load_hf_model(path)
+def hf_model(path: str, device: str = "cpu") -> torch.nn.Module:
+    if (path, device) not in _HF:
+        model = load_hf_model(path).to(device)
         model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as ignore_eos does
-        _HF[path] = model
-    return _HF[path]
+        _HF[path, device] = model
+    return _HF[path, device]
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, prompt: List[int], max_new_tokens: int) -> Tuple[List[int], torch.Tensor]:
+def hf_greedy(path: str, prompt: List[int], max_new_tokens: int, device: str = "cpu") -> Tuple[List[int], torch.Tensor]:
     """transformers' greedy `generate` of one prompt: (new tokens, float32 logprobs [steps, V])."""
     from transformers import GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                           output_scores=True, return_dict_in_generate=True)
-    out = hf_model(path).generate(torch.tensor([prompt]), generation_config=gc)
+    out = hf_model(path, device).generate(torch.tensor([prompt], device=device), generation_config=gc)
     tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, torch.stack(out.scores)[:, 0].float().log_softmax(-1)
+    return tokens, torch.stack(out.scores)[:, 0].float().log_softmax(-1).cpu()

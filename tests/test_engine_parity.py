@@ -81,3 +81,15 @@ def test_greedy_matches_transformers(family, mode):
         assert cached[0] == 20 and cached[2] == 12, cached  # 5 and 3 full blocks of 4 from the cache
     assert not llm.engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks  # every block came back
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["preempt", "chunked"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_cuda_fp32(family, mode):
+    """The same on CUDA in float32, transformers on CUDA as the oracle (its own reduction order)."""
+    path = checkpoint(family)
+    ref = [hf_greedy(path, p, NUM_NEW, device="cuda") for p in PROMPTS]
+    llm = LLM(model=path, dtype="float32", device="cuda", block_size=BLOCK, **MODES[mode])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    _check(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False), ref)
