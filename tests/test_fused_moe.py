@@ -60,6 +60,22 @@ def test_fused_experts_matches_reference(T, K, E, D, F, start, E_total, dtype):
     assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def test_tma_path_matches_reference(monkeypatch):
+    """Weights (and the down GEMM's rows) through tensor descriptors; forced on in the interpreter."""
+    import moe_infer.kernels.fused_moe as fused_moe
+
+    if DEV == "cpu":
+        monkeypatch.setattr(fused_moe, "_can_use_tma", lambda cfg, *tensors: cfg.use_tma)
+    torch.manual_seed(5)
+    T, K, E, D, F, start = 21, 3, 5, 48, 40, 1  # F, D not multiples of the tiles: edge tiles read past
+    x_TD = torch.randn(T, D, device=DEV)
+    ids_TK, w_TK = _routing(T, E + 2, K)
+    w13, w2 = _weights(E, D, F, torch.float32)
+    cfg = FusedMoEConfig(16, GemmConfig(16, 16, use_tma=True), GemmConfig(32, 16, use_tma=True))
+    out = fused_moe.fused_experts(x_TD, ids_TK, w_TK, w13, w2, start, cfg)
+    assert _rel_err(out, fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2, start)) < 1e-5
+
+
 @pytest.mark.parametrize("case", ["empty_experts", "one_expert", "none_local"])
 def test_skewed_routing(case):
     torch.manual_seed(3)
@@ -125,6 +141,22 @@ def test_model_shapes_on_gpu(name, T):
     out = fused_experts(x_TD, ids_TK, w_TK, w13, w2)
     ref = fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2)
     assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+def test_tile_variants_on_gpu(block_m, use_tma):
+    E, K, D, F = 64, 8, 2048, 1024
+    torch.manual_seed(block_m)
+    x_TD = torch.randn(300, D, device="cuda", dtype=torch.bfloat16)
+    ids_TK, w_TK = _routing(300, E, K)
+    w13, w2 = _weights(E, D, F, torch.bfloat16)
+    bn = 64 if block_m == 16 else 128
+    cfg = FusedMoEConfig(block_m, GemmConfig(bn, 64, 8, 8 if block_m == 128 else 4, 3, use_tma),
+                         GemmConfig(bn, 64, 8, 8 if block_m == 128 else 4, 3, use_tma))
+    out = fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, cfg)
+    assert _rel_err(out, fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -58,8 +58,9 @@ def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: in
     expert_B = torch.empty(max(num_tiles, 1), dtype=torch.int32, device=dev)
     num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = max(16, triton.next_power_of_2(E))
-    sub = min(256, max(16, 4096 // e_pad))
-    chunk = max(sub * 8, triton.next_power_of_2(triton.cdiv(N, 64)))
+    n_pow = triton.next_power_of_2(max(N, 1))
+    sub = min(256, max(16, 4096 // e_pad), max(16, n_pow))  # one-hot [sub, e_pad] per step
+    chunk = max(sub, min(sub * 8, n_pow), triton.next_power_of_2(triton.cdiv(N, 64)))
     num_chunks = max(1, triton.cdiv(N, chunk))
     is_single = num_chunks == 1
     counts_CE = sorted_P if is_single else torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
@@ -82,6 +83,19 @@ def _check_weights(x: torch.Tensor, w: torch.Tensor, name: str, rows: int, cols:
     _check(w.stride(2) == 1 and x.stride(-1) == 1, f"{name} and the activations need a unit last stride")
 
 
+def _can_use_tma(cfg: GemmConfig, *tensors: torch.Tensor) -> bool:
+    """TMA needs a GPU, contiguous tensors and 16-byte aligned rows; otherwise the pointer path runs."""
+    return (cfg.use_tma and not _is_interpreter() and all(
+        t.is_cuda and t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in tensors))
+
+
+def _descriptor(t2d: torch.Tensor, block_shape):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t2d, list(block_shape))
+
+
 def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig) -> torch.Tensor:
     """act_PF[p] = silu(x_SD[r // row_div] @ w1.T) * (x_SD[r // row_div] @ w3.T), r = sorted_P[p]."""
     _check(x_SD.dim() == 2, f"x must be 2-D, got {tuple(x_SD.shape)}")
@@ -93,12 +107,14 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     act_PF = torch.empty(p_max, F, dtype=x_SD.dtype, device=x_SD.device)
     num_tiles_m = triton.cdiv(p_max, sched.block_m)
     grid = (num_tiles_m * triton.cdiv(F, cfg.block_n),)
+    use_tma = _can_use_tma(cfg, w13_E2FD)
+    w13 = _descriptor(w13_E2FD.view(E * F2, D), (cfg.block_n, cfg.block_k)) if use_tma else w13_E2FD
     gate_up_kernel[grid](
-        x_SD, w13_E2FD, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
+        x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
         sched.num_rows, row_div, D, F, num_tiles_m,
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IS_FP32_DOT=_is_interpreter(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return act_PF
 
@@ -115,12 +131,17 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
     _check(y_ND.shape == (sched.num_rows, D) and y_ND.stride(1) == 1, f"bad output {tuple(y_ND.shape)}")
     num_tiles_m = triton.cdiv(act_PF.shape[0], sched.block_m)
     grid = (num_tiles_m * triton.cdiv(D, cfg.block_n),)
+    use_tma = _can_use_tma(cfg, w2_EDF, act_PF)
+    act, w2 = act_PF, w2_EDF
+    if use_tma:
+        act = _descriptor(act_PF, (sched.block_m, cfg.block_k))
+        w2 = _descriptor(w2_EDF.view(E * D, F), (cfg.block_n, cfg.block_k))
     down_kernel[grid](
-        act_PF, w2_EDF, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
+        act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
         sched.num_rows, D, F, num_tiles_m,
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IS_FP32_DOT=_is_interpreter(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y_ND
 

@@ -31,6 +31,7 @@ class GemmConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    use_tma: bool = False  # weights (and the down GEMM's rows) through TMA descriptors where aligned
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):

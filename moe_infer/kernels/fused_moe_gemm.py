@@ -32,8 +32,11 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
                    num_rows, ROW_DIV, D, F, num_tiles_m,
                    stride_xm, stride_we, stride_wn, stride_wk, stride_am,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr):
-    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile."""
+                   GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr):
+    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile.
+
+    USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K].
+    """
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -44,18 +47,27 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (rows // ROW_DIV).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_base = w13_ptr + e * stride_we + offs_k[:, None] * stride_wk
-    g_ptrs = w_base + offs_n[None, :] * stride_wn
-    u_ptrs = w_base + (offs_n + F)[None, :] * stride_wn
+    if USE_TMA:
+        g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
+    else:
+        w_base = w13_ptr + e * stride_we + offs_k[:, None] * stride_wk
+        g_ptrs = w_base + offs_n[None, :] * stride_wn
+        u_ptrs = w_base + (offs_n + F)[None, :] * stride_wn
     is_n = offs_n < F
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k * BLOCK_K
         a = tl.load(a_ptrs, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        if USE_TMA:  # columns past F read the next rows; they land in masked-out outputs
+            g = w13_ptr.load([g_row, k * BLOCK_K]).T
+            u = w13_ptr.load([g_row + F, k * BLOCK_K]).T
+        else:
+            w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
+            g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+            u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
         if IS_FP32_DOT:
             a = a.to(tl.float32)
             g = g.to(tl.float32)
@@ -63,8 +75,6 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
@@ -75,8 +85,12 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
                 num_rows, D, F, num_tiles_m,
                 stride_am, stride_we, stride_wn, stride_wk, stride_ym,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr):
-    """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile."""
+                GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr):
+    """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
+
+    USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
+    and w2 viewed [E*D, F] (block [BLOCK_N, BLOCK_K]).
+    """
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -86,20 +100,27 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if USE_TMA:
+        w_row = (e * D).to(tl.int32) + pid_n * BLOCK_N
+    else:
+        a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     is_n = offs_n < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(F, BLOCK_K)):
-        k_left = F - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & is_n[None, :], other=0.0)
+        if USE_TMA:  # rows past D read the next expert; they land in masked-out outputs
+            a = act_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = w2_ptr.load([w_row, k * BLOCK_K]).T
+        else:
+            k_left = F - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & is_n[None, :], other=0.0)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
         if IS_FP32_DOT:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
     weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
