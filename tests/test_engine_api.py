@@ -36,6 +36,10 @@ def test_bad_requests_fail_alone(llm):
     assert "outside the vocabulary" in errors[2] and "[500]" in errors[2]
     assert "needs a tokenizer" in errors[3]
     assert "prompt_token_ids" in errors[5] and "empty" in errors[6]
+    off = LLM(model=checkpoint("qwen3_moe"), device="cpu", num_kv_blocks=8, collect_stats=False)
+    assert off.get_expert_load() == []
+    big = off.generate([ids(3, 4)], SamplingParams(logprobs=1000), use_tqdm=False)[0].outputs[0]
+    assert big.finish_reason == "error" and "exceeds the vocabulary size 160" in big.error
     assert all(len(outs[i].outputs[0].token_ids) == 12 for i in (0, 4))
     assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)  # in order
 

@@ -148,9 +148,16 @@ class LLM:
         return self.engine.tokenizer
 
     def get_expert_load(self) -> List[dict]:
-        """Per MoE layer: rows routed / dropped / rerouted per expert, imbalance, entropy."""
+        """Per MoE layer: rows routed / dropped / rerouted per expert, imbalance, entropy.
+
+        Empty when the statistics are off (`routing.collect_stats=False`).
+        """
+        stats = self.engine.runner.stats
+        if stats is None:
+            return []
         moe_layers = set(self.engine.runner.arch.moe_layer_ids)
-        return [row for row in self.engine.runner.stats.summary() if row["layer"] in moe_layers]
+        return [row for row in stats.summary() if row["layer"] in moe_layers]
 
     def reset_expert_load(self) -> None:
-        self.engine.runner.stats.reset()
+        if self.engine.runner.stats is not None:
+            self.engine.runner.stats.reset()

@@ -162,6 +162,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ helpers
     def _tokenize(self, prompt: PromptType, params: SamplingParams):
         """(prompt text, token ids, error or None) of a prompt."""
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            return None, [], f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
         if params.stop_strings and self.tokenizer is None:
             return None, [], "stop strings need a tokenizer, and this checkpoint has none"
         if isinstance(prompt, str):

@@ -41,8 +41,10 @@ class ModelRunner:
         self.model = load_model(model_path, dtype, device, self.backends)
         arch = self.model.arch
         self.arch = arch
-        self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
-        self.backends.stats = self.stats  # the MoE layers share this MoEBackends object
+        self.stats: Optional[ExpertLoadStats] = None
+        if cfg.routing.collect_stats:
+            self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
+            self.backends.stats = self.stats  # the MoE layers share this MoEBackends object
         self.max_model_len = min(cfg.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:

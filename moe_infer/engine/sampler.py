@@ -142,7 +142,8 @@ class Sampler:
                 remove_BV |= torch.arange(V, device=dev).unsqueeze(0) >= k_B1
                 sorted_BV = sorted_BV.masked_fill(remove_BV, 0.0)
             if use_p:  # nucleus of the (top-k renormalised) distribution; the top token always stays
-                top_p_B1 = torch.tensor([p.top_p for p in ps], device=dev).unsqueeze(1)
+                # rows without top-p never drop a token (cumsum rounding may pass 1.0 before the tail)
+                top_p_B1 = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in ps], device=dev).unsqueeze(1)
                 renorm_BV = sorted_BV / sorted_BV.sum(-1, keepdim=True)
                 mass_before_BV = renorm_BV.cumsum(-1) - renorm_BV
                 remove_BV |= mass_before_BV >= top_p_B1
