@@ -45,25 +45,25 @@ def hf_logits(hf, tokens: dict, device="cpu") -> dict:
         return {s: hf(torch.tensor([t], device=device)).logits[0].float() for s, t in tokens.items()}
 
 
-def run_case(case: str, tmp_path, dtype: torch.dtype, device: str) -> tuple:
+def run_case(case: str, tmp_path, dtype: torch.dtype, device: str, attn_backend: str = "auto") -> tuple:
     """(our logits, transformers' fp32 logits, checkpoint path, tokens); logits are per sequence
     [len, V] float32, ours from the model in dtype on device."""
     family, overrides = CASES[case]
     path = make_tiny_checkpoint(family, tmp_path / case, seed=3, **overrides)
-    model = load_model(path, dtype, device)
+    model = load_model(path, dtype, device, attn_backend=attn_backend)
     tokens = make_tokens(model.arch.vocab_size, seed=1)
     ours = run_schedule(PagedSim(model, block_size=4, num_blocks=32, seed=2, device=device), tokens, SCHEDULE)
     return ours, hf_logits(load_hf_model(path).to(device), tokens, device), path, tokens
 
 
-def low_precision_errors(case: str, tmp_path, dtype: torch.dtype, device: str) -> dict:
+def low_precision_errors(case: str, tmp_path, dtype: torch.dtype, device: str, attn_backend: str = "auto") -> dict:
     """Mean |logit error| and greedy agreement vs the fp32 oracle: ours in dtype and transformers' in dtype.
 
     A random tiny MoE flips near-tied router choices under bf16 rounding (in transformers' model
     too), moving some logits by O(1); so low-precision checks compare against transformers' own
     low-precision error instead of a fixed atol.
     """
-    ours, ref32, path, tokens = run_case(case, tmp_path, dtype, device)
+    ours, ref32, path, tokens = run_case(case, tmp_path, dtype, device, attn_backend)
     ref16 = hf_logits(load_hf_model(path, dtype).to(device), tokens, device)
     o, r32, r16 = (torch.cat([d[s] for s in tokens]) for d in (ours, ref32, ref16))
     return dict(

@@ -1,4 +1,6 @@
-"""GPU parity of the decoder with transformers (run on the lent H100/H200; skipped without CUDA).
+"""GPU parity of the decoder with transformers (run on the lent H100/H200; skipped without CUDA),
+with the float32 reference attention ("torch") and the CUDA default ("auto": sdpa, or a Triton
+kernel once one registers).
 
 fp32 on CUDA: the CPU test's check with atol 1e-3 (GPU GEMMs sum in another order; TF32 is off by
 default in torch for fp32 matmuls).
@@ -19,16 +21,18 @@ from parity_cases import CASES, low_precision_errors, run_case
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("attn_backend", ["torch", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp32_cuda_matches_transformers(case, tmp_path):
-    ours, ref, _, tokens = run_case(case, tmp_path, torch.float32, "cuda")
+def test_fp32_cuda_matches_transformers(case, attn_backend, tmp_path):
+    ours, ref, _, tokens = run_case(case, tmp_path, torch.float32, "cuda", attn_backend)
     for s in tokens:
         assert ours[s].is_cuda
         torch.testing.assert_close(ours[s], ref[s], atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("attn_backend", ["torch", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_bf16_cuda_tracks_transformers(case, tmp_path):
-    e = low_precision_errors(case, tmp_path, torch.bfloat16, "cuda")
+def test_bf16_cuda_tracks_transformers(case, attn_backend, tmp_path):
+    e = low_precision_errors(case, tmp_path, torch.bfloat16, "cuda", attn_backend)
     assert e["err_ours"] <= 1.5 * e["err_hf"] + 0.01, e
     assert e["agree_ours"] >= e["agree_hf"] - 0.1, e

@@ -191,5 +191,5 @@ def test_generation_config_adds_eos_ids(tmp_path):
 
 def test_unknown_attention_backend(tmp_path):
     path = make_tiny_checkpoint("olmoe", tmp_path / "o")
-    with pytest.raises(KeyError, match="unknown attention backend 'flash'; available: torch"):
+    with pytest.raises(KeyError, match="unknown attention backend 'flash'; available: .*torch"):
         load_model(path, torch.float32, "cpu", attn_backend="flash")

@@ -53,3 +53,14 @@ def test_bf16_tracks_transformers_bf16(case, tmp_path):
     e = low_precision_errors(case, tmp_path, torch.bfloat16, "cpu")
     assert e["err_ours"] <= 1.5 * e["err_hf"] + 0.01, e
     assert e["agree_ours"] >= e["agree_hf"] - 0.1, e
+
+
+def test_sdpa_backend_matches_transformers(tmp_path):
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "q3", seed=3)
+    ours = load_model(path, torch.float32, "cpu", attn_backend="sdpa")
+    ref = load_model(path, torch.float32, "cpu", attn_backend="torch")
+    tokens = make_tokens(ours.arch.vocab_size, seed=6)
+    a = run_schedule(PagedSim(ours, block_size=4, num_blocks=32), tokens, SCHEDULE)
+    b = run_schedule(PagedSim(ref, block_size=4, num_blocks=32), tokens, SCHEDULE)
+    for s in tokens:
+        torch.testing.assert_close(a[s], b[s], atol=1e-4, rtol=1e-4)

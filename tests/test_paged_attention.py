@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from moe_infer.layers.paged_attention import paged_attention_ref, store_kv
+from moe_infer.layers.paged_attention import (
+    ATTENTION_BACKENDS, paged_attention_ref, paged_attention_sdpa, resolve_attention_backend, store_kv,
+)
 
 
 def _dense(q_LHd, k_LHd, v_LHd, start, scale, window):
@@ -27,7 +29,8 @@ MIXED, DECODE, PREFILL = [1, 7, 2, 4], [1, 1, 1, 1], [3, 7, 2, 4]  # this step's
     (4, 2, 4, None, MIXED), (6, 6, 3, None, MIXED), (8, 1, 5, 4, MIXED), (4, 2, 16, None, MIXED),
     (4, 2, 4, None, DECODE), (8, 1, 5, 4, DECODE), (4, 2, 4, None, PREFILL), (8, 2, 3, 3, PREFILL),
 ])
-def test_matches_dense(H, Hkv, S, window, new):
+@pytest.mark.parametrize("attend", [paged_attention_ref, paged_attention_sdpa])
+def test_matches_dense(H, Hkv, S, window, new, attend):
     torch.manual_seed(H * 10 + S)
     d, Nb = 8, 40
     cached = [5, 0, 11, 3]  # tokens already in the cache per sequence
@@ -54,7 +57,7 @@ def test_matches_dense(H, Hkv, S, window, new):
         torch.cat([torch.cat([v[c:] for v, c in zip(vs, cached)]), torch.zeros(1, Hkv, d)]),
         k_cache, v_cache, torch.cat([slot_T, pad]),
     )
-    out = paged_attention_ref(
+    out = attend(
         q_THd, k_cache, v_cache,
         torch.tensor([t + [-1] * (M - len(t)) for t in tables], dtype=torch.int32),
         torch.tensor([c + n for c, n in zip(cached, new)], dtype=torch.int32),
@@ -74,3 +77,26 @@ def test_bad_shapes_raise():
             torch.zeros(2, 3, 8), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([2]), torch.tensor([0, 2]), torch.arange(2), 1.0, 2, 2,
         )
+
+
+def test_sdpa_in_bf16_is_close_to_the_reference():
+    torch.manual_seed(0)
+    Nb, S, Hkv, d, H = 8, 4, 2, 16, 4
+    k_cache = torch.randn(Nb, S, Hkv, d).bfloat16()
+    v_cache = torch.randn(Nb, S, Hkv, d).bfloat16()
+    q = torch.randn(5, H, d).bfloat16()
+    args = (torch.tensor([[3, 1, 6], [0, 7, -1]], dtype=torch.int32), torch.tensor([10, 6], dtype=torch.int32),
+            torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([7, 8, 9, 4, 5]), d ** -0.5, 3, 10)
+    ref = paged_attention_ref(q, k_cache, v_cache, *args)
+    out = paged_attention_sdpa(q, k_cache, v_cache, *args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)  # a few bf16 ulps
+
+
+def test_resolve_attention_backend():
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", "cuda") in ("triton", "sdpa")
+    assert resolve_attention_backend("sdpa", "cpu") == "sdpa"
+    assert set(ATTENTION_BACKENDS.names()) >= {"torch", "sdpa"}
+    with pytest.raises(KeyError, match="unknown attention backend 'flash'"):
+        resolve_attention_backend("flash", "cpu")

@@ -2,9 +2,9 @@
 (per head: Qwen3-MoE; over the whole projection: OLMoE), clip_qkv (OLMoE), rotary, GQA.
 
 The K/V write + paged attention is one call of a backend from ATTENTION_BACKENDS ("torch": the
-reference of paged_attention.py). The step's attention metadata comes from
-`get_forward_context().attn`; the layer's (k_cache, v_cache) is bound once by the model runner
-through `MoEModel.bind_kv_cache`.
+float32 reference of paged_attention.py; "sdpa": the same gather with torch's SDPA). The step's
+attention metadata comes from `get_forward_context().attn`; the layer's (k_cache, v_cache) is
+bound once by the model runner through `MoEModel.bind_kv_cache`.
 
 Legend: T tokens, D hidden, H query heads, Hkv KV heads, d head_dim.
 """

@@ -12,7 +12,9 @@ when a sliding window is set). Vectorised over tokens: queries are scattered int
 step (decodes beside prefill chunks) the single-token sequences are attended as their own group,
 so they are not padded to the longest chunk (one host sync: the group sizes). Computed in
 float32, returned in q's dtype. Memory: B * L * Hkv * d gathered keys and values, B * H * Qmax * L
-scores per group; a reference, not a kernel.
+scores per group; a reference, not a kernel. `paged_attention_sdpa` (same signature) does the
+same gather and hands the masked dense attention to torch's SDPA in q's dtype: the CUDA default
+until a paged Triton kernel registers in ATTENTION_BACKENDS.
 
 Legend: T tokens, B sequences, M max blocks per sequence, Qmax max query tokens of a sequence,
 L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb blocks, S block size.
@@ -22,6 +24,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from moe_infer.engine.forward_context import AttentionMetadata
 from moe_infer.registry import Registry
@@ -59,7 +62,32 @@ def paged_attention_ref(
     max_seq_len: int,
     sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence."""
+    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 math)."""
+    return _paged(_dense_fp32, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
+                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window)
+
+
+def paged_attention_sdpa(
+    q_THd: torch.Tensor,
+    k_cache_NbSHd: torch.Tensor,
+    v_cache_NbSHd: torch.Tensor,
+    block_tables_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    query_start_loc_B1: torch.Tensor,
+    positions_T: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """paged_attention_ref's gather, then torch's scaled_dot_product_attention in q's dtype (a
+    faster, leaner stand-in on GPU until a paged Triton kernel exists; not the reference)."""
+    return _paged(_dense_sdpa, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
+                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window)
+
+
+def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B, query_start_loc_B1,
+           positions_T, scale, max_query_len, max_seq_len, sliding_window) -> torch.Tensor:
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
     B = seq_lens_B.shape[0]
@@ -76,7 +104,7 @@ def paged_attention_ref(
     starts_B1 = query_start_loc_B1.long()
     seq_T = torch.searchsorted(starts_B1[1:], tok_T, right=True).clamp_max(B - 1)
     row_T = tok_T - starts_B1[seq_T]
-    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window)
+    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window, dense)
     if Qmax > 1:  # a mixed step: padding decodes to Qmax would cost B * Qmax rows, so split them off
         is_multi_B = (starts_B1[1:] - starts_B1[:-1]) > 1
         num_multi = int(is_multi_B.sum())  # the one host sync, in steps with a prefill chunk only
@@ -98,13 +126,14 @@ def _attend_padded(
     q_THd: torch.Tensor, seq_T: torch.Tensor, row_T: torch.Tensor, positions_T: torch.Tensor,
     block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, Qmax: int,
     k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, scale: float, L: int, sliding_window: Optional[int],
+    dense: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """Queries scattered to [B, Qmax] (token t at row_T[t] of sequence seq_T[t]), keys gathered to [B, L]."""
     T, H, d = q_THd.shape
     Nb, S, Hkv, _ = k_cache_NbSHd.shape
-    B, G, dev = block_tables_BM.shape[0], H // Hkv, q_THd.device
-    q_BQHd = q_THd.new_zeros(B, Qmax, H, d, dtype=torch.float32)
-    q_BQHd[seq_T, row_T] = q_THd.float()
+    B, dev = block_tables_BM.shape[0], q_THd.device
+    q_BQHd = q_THd.new_zeros(B, Qmax, H, d)
+    q_BQHd[seq_T, row_T] = q_THd
     pos_BQ = torch.full((B, Qmax), -1, dtype=torch.long, device=dev)
     pos_BQ[seq_T, row_T] = positions_T.long()
 
@@ -113,23 +142,41 @@ def _attend_padded(
     blocks_BL = block_tables_BM.long()[:, (key_L // S).clamp_max(block_tables_BM.shape[1] - 1)]
     slots_BL = blocks_BL.clamp_min(0) * S + key_L % S
     is_key_BL = (key_L[None, :] < seq_lens_B.long()[:, None]) & (blocks_BL >= 0)
-    k_BLHd = k_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float()
-    # slots past a sequence's end were never written (garbage, even NaN): zero V so 0 * V stays 0
-    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].float().masked_fill(~is_key_BL[:, :, None, None], 0.0)
+    # slots past a sequence's end were never written (garbage, even NaN): zero them so 0 * x stays 0
+    not_key_BL11 = ~is_key_BL[:, :, None, None]
+    k_BLHd = k_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].masked_fill(not_key_BL11, 0.0)
+    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].masked_fill(not_key_BL11, 0.0)
 
-    # scores [B, Hkv, G, Qmax, L] without repeating K/V per group
-    q_BHkvGQd = q_BQHd.view(B, Qmax, Hkv, G, d).permute(0, 2, 3, 1, 4)
-    k_BHkvdL = k_BLHd.permute(0, 2, 3, 1)[:, :, None]
-    scores = torch.matmul(q_BHkvGQd, k_BHkvdL) * scale
     key_pos_BQL = key_L[None, None, :]
     visible_BQL = (key_pos_BQL <= pos_BQ[:, :, None]) & is_key_BL[:, None, :]
     if sliding_window is not None:
         visible_BQL &= pos_BQ[:, :, None] - key_pos_BQL < sliding_window
-    scores = scores.masked_fill(~visible_BQL[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows see no key
-    out_BHkvGQd = torch.matmul(probs, v_BLHd.permute(0, 2, 1, 3)[:, :, None])
-    out_BQHd = out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, d)
+    visible_BQL |= (pos_BQ < 0)[:, :, None] & (key_pos_BQL == 0)  # padded query rows see key 0: no NaN rows
+    out_BQHd = dense(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale)
     return out_BQHd[seq_T, row_T].to(q_THd.dtype)
+
+
+def _dense_fp32(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:
+    """Masked attention in float32; scores [B, Hkv, G, Qmax, L] without repeating K/V per group."""
+    B, Qmax, H, d = q_BQHd.shape
+    Hkv = k_BLHd.shape[2]
+    q_BHkvGQd = q_BQHd.float().view(B, Qmax, Hkv, H // Hkv, d).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(q_BHkvGQd, k_BLHd.float().permute(0, 2, 3, 1)[:, :, None]) * scale
+    scores = scores.masked_fill(~visible_BQL[:, None, None], float("-inf"))
+    out_BHkvGQd = torch.matmul(torch.softmax(scores, dim=-1), v_BLHd.float().permute(0, 2, 1, 3)[:, :, None])
+    return out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, d)
+
+
+def _dense_sdpa(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:
+    """Masked attention by torch's SDPA in the inputs' dtype (K/V heads repeated for GQA)."""
+    G = q_BQHd.shape[2] // k_BLHd.shape[2]
+    k_BHLd = k_BLHd.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
+    v_BHLd = v_BLHd.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
+    out_BHQd = F.scaled_dot_product_attention(
+        q_BQHd.permute(0, 2, 1, 3), k_BHLd.to(q_BQHd.dtype), v_BHLd.to(q_BQHd.dtype),
+        attn_mask=visible_BQL[:, None], scale=scale,
+    )
+    return out_BHQd.permute(0, 2, 1, 3)
 
 
 # ---- backends: one call writes the step's K/V and attends; a Triton kernel registers beside "torch" ----
@@ -138,15 +185,36 @@ AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention backend")
 
 
-@ATTENTION_BACKENDS.register("torch")
-def paged_attention_torch(
-    q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor,
-    k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
-    attn: AttentionMetadata, positions_T: torch.Tensor, scale: float, sliding_window: Optional[int] = None,
-) -> torch.Tensor:
-    """store_kv at attn.slot_mapping_T, then paged_attention_ref over the cache -> out [T, H, d]."""
-    store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
-    return paged_attention_ref(
-        q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
-        positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window,
-    )
+# "auto" takes the first registered name for the device type
+ATTENTION_AUTO = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch",)}
+
+
+def _store_then(attend: Callable[..., torch.Tensor]) -> AttentionFn:
+    def backend(
+        q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor,
+        k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
+        attn: AttentionMetadata, positions_T: torch.Tensor, scale: float, sliding_window: Optional[int] = None,
+    ) -> torch.Tensor:
+        """store_kv at attn.slot_mapping_T, then attend over the cache -> out [T, H, d]."""
+        store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
+        return attend(
+            q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
+            positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window,
+        )
+
+    return backend
+
+
+ATTENTION_BACKENDS.register("torch")(_store_then(paged_attention_ref))
+ATTENTION_BACKENDS.register("sdpa")(_store_then(paged_attention_sdpa))
+
+
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """A registered attention backend name; "auto" picks by device type from ATTENTION_AUTO."""
+    if name != "auto":
+        ATTENTION_BACKENDS.get(name)  # raises naming the available ones
+        return name
+    for candidate in ATTENTION_AUTO.get(torch.device(device).type, ("torch",)):
+        if candidate in ATTENTION_BACKENDS:
+            return candidate
+    raise KeyError(f"attention backend auto: nothing registered for {device}; have {ATTENTION_BACKENDS.names()}")

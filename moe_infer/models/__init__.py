@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from moe_infer.layers.moe import MoEBackends
+from moe_infer.layers.paged_attention import resolve_attention_backend
 from moe_infer.models.arch import ModelArch, arch_from_config, load_arch
 from moe_infer.models.decoder import MoEModel
 from moe_infer.models.families import MODEL_FAMILIES
@@ -24,15 +25,18 @@ def load_model(
     dtype: torch.dtype,
     device: Union[torch.device, str],
     backends: Optional[MoEBackends] = None,
-    attn_backend: str = "torch",
+    attn_backend: str = "auto",
 ) -> MoEModel:
     """Build the model of the local checkpoint folder `path` on `device` in `dtype` and load its weights.
 
     Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read. attn_backend
-    names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`.
+    names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`; "auto": the first
+    registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: a Triton
+    kernel once registered, else "sdpa").
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
+    attn_backend = resolve_attention_backend(attn_backend, device)
     arch, hf_config = load_arch(path)
     with torch.device(device):
         model = MoEModel(arch, hf_config, dtype, backends, attn_backend)
