@@ -68,6 +68,18 @@ def test_matches_dense(H, Hkv, S, window, new, attend):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_store_kv_skips_padding_slots():
+    k_cache = torch.zeros(3, 2, 1, 2)
+    v_cache = torch.zeros(3, 2, 1, 2)
+    k = torch.arange(8.0).view(4, 1, 2) + 1
+    store_kv(k, -k, k_cache, v_cache, torch.tensor([-1, 5, -1, 0]))
+    flat_k, flat_v = k_cache.view(6, 2), v_cache.view(6, 2)
+    assert torch.equal(flat_k[5], k[1, 0]) and torch.equal(flat_k[0], k[3, 0]) and torch.equal(flat_v[5], -k[1, 0])
+    assert torch.equal(flat_k[1:5], torch.zeros(4, 2))
+    store_kv(k[:2], k[:2], k_cache, v_cache, torch.tensor([-1, -1]))  # all padding: nothing changes
+    assert torch.equal(flat_k[5], k[1, 0]) and torch.equal(flat_k[0], k[3, 0]) and flat_k[1:5].abs().sum() == 0
+
+
 def test_bad_shapes_raise():
     k_cache = torch.zeros(4, 4, 2, 8)
     with pytest.raises(ValueError, match="do not fit cache"):

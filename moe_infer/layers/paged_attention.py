@@ -4,7 +4,8 @@ The KV cache of one layer is two tensors [num_blocks, block_size, Hkv, d]; token
 block s // block_size, offset s % block_size. A step's tokens are flattened (T) and grouped by
 sequence through `query_start_loc_B1`; sequence b reads its keys through `block_tables_BM[b]`.
 
-`store_kv` writes the step's K/V at `slot_mapping_T` (slots < 0 are padding and skipped);
+`store_kv` writes the step's K/V at `slot_mapping_T` (slots < 0 are padding and skipped; no host
+sync);
 `paged_attention_ref` then attends every query over its sequence's cached keys 0..seq_len-1 with a
 causal mask by position (key j is visible to a query at position p iff j <= p, and p - j < window
 when a sliding window is set). Vectorised over tokens: queries are scattered into a padded
@@ -41,12 +42,22 @@ def store_kv(
         )
     if slot_mapping_T.shape != k_THd.shape[:1]:
         raise ValueError(f"slot_mapping {tuple(slot_mapping_T.shape)} does not match {k_THd.shape[0]} tokens")
-    k_flat = k_cache_NbSHd.view(-1, *k_cache_NbSHd.shape[2:])
-    v_flat = v_cache_NbSHd.view(-1, *v_cache_NbSHd.shape[2:])
-    slots = slot_mapping_T.long()
-    valid = slots >= 0
-    k_flat[slots[valid]] = k_THd[valid].to(k_flat.dtype)
-    v_flat[slots[valid]] = v_THd[valid].to(v_flat.dtype)
+    if k_THd.shape[0] == 0:
+        return
+    slots_T = slot_mapping_T.long()
+    # No host sync (CUDA-graph safe): a padding row repeats the first valid row's write (same slot,
+    # same value, so the duplicate index is harmless); with no valid row at all, every row writes
+    # slot 0's own value back.
+    valid_T = slots_T >= 0
+    first = torch.argmax(valid_T.int())
+    for new_THd, cache in ((k_THd, k_cache_NbSHd), (v_THd, v_cache_NbSHd)):
+        flat = cache.view(-1, *cache.shape[2:])
+        new_THd = new_THd.to(flat.dtype)
+        any_valid = valid_T[first]
+        fill_slot = torch.where(any_valid, slots_T[first], torch.zeros_like(slots_T[first]))
+        fill_Hd = torch.where(any_valid, new_THd[first], flat[fill_slot])
+        dst_T = torch.where(valid_T, slots_T, fill_slot)
+        flat.index_put_((dst_T,), torch.where(valid_T[:, None, None], new_THd, fill_Hd))
 
 
 def paged_attention_ref(
