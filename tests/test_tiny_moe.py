@@ -86,3 +86,22 @@ def test_greedy_generation_looks_like_python(tokenizer, model):
     # the header and the first body line together are valid Python
     header, first_body = text.splitlines()[:2]
     ast.parse(f"{header}\n{first_body}\n")
+
+
+def test_engine_greedy_equals_transformers_on_cpu(tokenizer, model):
+    """Our engine (fp32, CPU, the default model) and transformers generate the same 32 greedy tokens."""
+    from moe_infer import LLM, SamplingParams
+
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):"]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    llm = LLM(model=None, dtype="float32", device="cpu")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    for prompt, out, ref in zip(prompts, outs, expected):
+        comp = out.outputs[0]
+        assert comp.finish_reason == "length", (prompt, comp.finish_reason)
+        assert comp.token_ids == ref, f"{prompt!r}: engine {comp.token_ids} != transformers {ref}"
