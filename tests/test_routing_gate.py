@@ -35,7 +35,11 @@ def _check(T, E, K, kind, dtype, ties, seed):
     gen = torch.Generator().manual_seed(seed)
     spec = _spec(E, K, kind)
     x_TE = _logits(T, E, dtype, ties, gen)
-    bias_E = (torch.randint(-3, 4, (E,), generator=gen).float() / 16).to(DEVICE) if spec.has_score_bias else None
+    bias_E = None
+    if spec.has_score_bias:  # with ties, a zero bias: sigmoid(a) + b1 + ... == sigmoid(c) + b2 + ... may hold
+        # exactly in real numbers while fp32 rounds the two sides differently in each backend (seen on an H100)
+        bias_E = torch.zeros(E) if ties else torch.randn(E, generator=gen) * 0.05
+        bias_E = bias_E.to(DEVICE)
     w_ref, ids_ref = select_experts_torch(x_TE, spec, bias_E)
     w, ids = select_experts_triton(x_TE, spec, bias_E)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32

@@ -18,10 +18,15 @@ from moe_infer.routing.permute import (
 )
 from moe_infer.routing.triton_common import check_int_ids, check_triton_device
 
-BLOCK_N = 128  # visiting positions per tile
-BLOCK_P = 128  # padded slots per program (sentinel fill)
-BLOCK_B = 64  # blocks per program (block -> expert map)
 MAX_EXPERTS = 1024
+
+
+def _blocks(block_e: int) -> Tuple[int, int, int]:
+    """(BLOCK_N rows per tile, BLOCK_P padded slots and BLOCK_B blocks per program): every program
+    holds [BLOCK, BLOCK_E] compare tiles, kept at <= 16K elements so that they stay in registers."""
+    block_n = 128 if block_e <= 64 else 64
+    block_pb = max(16, min(128, 4096 // block_e))
+    return block_n, block_pb, block_pb
 
 
 def _check(ids_TK: torch.Tensor, num_experts: int, order_N: Optional[torch.Tensor]) -> None:
@@ -34,7 +39,7 @@ def _check(ids_TK: torch.Tensor, num_experts: int, order_N: Optional[torch.Tenso
 
 
 def _warps(block_e: int) -> int:
-    return 8 if block_e >= 256 else 4  # [BLOCK_N, BLOCK_E] compare tiles: keep them out of local memory
+    return 8 if block_e >= 128 else 4  # [BLOCK_N, BLOCK_E] compare tiles: keep them out of local memory
 
 
 def _tile_counts(
@@ -43,16 +48,17 @@ def _tile_counts(
     """Launches 1 and 2: per-tile base ranks [S, BLOCK_E] (int32) and counts_E (int64)."""
     N, device = ids_N.numel(), ids_N.device
     block_e = triton.next_power_of_2(num_experts)
-    num_tiles = triton.cdiv(N, BLOCK_N)
+    block_n = _blocks(block_e)[0]
+    num_tiles = triton.cdiv(N, block_n)
     tile_counts_SE = torch.empty(num_tiles, block_e, dtype=torch.int32, device=device)
     counts_E = torch.empty(num_experts, dtype=torch.int64, device=device)
     order = order_N if order_N is not None else ids_N
     tile_hist_kernel[(num_tiles,)](
         ids_N, order, tile_counts_SE, N, num_experts, expert_start,
-        HAS_ORDER=order_N is not None, BLOCK_N=BLOCK_N, BLOCK_E=block_e, num_warps=_warps(block_e),
+        HAS_ORDER=order_N is not None, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=_warps(block_e),
     )
-    chunk_e = min(block_e, 32)
-    block_s = min(triton.next_power_of_2(num_tiles), 16384 // chunk_e)
+    chunk_e = min(block_e, 16)
+    block_s = min(triton.next_power_of_2(num_tiles), 8192 // chunk_e)
     tile_scan_kernel[(block_e // chunk_e,)](
         tile_counts_SE, counts_E, num_tiles, num_experts, BLOCK_E=block_e, BLOCK_S=block_s, CHUNK_E=chunk_e,
     )
@@ -70,13 +76,14 @@ def expert_ranks_triton(
     if N == 0:
         return rank_N, torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
     tiles_SE, counts_E, num_tiles, block_e = _tile_counts(ids_N, order_N, num_experts, 0)
+    block_n, block_p, block_b = _blocks(block_e)
     d = rank_N  # unused pointer arguments
     tile_scatter_kernel[(num_tiles,)](
         ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E,
         rank_N, d, d, d, d, d, d, d, d, d,
         N, num_experts, 0, 1, num_tiles, 0, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
-        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_B=block_b, num_warps=_warps(block_e),
     )
     return rank_N, counts_E
 
@@ -96,6 +103,7 @@ def permute_rows_triton(
     ids_N = topk_ids_TK.reshape(-1).contiguous()
     w_N = topk_weights_TK.reshape(-1).contiguous()
     tiles_SE, counts_E, num_tiles, block_e = _tile_counts(ids_N, None, E, expert_start)
+    block_n, block_p, block_b = _blocks(block_e)
     i64 = dict(dtype=torch.int64, device=device)
     order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
     weights_R = torch.empty(N, dtype=torch.float32, device=device)
@@ -109,7 +117,7 @@ def permute_rows_triton(
             block_expert_B=torch.empty(num_blocks, dtype=torch.int32, device=device),
             padded_offsets_E1=torch.empty(E + 1, **i64), num_padded=torch.empty(1, dtype=torch.int32, device=device),
         )
-        grid = max(num_tiles, triton.cdiv(P, BLOCK_P), triton.cdiv(num_blocks, BLOCK_B))
+        grid = max(num_tiles, triton.cdiv(P, block_p), triton.cdiv(num_blocks, block_b))
     lay = (layout.sorted_rows_P, layout.block_expert_B, layout.padded_offsets_E1, layout.num_padded) if layout else (
         order_R,) * 4
     tile_scatter_kernel[(grid,)](
@@ -117,7 +125,7 @@ def permute_rows_triton(
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
         N, E, expert_start, K, num_tiles, P, num_blocks,
         HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=block_size or 0,
-        BLOCK_N=BLOCK_N, BLOCK_E=block_e, BLOCK_P=BLOCK_P, BLOCK_B=BLOCK_B, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_B=block_b, num_warps=_warps(block_e),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,
