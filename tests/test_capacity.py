@@ -153,6 +153,7 @@ def test_load_stats_count_routed_dropped_rerouted():
     assert sum(s[0]["routed"]) == 60 and sum(s[0]["dropped"]) == int((kept < 0).sum()) > 0
     assert sum(s[1]["rerouted"]) == int(((moved >= 0) & (moved != ids)).sum()) > 0
     assert s[0]["imbalance"] == pytest.approx(max(s[0]["routed"]) / 7.5)
+    assert float(stats.imbalance_L()[0]) == pytest.approx(s[0]["imbalance"])
     stats.reset()
     assert stats.summary()[0]["routed"] == [0] * 8
 
@@ -171,3 +172,30 @@ def test_triton_capacity_full_shapes_gpu(E, K):
             ref = _policy("reroute", ids, w, logits, spec, cf, 4, backend="torch")
             out = _policy("reroute", ids, w, logits, spec, cf, 4, backend="triton")
             assert torch.equal(out[0], ref[0])
+
+
+def test_moe_layer_with_drop_policy_skips_dropped_rows():
+    from moe_infer.experts.dispatcher import LocalDispatcher
+    from moe_infer.experts.reference import experts_torch
+    from moe_infer.layers.moe import MoEBackends, MoELayer
+
+    torch.manual_seed(0)
+    T, D, F_, E, K = 24, 8, 6, 4, 2
+    spec = RoutingSpec(E, K)
+    kwargs = dict(capacity_factor=0.5, min_capacity=1, drop_by="position")
+    stats = ExpertLoadStats(1, E, "cpu")
+    layer = MoELayer(0, D, F_, spec, MoEBackends(policy="drop", policy_kwargs=kwargs, stats=stats), torch.float32)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x_TD = torch.randn(T, D)
+    with torch.no_grad():
+        out_TD = layer(x_TD)
+        logits = layer.gate(x_TD)
+        w, ids = select_experts_torch(logits, spec)
+        kept_ids, kept_w = CAPACITY_POLICIES.get("drop")(ids, w, logits_TE=logits, spec=spec, **kwargs)
+        disp = LocalDispatcher(E, permute_backend="torch")
+        x_RD, meta = disp.dispatch(x_TD, kept_ids, kept_w)
+        ref_TD = disp.combine(experts_torch(x_RD, meta, layer.store.w13_E2FD, layer.store.w2_EDF), meta)
+    assert int((kept_ids < 0).sum()) > 0
+    torch.testing.assert_close(out_TD, ref_TD)
+    assert sum(stats.summary()[0]["dropped"]) == int((kept_ids < 0).sum())

@@ -27,6 +27,12 @@ class ExpertLoadStats:
             moved_N = ((kept_N >= 0) & (kept_N != ids_N)).long()
             self.rerouted_LE[layer].scatter_add_(0, ids_N, moved_N)
 
+    def imbalance_L(self) -> torch.Tensor:
+        """float32 [L] on the device (no sync): max / mean routed rows per expert, 0 for an idle layer."""
+        routed_LE = self.routed_LE.float()
+        mean_L = routed_LE.mean(dim=1)
+        return torch.where(mean_L > 0, routed_LE.amax(dim=1) / mean_L.clamp_min(1e-30), torch.zeros_like(mean_L))
+
     def reset(self) -> None:
         for t in (self.routed_LE, self.dropped_LE, self.rerouted_LE):
             t.zero_()
