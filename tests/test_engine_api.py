@@ -161,3 +161,14 @@ def test_streaming_yields_growing_outputs_then_the_final_one(text_llm):
     assert sum(1 for c in chunks) >= 2 * 12  # one output per token per request
     via_flag = list(text_llm.generate("import os", GREEDY, stream=True))
     assert via_flag[-1].outputs[0].token_ids == final[0].outputs[0].token_ids
+
+
+def test_streamed_text_never_shows_a_stop_string(text_llm):
+    base = text_llm.generate("import sys", GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = base[4:7]
+    first = base.find(stop)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop)
+    chunks = list(text_llm.generate_stream("import sys", params))
+    final = chunks[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.text == base[:first]
+    assert all(final.text.startswith(c.outputs[0].text) for c in chunks)  # no stop-string prefix ever shown

@@ -16,7 +16,8 @@ from moe_infer.engine.sequence import Sequence
 
 
 def hash_block(prev_hash: Optional[int], token_ids: Seq[int]) -> int:
-    return hash((prev_hash, tuple(token_ids)))
+    """Chained hash of a full block (int tuples hash the same in every process, unlike None)."""
+    return hash((-1 if prev_hash is None else prev_hash, tuple(token_ids)))
 
 
 class Block:

@@ -4,7 +4,8 @@ Decoding the whole output every step is quadratic and, for byte-level tokenizers
 characters; instead keep two offsets into the tokens (vLLM's scheme): `prefix_offset` starts a
 short window that gives the tokenizer its context (leading spaces), `read_offset` is where the text
 already emitted ends. New text is emitted only when it does not end in an incomplete character.
-A stop string ends the request and is cut from the text with everything after it.
+A stop string ends the request and is cut from the text with everything after it; while the
+request runs, outputs show `stable_text`, which holds back a tail that might begin a stop string.
 """
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.token_ids)
         self.text = ""
         self._max_stop_len = max((len(s) for s in stop), default=0)
+
+    @property
+    def stable_text(self) -> str:
+        """The text a stream may show now: the tail that could still start a stop string is held back."""
+        hold = self._max_stop_len - 1
+        return self.text[: len(self.text) - hold] if hold > 0 else self.text
 
     def _decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -200,6 +200,12 @@ class LLMEngine:
     def _decode_one(self, token: int) -> Optional[str]:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
+    @staticmethod
+    def _text(req: _Request) -> str:
+        if req.detok is None:
+            return ""
+        return req.detok.text if req.seq.is_finished else req.detok.stable_text
+
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         m = seq.metrics
@@ -213,7 +219,7 @@ class LLMEngine:
             num_preemptions=m.num_preemptions, num_cached_prompt_tokens=seq.num_cached_tokens,
         )
         completion = CompletionOutput(
-            index=0, text=req.detok.text if req.detok is not None else "", token_ids=list(seq.output_token_ids),
+            index=0, text=self._text(req), token_ids=list(seq.output_token_ids),
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
