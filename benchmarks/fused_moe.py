@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from moe_infer.experts.dispatcher import LocalDispatcher  # noqa: E402
-from moe_infer.kernels.fused_moe import fused_experts  # noqa: E402
+from moe_infer.kernels.fused_moe import block_schedule, combine_topk, fused_experts  # noqa: E402
 from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
     MODEL_SHAPES, TOKEN_COUNTS, graph_time_us, make_inputs, make_weights, replays_for, roofline_us,
 )
@@ -93,6 +93,11 @@ def bench_point(name, T, w13, w2):
            "config": get_config(T, E, F_, D, K, "bf16").to_dict(), "ours_rel_err_vs_loop": rel_err(ours(), ref_TD)}
     n = replays_for(roof)
     row["ours_us"] = graph_time_us(ours, n)
+    # Breakdown of ours: the schedule and the combine alone (the GEMMs are the rest).
+    ids_N, block_m = ids_TK.reshape(-1), row["config"]["block_m"]
+    row["schedule_us"] = graph_time_us(lambda: block_schedule(ids_N, E, 0, block_m), n)
+    y_ND = torch.randn(T * K, D, device=x_TD.device, dtype=x_TD.dtype)
+    row["combine_us"] = graph_time_us(lambda: combine_topk(y_ND, ids_TK, E, 0), n)
     try:
         grouped = grouped_mm_fn(x_RD, meta, w13, w2)
         row["grouped_rel_err_vs_loop"] = rel_err(disp.combine(grouped(), meta), ref_TD)

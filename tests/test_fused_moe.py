@@ -194,3 +194,16 @@ def test_moe_layer_with_triton_experts_matches_torch():
     x_TD = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         assert _rel_err(layers[1](x_TD), layers[0](x_TD)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_fp32_on_gpu_is_not_tf32():
+    """float32 weights (the engine's fp32 parity runs) go through IEEE dots, not TF32."""
+    torch.manual_seed(1)
+    T, K, E, D, F = 64, 2, 8, 256, 160
+    x_TD = torch.randn(T, D, device="cuda")
+    ids_TK, w_TK = _routing(T, E, K)
+    w13, w2 = _weights(E, D, F, torch.float32)
+    out = fused_experts(x_TD, ids_TK, w_TK, w13, w2)
+    ref = fused_experts_ref(x_TD.double(), ids_TK, w_TK, w13.double(), w2.double())
+    assert _rel_err(out, ref) < 1e-5

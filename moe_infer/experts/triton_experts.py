@@ -33,7 +33,7 @@ def experts_triton(
     y_RD = torch.zeros_like(x_RD)
     if R == 0:
         return y_RD
-    cfg = get_config(meta.num_tokens, E, F2 // 2, D, meta.top_k, _DTYPE_NAMES.get(x_RD.dtype, str(x_RD.dtype)))
+    cfg = get_config(meta.num_tokens, E, F2 // 2, D, meta.top_k, _DTYPE_NAMES[x_RD.dtype])
     sched = block_schedule(expert_of_rows(meta.offsets_E1, R), E, 0, cfg.block_m)
     act_PF = gate_up(x_RD, w13_E2FD, sched, 1, cfg.gate_up)
     return down(act_PF, w2_EDF, meta.weights_R, sched, cfg.down, y_RD)

@@ -59,17 +59,18 @@ def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: in
     num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = max(16, triton.next_power_of_2(E))
     n_pow = triton.next_power_of_2(max(N, 1))
-    sub = min(256, max(16, 4096 // e_pad), max(16, n_pow))  # one-hot [sub, e_pad] per step
-    chunk = max(sub, min(sub * 8, n_pow), triton.next_power_of_2(triton.cdiv(N, 64)))
+    sub = min(256, max(16, 16384 // e_pad), max(16, n_pow))  # one-hot [sub, e_pad] per step
+    chunk = max(sub, min(sub * 8, n_pow), triton.next_power_of_2(triton.cdiv(N, 64)))  # <= 64 chunks
     num_chunks = max(1, triton.cdiv(N, chunk))
     is_single = num_chunks == 1
     counts_CE = sorted_P if is_single else torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
     if not is_single:
-        align_count_kernel[(num_chunks,)](ids_N, counts_CE, N, expert_start, E, CHUNK=chunk, SUB=sub, E_PAD=e_pad)
+        align_count_kernel[(num_chunks,)](ids_N, counts_CE, N, expert_start, E, CHUNK=chunk, SUB=sub, E_PAD=e_pad,
+                                          num_warps=8)
     align_scatter_kernel[(num_chunks,)](
         ids_N, counts_CE, sorted_P, expert_B, num_padded_1, N, expert_start, E, num_chunks, num_tiles,
-        BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, TILE_SUB=min(64, 8192 // e_pad),
-        IS_SINGLE=is_single,
+        BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, C_PAD=max(2, triton.next_power_of_2(num_chunks)),
+        TILE_SUB=min(64, 8192 // e_pad), IS_SINGLE=is_single, num_warps=8,
     )
     return BlockSchedule(sorted_P, expert_B, num_padded_1, block_m, N)
 
@@ -81,6 +82,10 @@ def _check_weights(x: torch.Tensor, w: torch.Tensor, name: str, rows: int, cols:
     _check(w.dtype == x.dtype and w.device == x.device,
            f"{name} must match the activations ({x.dtype}, {x.device}), got ({w.dtype}, {w.device})")
     _check(w.stride(2) == 1 and x.stride(-1) == 1, f"{name} and the activations need a unit last stride")
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _can_use_tma(cfg: GemmConfig, *tensors: torch.Tensor) -> bool:
@@ -114,7 +119,8 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
         sched.num_rows, row_div, D, F, num_tiles_m,
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(x_SD),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return act_PF
 
@@ -141,7 +147,8 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
         sched.num_rows, D, F, num_tiles_m,
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y_ND
 
@@ -179,7 +186,7 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
     E, F2, D = w13_E2FD.shape
     if T == 0:
         return torch.empty_like(x_TD)
-    cfg = config or get_config(T, E, F2 // 2, D, K, _DTYPE_NAMES.get(x_TD.dtype, str(x_TD.dtype)))
+    cfg = config or get_config(T, E, F2 // 2, D, K, _DTYPE_NAMES[x_TD.dtype])
     sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m)
     act_PF = gate_up(x_TD, w13_E2FD, sched, K, cfg.gate_up)
     y_ND = down(act_PF, w2_EDF, topk_weights_TK.reshape(-1), sched, cfg.down)

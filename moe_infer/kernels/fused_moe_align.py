@@ -54,20 +54,18 @@ def align_count_kernel(ids_ptr, counts_ptr, N, expert_start, E,
 def align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                          N, expert_start, E, num_chunks, num_tiles,
                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                         E_PAD: tl.constexpr, TILE_SUB: tl.constexpr, IS_SINGLE: tl.constexpr):
+                         E_PAD: tl.constexpr, C_PAD: tl.constexpr, TILE_SUB: tl.constexpr, IS_SINGLE: tl.constexpr):
     """Writes sorted_P, expert_B and num_padded. IS_SINGLE: one chunk, no counts_CE needed."""
     c = tl.program_id(0)
     bins = tl.arange(0, E_PAD)
     if IS_SINGLE:
         total = _chunk_hist(ids_ptr, 0, N, expert_start, E, CHUNK, SUB, E_PAD)
         before = tl.zeros([E_PAD], dtype=tl.int32)
-    else:
-        total = tl.zeros([E_PAD], dtype=tl.int32)
-        before = tl.zeros([E_PAD], dtype=tl.int32)
-        for j in range(0, num_chunks):
-            hist = tl.load(counts_ptr + j * E_PAD + bins)
-            total += hist
-            before += tl.where(j < c, hist, 0)
+    else:  # all chunk histograms in one [C_PAD, E_PAD] load: no serial chain of loads
+        chunks = tl.arange(0, C_PAD)
+        hist_CE = tl.load(counts_ptr + chunks[:, None] * E_PAD + bins[None, :], mask=(chunks < num_chunks)[:, None], other=0)
+        total = tl.sum(hist_CE, axis=0)
+        before = tl.sum(tl.where((chunks < c)[:, None], hist_CE, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)  # inclusive: padded slots [end - padded, end) per expert
     start = end - padded

@@ -82,9 +82,12 @@ def load_configs(E: int, F: int, D: int, dtype_name: str, device: str) -> Option
     return {int(key): FusedMoEConfig.from_dict(value) for key, value in raw.items()}
 
 
-def default_config(num_tokens: int, E: int, K: int) -> FusedMoEConfig:
-    """Shape heuristic: decode tiles while an expert gets few rows, tensor-core tiles after."""
+def default_config(num_tokens: int, E: int, K: int, dtype_name: str = "bf16") -> FusedMoEConfig:
+    """Shape heuristic: decode tiles while an expert gets few rows, tensor-core tiles after.
+    float32 operands take half-depth K tiles and 2 stages so the tiles still fit in shared memory."""
     rows_per_expert = num_tokens * K / max(E, 1)
+    if dtype_name == "fp32":
+        return FusedMoEConfig(16 if rows_per_expert <= 16 else 64, GemmConfig(64, 32, 8, 4, 2), GemmConfig(64, 32, 8, 4, 2))
     if rows_per_expert <= 16:
         return FusedMoEConfig(16, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4))
     if rows_per_expert <= 96:
@@ -106,4 +109,4 @@ def get_config(num_tokens: int, E: int, F: int, D: int, K: int, dtype_name: str,
         _warned.add(key)
         logger.warning("no tuned fused MoE config %s in %s; using the shape heuristic",
                        config_file_name(*key), CONFIG_DIR)
-    return default_config(num_tokens, E, K)
+    return default_config(num_tokens, E, K, dtype_name)

@@ -7,7 +7,8 @@ static (CUDA-graph capturable) and non-local rows cost nothing. The gate_up GEMM
 straight from the source activations (x_TD through row // ROW_DIV), so no gathered copy exists;
 the down GEMM scales each row by its routing weight and writes it at its routed row n.
 Tiles are ordered in groups of GROUP_M along M (L2 reuse of weight tiles in the prefill shape).
-IS_FP32_DOT upcasts operands before tl.dot (the CPU interpreter's bf16 dot is wrong).
+IS_FP32_DOT upcasts operands before tl.dot (the CPU interpreter's bf16 dot is wrong);
+DOT_PRECISION is "ieee" for float32 operands (no TF32), "tf32" (ignored) for bf16/fp16.
 
 Legend: T tokens, D hidden, F expert intermediate, E local experts, K top-k, N = T*K routed rows,
 P padded slots, B tiles.
@@ -32,7 +33,8 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
                    num_rows, ROW_DIV, D, F, num_tiles_m,
                    stride_xm, stride_we, stride_wn, stride_wk, stride_am,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr):
+                   GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile.
 
     USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K].
@@ -72,8 +74,8 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
@@ -85,7 +87,8 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
                 num_rows, D, F, num_tiles_m,
                 stride_am, stride_we, stride_wn, stride_wk, stride_ym,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr):
+                GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
@@ -120,7 +123,7 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
         if IS_FP32_DOT:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
