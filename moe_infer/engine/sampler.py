@@ -55,10 +55,11 @@ class Sampler:
         raw_logprobs_BV = torch.log_softmax(logits_BV, -1) if any(n is not None for n in num_lp) else None
         logits_BV = self._apply_penalties(logits_BV, reqs)
         logits_BV = self._apply_min_tokens(logits_BV, reqs)
-        greedy_B = torch.tensor([r.params.is_greedy for r in reqs], device=self.device)
-        if bool(greedy_B.all()):
+        greedy = [r.params.is_greedy for r in reqs]
+        if all(greedy):
             tokens_B = logits_BV.argmax(-1)
         else:
+            greedy_B = torch.tensor(greedy, device=self.device)
             tokens_B = torch.where(greedy_B, logits_BV.argmax(-1), self._sample(logits_BV, reqs))
         token_list = tokens_B.tolist()
         return SamplerOutput(token_list, self._logprobs(raw_logprobs_BV, tokens_B, num_lp))
