@@ -16,7 +16,7 @@ from typing import Callable, Sequence, Tuple
 
 import torch
 
-from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
+from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan, weight_cols
 
 
 @DISPATCHERS.register("capacity")
@@ -41,12 +41,13 @@ class CapacityDispatcher(A2ADispatcher):
         pos_N[order_N] = torch.arange(N, device=dev) - start_V1[key_sorted_N]  # rank of the row in its slot
         keep_N = valid_N & (pos_N < C)
         dest_N = torch.where(keep_N, v_N * C + pos_N, torch.full_like(v_N, P * C))
-        send_XD = x_TD.new_zeros(P * C + 1, D)  # + the trash row that dropped rows write
-        send_XD.index_copy_(0, dest_N, x_TD.repeat_interleave(K, dim=0))
+        w_NW = weight_cols(weights_TK.reshape(-1), x_TD.dtype)
+        send_XD = x_TD.new_zeros(P * C + 1, D + w_NW.shape[1])  # + the trash row that dropped rows write
+        send_XD[:, :D].index_copy_(0, dest_N, x_TD.repeat_interleave(K, dim=0))
+        send_XD[:, D:].index_copy_(0, dest_N, w_NW)
         sections = tuple(send_XD[a * ep * C:b * ep * C] for a, b in ranges)
         return RoutePlan(
             num_tokens=T, top_k=K, slot_ranges=tuple(ranges), send_pos_N=dest_N,
-            weights_N=torch.where(keep_N, weights_TK.reshape(-1).float(), torch.zeros((), device=dev)),
             sent_N=keep_N, overflow_N=valid_N & ~keep_N, send_rows=sections,
             send_splits=(None,) * len(ranges), recv_splits=(None,) * len(ranges), recv_counts_rS=None, capacity=C,
         )

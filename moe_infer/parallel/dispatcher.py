@@ -14,10 +14,11 @@ values, outweigh the few rows routed to it at inference batch sizes).
 What moves. The router's choice (logical ids, -1 = dropped by the capacity policy) is mapped to
 physical slots; routed rows are sorted by (micro-batch, destination rank, slot) and sent with one
 `all_to_all_single`; the receiver regroups them by local slot for the experts backend (the
-`DispatchMetadata` contract of `LocalDispatcher`: rows sorted by local expert, offsets_E1). Expert
-outputs go back unweighted (weights_R = 1 on the receiver); the source rank multiplies by the
-routing weight and sums the K rows of each token in float32, in the same order as the single-rank
-layer, so EP output equals the single-rank output up to the GEMMs' row blocking.
+`DispatchMetadata` contract of `LocalDispatcher`: rows sorted by local expert, offsets_E1). Each
+row carries its float32 routing weight in 4 extra bytes (1 fp32 / 2 bf16 columns) of the same
+payload, so the experts backend applies it exactly as on one rank; the weighted outputs come back
+and the source rank sums the K rows of each token in float32, in the single-rank order: EP output
+equals the single-rank output up to the GEMMs' row blocking, for every experts backend.
 
 Two backends (registry `DISPATCHERS`):
   exact     per-slot row counts exchanged first (a tiny all-to-all, the one host sync per layer,
@@ -68,7 +69,6 @@ class RoutePlan:
     top_k: int  # K
     slot_ranges: Tuple[Tuple[int, int], ...]  # local slots [a, b) of each micro-batch
     send_pos_N: torch.Tensor  # int64 [N]: row of the returned buffer holding routed row n (sentinel: zero row)
-    weights_N: torch.Tensor  # float32 [N]: routing weight, 0 for dropped rows
     sent_N: torch.Tensor  # bool [N]: rows sent to an expert (False: dropped by the policy or by capacity)
     overflow_N: torch.Tensor  # bool [N]: rows the dispatcher itself had to drop (capacity backend only)
     send_rows: Tuple[torch.Tensor, ...]  # per micro-batch: the send buffer (capacity) or its token ids (exact)
@@ -81,11 +81,28 @@ class RoutePlan:
 @dataclass(frozen=True)
 class A2AMetadata(DispatchMetadata):
     """DispatchMetadata of one micro-batch on the receiving rank. token_idx_R holds the receive-buffer
-    row of each dispatched row, inv_N the plan's send_pos_N; weights_R is 1 (weighting happens on
-    the source rank)."""
+    row of each dispatched row, inv_N the plan's send_pos_N; weights_R came with the rows."""
 
     micro_batch: int
     plan: RoutePlan
+
+
+def weight_columns(dtype: torch.dtype) -> int:
+    """Payload columns that carry a row's float32 routing weight."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if 4 % size:
+        raise ValueError(f"cannot carry float32 weights in {dtype} columns")
+    return 4 // size
+
+
+def weight_cols(weights_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[R, weight_columns]: each row's float32 weight bit-cast to `dtype` columns."""
+    return weights_R.float().contiguous().view(dtype).view(weights_R.shape[0], -1)
+
+
+def with_weights(rows_RD: torch.Tensor, weights_R: torch.Tensor) -> torch.Tensor:
+    """[R, D + weight_columns]: the rows, then their float32 weights."""
+    return torch.cat([rows_RD, weight_cols(weights_R, rows_RD.dtype)], dim=1)
 
 
 class A2ADispatcher(LocalDispatcher):
@@ -176,7 +193,7 @@ class A2ADispatcher(LocalDispatcher):
         send_RD = self._send_buffer(plan, x_TD, m)
         splits = plan.recv_splits[m]
         num_recv = sum(splits) if splits is not None else send_RD.shape[0]
-        recv_RD = x_TD.new_empty(num_recv, x_TD.shape[1])
+        recv_RD = x_TD.new_empty(num_recv, send_RD.shape[1])
         return recv_RD, self._a2a(recv_RD, send_RD, splits, plan.send_splits[m], async_op)
 
     def _finish_dispatch(self, plan: RoutePlan, m: int, pending) -> tuple[torch.Tensor, A2AMetadata]:
@@ -185,12 +202,13 @@ class A2ADispatcher(LocalDispatcher):
         slot_order_R, counts_S = self._regroup(plan, m)
         offsets_S1 = torch.zeros(counts_S.numel() + 1, dtype=torch.int64, device=counts_S.device)
         torch.cumsum(counts_S, 0, out=offsets_S1[1:])
+        D = recv_RD.shape[1] - weight_columns(recv_RD.dtype)
+        weights_R = recv_RD[:, D:].index_select(0, slot_order_R).view(torch.float32).view(-1)
         meta = A2AMetadata(
-            num_tokens=plan.num_tokens, top_k=plan.top_k, token_idx_R=slot_order_R,
-            weights_R=torch.ones(slot_order_R.numel(), dtype=torch.float32, device=recv_RD.device),
+            num_tokens=plan.num_tokens, top_k=plan.top_k, token_idx_R=slot_order_R, weights_R=weights_R,
             counts_E=counts_S, offsets_E1=offsets_S1, inv_N=plan.send_pos_N, micro_batch=m, plan=plan,
         )
-        return recv_RD.index_select(0, slot_order_R), meta
+        return recv_RD[:, :D].index_select(0, slot_order_R), meta
 
     def _start_combine(self, y_RD: torch.Tensor, meta: A2AMetadata, async_op: bool):
         plan, m = meta.plan, meta.micro_batch
@@ -208,8 +226,7 @@ class A2ADispatcher(LocalDispatcher):
         D = backs[0].shape[1]
         backs.append(backs[0].new_zeros(1, D))  # the sentinel row of dropped rows
         y_NKD = torch.cat(backs).index_select(0, plan.send_pos_N).view(plan.num_tokens, plan.top_k, D)
-        w_NK1 = plan.weights_N.view(plan.num_tokens, plan.top_k, 1).to(y_NKD.dtype)
-        return (y_NKD * w_NK1).sum(dim=1, dtype=torch.float32).to(y_NKD.dtype)
+        return y_NKD.sum(dim=1, dtype=torch.float32).to(y_NKD.dtype)
 
     # ---- the LocalDispatcher interface ---------------------------------------------------------
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> tuple[torch.Tensor, A2AMetadata]:

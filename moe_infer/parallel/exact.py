@@ -13,7 +13,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
+from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan, with_weights
 
 _HEADER = 2  # columns ahead of the counts: number of micro-batches, tokens on the sending rank
 
@@ -47,16 +47,16 @@ class ExactDispatcher(A2ADispatcher):
         pos_N = torch.empty_like(order_N)
         pos_N[order_N] = torch.arange(N, device=dev)
         tok_sorted = order_N // K
-        send_tok, start = [], 0
+        w_sorted = weights_TK.reshape(-1).float()[order_N]
+        send, start = [], 0
         for splits in send_splits:
-            send_tok.append(tok_sorted[start:start + sum(splits)])
+            send.append((tok_sorted[start:start + sum(splits)], w_sorted[start:start + sum(splits)]))
             start += sum(splits)
         return RoutePlan(
             num_tokens=T, top_k=K, slot_ranges=tuple(ranges),
             send_pos_N=pos_N.clamp_max(num_send),  # dropped rows sort last: all of them -> sentinel
-            weights_N=torch.where(valid_N, weights_TK.reshape(-1).float(), torch.zeros((), device=dev)),
             sent_N=valid_N, overflow_N=torch.zeros(N, dtype=torch.bool, device=dev),
-            send_rows=tuple(send_tok), send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
+            send_rows=tuple(send), send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
             recv_counts_rS=recv_cnt_rX[:, _HEADER:], capacity=0,
         )
 
@@ -70,7 +70,8 @@ class ExactDispatcher(A2ADispatcher):
             )
 
     def _send_buffer(self, plan: RoutePlan, x_TD: torch.Tensor, m: int) -> torch.Tensor:
-        return x_TD.index_select(0, plan.send_rows[m])
+        tok_R, w_R = plan.send_rows[m]
+        return with_weights(x_TD.index_select(0, tok_R), w_R)
 
     def _regroup(self, plan: RoutePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = plan.slot_ranges[m]
