@@ -18,6 +18,9 @@ def _spec(E, K, kind):
         G = 8 if E % 8 == 0 else (2 if E % 2 == 0 else 1)
         return RoutingSpec(E, K, scoring="sigmoid", num_expert_group=G, topk_group=max(1, G // 2),
                            routed_scaling_factor=2.5, has_score_bias=True)
+    if kind == "grouped_nobias":  # n_group without a score bias: a group's score is its best expert
+        G = 4 if E % 4 == 0 else 2
+        return RoutingSpec(E, K, scoring="softmax", num_expert_group=G, topk_group=2)
     if kind == "sigmoid":
         return RoutingSpec(E, K, scoring="sigmoid", renormalize=True)
     return RoutingSpec(E, K, scoring="softmax", renormalize=kind == "softmax_norm")
@@ -51,6 +54,7 @@ CASES = [  # (E, K, kind): every E in {6, 8, 60, 128, 256} and K in {1, 2, 4, 8}
     (6, 1, "softmax_norm"), (6, 4, "softmax_raw"), (8, 2, "softmax_norm"), (8, 8, "sigmoid"),
     (60, 4, "softmax_raw"), (60, 8, "softmax_norm"), (128, 1, "sigmoid"), (128, 8, "softmax_norm"),
     (256, 8, "grouped"), (256, 2, "softmax_raw"), (64, 6, "grouped"), (60, 4, "grouped"),
+    (128, 4, "grouped_nobias"), (6, 2, "grouped_nobias"),
 ]
 
 

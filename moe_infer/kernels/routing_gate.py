@@ -19,11 +19,46 @@ def _argmax_lowest(x, cand, cols, BIG: tl.constexpr):
 
 
 @triton.jit
+def _group_scores_loop(choice_BE, valid_BE, cols_E, gcols_G, per_group, G: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[BLOCK_T, BLOCK_G] group scores for any E divisible by G: one masked pass per group."""
+    group_E = cols_E // per_group
+    gscore_BG = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        in_g_BE = (group_E[None, :] == g) & valid_BE
+        m1_B, i1_B = _argmax_lowest(choice_BE, in_g_BE, cols_E, BLOCK_E)
+        if HAS_BIAS:  # DeepSeek-V3: a group's score is the sum of its top-2 experts
+            m2_B = tl.max(tl.where(in_g_BE & (cols_E[None, :] != i1_B[:, None]), choice_BE, float("-inf")), axis=1)
+            if per_group < 2:
+                m2_B = tl.zeros_like(m1_B)
+            s_B = m1_B + m2_B
+        else:
+            s_B = m1_B
+        gscore_BG = tl.where(gcols_G[None, :] == g, s_B[:, None], gscore_BG)
+    return gscore_BG
+
+
+@triton.jit
+def _group_scores_reshape(choice_BE, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr, PER_G: tl.constexpr):
+    """Same scores as `_group_scores_loop` when E = G * PER_G with both powers of 2."""
+    x_BGe = tl.reshape(choice_BE, (BLOCK_T, G, PER_G))
+    m1_BG = tl.max(x_BGe, axis=2)
+    if HAS_BIAS:
+        j_e = tl.arange(0, PER_G)[None, None, :]
+        i1_BG = tl.min(tl.where(x_BGe == m1_BG[:, :, None], j_e, PER_G), axis=2)  # first (lowest) argmax
+        m2_BG = tl.max(tl.where(j_e == i1_BG[:, :, None], float("-inf"), x_BGe), axis=2)
+        if PER_G < 2:
+            m2_BG = tl.zeros_like(m1_BG)
+        return m1_BG + m2_BG
+    return m1_BG
+
+
+@triton.jit
 def routing_gate_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
     T, E, stride_lt, stride_le, routed_scaling_factor,
     K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -52,30 +87,25 @@ def routing_gate_kernel(
     choice_BE = tl.where(valid_BE, choice_BE, float("-inf"))
 
     if G > 1:  # DeepSeek grouped top-k: keep the TOPK_GROUP best groups, mask the others
-        per_group = E // G
-        group_E = cols_E // per_group
         gcols_G = tl.arange(0, BLOCK_G)
-        gscore_BG = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
-        for g in tl.static_range(G):
-            in_g_BE = (group_E[None, :] == g) & valid_BE
-            m1_B, i1_B = _argmax_lowest(choice_BE, in_g_BE, cols_E, BLOCK_E)
-            if HAS_BIAS:  # DeepSeek-V3: a group's score is the sum of its top-2 experts
-                m2_B = tl.max(tl.where(in_g_BE & (cols_E[None, :] != i1_B[:, None]), choice_BE, float("-inf")), axis=1)
-                if per_group < 2:
-                    m2_B = tl.zeros_like(m1_B)
-                s_B = m1_B + m2_B
-            else:
-                s_B = m1_B
-            gscore_BG = tl.where(gcols_G[None, :] == g, s_B[:, None], gscore_BG)
+        if GROUP_RESHAPE:  # E == BLOCK_E and G a power of 2: one [BLOCK_T, G, E/G] pass per statistic
+            gscore_BG = _group_scores_reshape(choice_BE, HAS_BIAS, BLOCK_T, BLOCK_G, BLOCK_E // BLOCK_G)
+        else:
+            gscore_BG = _group_scores_loop(choice_BE, valid_BE, cols_E, gcols_G, E // G, G, HAS_BIAS, BLOCK_T, BLOCK_G, BLOCK_E)
         gtaken_BG = gcols_G[None, :] < 0  # all False, [BLOCK_T, BLOCK_G]
         is_group_G = gcols_G < G
         for _j in tl.static_range(TOPK_GROUP):
             _, gi_B = _argmax_lowest(gscore_BG, ~gtaken_BG & is_group_G[None, :], gcols_G, BLOCK_G)
             gtaken_BG = gtaken_BG | (gcols_G[None, :] == gi_B[:, None])
-        keep_BE = cols_E[None, :] < 0
-        for g in tl.static_range(G):
-            kept_B = tl.sum(tl.where(gtaken_BG & (gcols_G[None, :] == g), 1, 0), axis=1) > 0
-            keep_BE = keep_BE | ((group_E[None, :] == g) & kept_B[:, None])
+        if GROUP_RESHAPE:
+            keep_BGe = tl.broadcast_to(gtaken_BG[:, :, None], (BLOCK_T, BLOCK_G, BLOCK_E // BLOCK_G))
+            keep_BE = tl.reshape(keep_BGe, (BLOCK_T, BLOCK_E))
+        else:
+            group_E = cols_E // (E // G)
+            keep_BE = cols_E[None, :] < 0
+            for g in tl.static_range(G):
+                kept_B = tl.sum(tl.where(gtaken_BG & (gcols_G[None, :] == g), 1, 0), axis=1) > 0
+                keep_BE = keep_BE | ((group_E[None, :] == g) & kept_B[:, None])
         choice_BE = tl.where(keep_BE, choice_BE, float("-inf"))
 
     kcols_K = tl.arange(0, BLOCK_K)
@@ -83,10 +113,13 @@ def routing_gate_kernel(
     w_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     taken_BE = cols_E[None, :] < 0
     for k in tl.static_range(K):
-        _, idx_B = _argmax_lowest(choice_BE, ~taken_BE & is_col_E[None, :], cols_E, BLOCK_E)
+        m_B, idx_B = _argmax_lowest(choice_BE, ~taken_BE & is_col_E[None, :], cols_E, BLOCK_E)
         hit_BE = cols_E[None, :] == idx_B[:, None]
         taken_BE = taken_BE | hit_BE
-        w_B = tl.sum(tl.where(hit_BE, scores_BE, 0.0), axis=1)
+        if HAS_BIAS or G > 1:  # the choice is not the score (bias) or may be a masked -inf (groups)
+            w_B = tl.sum(tl.where(hit_BE, scores_BE, 0.0), axis=1)
+        else:
+            w_B = m_B
         ids_BK = tl.where(kcols_K[None, :] == k, idx_B[:, None], ids_BK)
         w_BK = tl.where(kcols_K[None, :] == k, w_B[:, None], w_BK)
     if RENORMALIZE:

@@ -24,7 +24,7 @@ MAX_EXPERTS = 1024
 def _blocks(block_e: int) -> Tuple[int, int, int]:
     """(BLOCK_N rows per tile, BLOCK_P padded slots and BLOCK_B blocks per program): every program
     holds [BLOCK, BLOCK_E] compare tiles, kept at <= 16K elements so that they stay in registers."""
-    block_n = 128 if block_e <= 64 else 64
+    block_n = 128 if block_e <= 32 else 64
     block_pb = max(16, min(128, 4096 // block_e))
     return block_n, block_pb, block_pb
 
@@ -57,8 +57,8 @@ def _tile_counts(
         ids_N, order, tile_counts_SE, N, num_experts, expert_start,
         HAS_ORDER=order_N is not None, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=_warps(block_e),
     )
-    chunk_e = min(block_e, 16)
-    block_s = min(triton.next_power_of_2(num_tiles), 8192 // chunk_e)
+    chunk_e = min(block_e, 8)  # a [BLOCK_S, CHUNK_E] scan of <= 4096 counts: no spills on sm_90 (ptxas -v)
+    block_s = min(triton.next_power_of_2(num_tiles), 4096 // chunk_e)
     tile_scan_kernel[(block_e // chunk_e,)](
         tile_counts_SE, counts_E, num_tiles, num_experts, BLOCK_E=block_e, BLOCK_S=block_s, CHUNK_E=chunk_e,
     )

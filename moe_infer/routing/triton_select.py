@@ -64,6 +64,7 @@ def select_experts_triton(
         T, E, logits_TE.stride(0), logits_TE.stride(1), float(spec.routed_scaling_factor),
         K=K, G=G, TOPK_GROUP=spec.topk_group,
         IS_SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias_E is not None, RENORMALIZE=spec.renormalize,
+        GROUP_RESHAPE=E == block_e and G == triton.next_power_of_2(G),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K),
         BLOCK_G=triton.next_power_of_2(G), num_warps=num_warps,
     )
