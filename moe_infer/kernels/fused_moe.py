@@ -59,8 +59,8 @@ def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: in
     num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = max(16, triton.next_power_of_2(E))
     n_pow = triton.next_power_of_2(max(N, 1))
-    sub = min(256, max(16, 16384 // e_pad), max(16, n_pow))  # one-hot [sub, e_pad] per step
-    chunk = max(sub, min(sub * 8, n_pow), triton.next_power_of_2(triton.cdiv(N, 64)))  # <= 64 chunks
+    sub = min(64, max(16, n_pow))  # one-hot [sub, e_pad] and pairwise [sub, sub] per step
+    chunk = max(sub, triton.next_power_of_2(triton.cdiv(N, 64)))  # at most 64 chunks, in parallel
     num_chunks = max(1, triton.cdiv(N, chunk))
     is_single = num_chunks == 1
     counts_CE = sorted_P if is_single else torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)

@@ -8,8 +8,9 @@ multiple of BLOCK_M, so one GEMM tile never mixes two experts:
     expert_B[b]  local expert of tile b = rows [b*BLOCK_M, (b+1)*BLOCK_M)
     num_padded   sum_e ceil(count_e / BLOCK_M) * BLOCK_M (one int32)
 
-The order inside one expert is the routed order (deterministic, no atomics). Ranks come from a
-one-hot [SUB, E_PAD] running cumsum, histograms from its column sums. Large N is split into
+The order inside one expert is the routed order (deterministic, no atomics). Histograms are the
+column sums of a one-hot [SUB, E_PAD]; ranks inside a SUB-row block a pairwise [SUB, SUB] count
+(reductions only: scans over 2-D blocks were measured slow). Large N is split into at most 64
 CHUNK-row programs: `count` writes a histogram per chunk, `scatter` sums the ones before it.
 
 Legend: N routed rows, E local experts, E_PAD its power-of-two bins, C chunks, P padded slots,
@@ -70,14 +71,16 @@ def align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, num_padded
     end = tl.cumsum(padded, axis=0)  # inclusive: padded slots [end - padded, end) per expert
     start = end - padded
 
-    # Rows of this chunk, in routed order: slot = start[key] + earlier rows of the same expert.
-    running = before
+    # Rows of this chunk, in routed order: slot = start[key] + earlier rows of the same expert
+    # (rows of earlier sub-blocks via `running`, of this sub-block by a pairwise [SUB, SUB] count).
+    running = before + start
+    rows = tl.arange(0, SUB)
     for s in range(0, CHUNK, SUB):
-        offs = c * CHUNK + s + tl.arange(0, SUB)
+        offs = c * CHUNK + s + rows
         key = _keys(ids_ptr, offs, N, expert_start, E)
         onehot = (key[:, None] == bins[None, :]).to(tl.int32)
-        rank_SE = tl.cumsum(onehot, axis=0) - 1 + running[None, :] + start[None, :]
-        slot = tl.sum(onehot * rank_SE, axis=1)
+        same_before = (key[:, None] == key[None, :]) & (rows[None, :] < rows[:, None])
+        slot = tl.sum(onehot * running[None, :], axis=1) + tl.sum(same_before.to(tl.int32), axis=1)
         tl.store(sorted_ptr + slot, offs, mask=key >= 0)
         running += tl.sum(onehot, axis=0)
 
