@@ -8,6 +8,17 @@ Speedup is against the faster of the two PyTorch compositions. Also timed: the d
 (capacity_factor 1.25, by position) on top of both pipelines. Each time is the median of
 triton.testing.do_bench_cudagraph (several calls captured in one graph; inputs stay in L2).
 Usage: python benchmarks/routing.py [--out DIR] [--quick]. Prints a table, writes routing_<device>.json.
+Measured (H100, commit d7c14ce, results/routing_nvidia_h100_80gb_hbm3.json): 2.7x-27x faster than
+the faster PyTorch composition; misses the 4x target at E=256 (2.7-3.7x) and E=128 T=1 / T=8192
+(3.5x, 3.7x); T=8192 E=256 K=8 took 238 us (gate 56 us), far over the 25 us target. ptxas -v showed
+why: the gate (16 tokens x 4 warps) used 255 registers and spilled, the permute scatter spilled
+252 B per thread at E=256 and the tile scan 5.6 KB. Since then (NOT measured on a GPU): gate with
+1 warp per <= 512 scores, grouped scores in one [T, G, E/G] pass (sm_90 SASS per token at E=256
+grouped: 4512 -> 1784 warp-instructions; E=128: 1848 -> 550) and spill-free permute tiles.
+Prediction at T=8192 E=256: gate ~56 -> ~20 us (issue-bound at ~1784 warp-instr/token), still
+over the 25 us end-to-end target; the next step is a top-k over only the kept groups' experts.
+`--ptxas` needs no GPU: it compiles the gate and permutation kernels for sm_90 at the launch
+configurations the wrappers pick and prints ptxas' registers / spills and the SASS size per token.
 """
 from __future__ import annotations
 
@@ -15,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 
 import torch
@@ -115,7 +127,62 @@ def check_drop_equal(spec, x_TE, bias_E):
         raise AssertionError("the Triton and PyTorch drop policies differ")
 
 
+PTR_TYPES = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "bias_ptr": "*fp32", "w_out_ptr": "*fp32",
+             "ids_ptr": "*i32", "tile_counts_ptr": "*i32", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32"}  # every other pointer: int64
+
+
+def ptxas_report(fn, consts, num_warps, tokens_per_warp, label):
+    """Compile `fn` for sm_90 without a device; print registers, spills and warp-instructions per token."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {p.name: "constexpr" if p.is_constexpr else PTR_TYPES.get(p.name, "*i64" if p.name.endswith("_ptr") else "i32")
+           for p in fn.params}
+    sig["routed_scaling_factor"] = "fp32" if "routed_scaling_factor" in sig else None
+    sig = {k: v for k, v in sig.items() if v}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps))
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptx, cubin = "/tmp/routing_ptxas.ptx", "/tmp/routing_ptxas.cubin"
+    with open(ptx, "w") as f:
+        f.write(k.asm["ptx"])
+    arch = "sm_90a" if ".target sm_90a" in k.asm["ptx"] else "sm_90"
+    ptxas = next(p for p in (os.path.join(bindir, "ptxas-blackwell"), os.path.join(bindir, "ptxas")) if os.path.exists(p))
+    info = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx, "-o", cubin], capture_output=True, text=True).stderr
+    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))
+    regs = re.findall(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill stores", info)
+    per_token = f" warp-instr/token={n / tokens_per_warp:.0f}" if tokens_per_warp else ""
+    print(f"{label:40s} warps={num_warps} regs={regs[0] if regs else '?'} spill_bytes={spills[0] if spills else '?'} "
+          f"sass={n}{per_token}")
+
+
+def ptxas_main() -> None:
+    from moe_infer.kernels.permute_rows import tile_scatter_kernel
+    from moe_infer.kernels.routing_gate import routing_gate_kernel
+    from moe_infer.routing.triton_permute import _blocks, _warps
+    from moe_infer.routing.triton_select import gate_launch_config
+
+    T = 8192
+    for name, spec in MODELS.items():
+        E, G = spec.num_experts, spec.num_expert_group
+        bt, be, warps = gate_launch_config(T, E)
+        consts = dict(K=spec.top_k, G=G, TOPK_GROUP=spec.topk_group, IS_SIGMOID=spec.scoring == "sigmoid",
+                      HAS_BIAS=spec.has_score_bias, RENORMALIZE=spec.renormalize,
+                      GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=bt, BLOCK_E=be,
+                      BLOCK_K=triton.next_power_of_2(spec.top_k), BLOCK_G=triton.next_power_of_2(G))
+        ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"gate {name} BT{bt}")
+        bn, bp, bb = _blocks(be)
+        consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=bn,
+                      BLOCK_E=be, BLOCK_P=bp, BLOCK_B=bb)
+        ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BP{bp}")
+
+
 def main() -> None:
+    if "--ptxas" in sys.argv:
+        return ptxas_main()
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--quick", action="store_true", help="two token counts only")
