@@ -61,7 +61,7 @@ class LocalDispatcher:
 
     def combine(self, y_RD: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
         """y_RD holds weighted expert outputs (zero for rows not computed here) -> out_TD."""
-        y_TKD = y_RD.index_select(0, meta.inv_N).view(meta.num_tokens, meta.top_k, -1)
+        y_TKD = y_RD.index_select(0, meta.inv_N).view(meta.num_tokens, meta.top_k, y_RD.shape[1])  # T may be 0
         return y_TKD.sum(dim=1, dtype=torch.float32).to(y_RD.dtype)
 
     def forward_experts(

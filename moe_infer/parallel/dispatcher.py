@@ -97,7 +97,7 @@ def weight_columns(dtype: torch.dtype) -> int:
 
 def weight_cols(weights_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[R, weight_columns]: each row's float32 weight bit-cast to `dtype` columns."""
-    return weights_R.float().contiguous().view(dtype).view(weights_R.shape[0], -1)
+    return weights_R.float().contiguous().view(dtype).view(weights_R.shape[0], weight_columns(dtype))
 
 
 def with_weights(rows_RD: torch.Tensor, weights_R: torch.Tensor) -> torch.Tensor:
