@@ -12,11 +12,14 @@ Measured (H100, commit d7c14ce, results/routing_nvidia_h100_80gb_hbm3.json): 2.7
 the faster PyTorch composition; misses the 4x target at E=256 (2.7-3.7x) and E=128 T=1 / T=8192
 (3.5x, 3.7x); T=8192 E=256 K=8 took 238 us (gate 56 us), far over the 25 us target. ptxas -v showed
 why: the gate (16 tokens x 4 warps) used 255 registers and spilled, the permute scatter spilled
-252 B per thread at E=256 and the tile scan 5.6 KB. Since then (NOT measured on a GPU): gate with
-1 warp per <= 512 scores, grouped scores in one [T, G, E/G] pass (sm_90 SASS per token at E=256
-grouped: 4512 -> 1784 warp-instructions; E=128: 1848 -> 550) and spill-free permute tiles.
-Prediction at T=8192 E=256: gate ~56 -> ~20 us (issue-bound at ~1784 warp-instr/token), still
-over the 25 us end-to-end target; the next step is a top-k over only the kept groups' experts.
+252 B per thread at E=256 and the tile scan 5.6 KB; the scatter also ran 5120 programs of E-wide
+one-hot selects. Since then (NOT measured on a GPU): gate with 1 warp per <= 512 scores, grouped
+scores in one [T, G, E/G] pass (sm_90 SASS per token at E=256 grouped: 4512 -> 1784 warp-instr;
+E=128: 1848 -> 550); permutation with tl.gather instead of one-hot selects, sentinel fill in
+launch 1, 1024 instead of 5120 scatter programs at T=8192 E=256, no spills anywhere.
+Prediction at T=8192 E=256 (issue-bound estimate): gate ~16 us, histogram ~9 us, scatter ~8 us,
+plus ~4 launch gaps: ~40 us, still over the 25 us target. Next steps: fold the tile histogram
+into the gate (it already has the one-hot of each choice) and a top-k over the kept groups only.
 `--ptxas` needs no GPU: it compiles the gate and permutation kernels for sm_90 at the launch
 configurations the wrappers pick and prints ptxas' registers / spills and the SASS size per token.
 """
@@ -160,9 +163,9 @@ def ptxas_report(fn, consts, num_warps, tokens_per_warp, label):
 
 
 def ptxas_main() -> None:
-    from moe_infer.kernels.permute_rows import tile_scatter_kernel
+    from moe_infer.kernels.permute_rows import tile_hist_kernel, tile_scatter_kernel
     from moe_infer.kernels.routing_gate import routing_gate_kernel
-    from moe_infer.routing.triton_permute import _blocks, _warps
+    from moe_infer.routing.triton_permute import FILL, _blocks, _warps
     from moe_infer.routing.triton_select import gate_launch_config
 
     T = 8192
@@ -174,10 +177,12 @@ def ptxas_main() -> None:
                       GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=bt, BLOCK_E=be,
                       BLOCK_K=triton.next_power_of_2(spec.top_k), BLOCK_G=triton.next_power_of_2(G))
         ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"gate {name} BT{bt}")
-        bn, bp, bb = _blocks(be)
+        bn, bb = _blocks(be)
+        consts = dict(HAS_ORDER=False, BLOCK_N=bn, BLOCK_E=be, FILL=FILL)
+        ptxas_report(tile_hist_kernel, consts, _warps(be), None, f"permute hist {name} BN{bn}")
         consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=bn,
-                      BLOCK_E=be, BLOCK_P=bp, BLOCK_B=bb)
-        ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BP{bp}")
+                      BLOCK_E=be, BLOCK_B=bb)
+        ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BB{bb}")
 
 
 def main() -> None:

@@ -21,12 +21,13 @@ from moe_infer.routing.triton_common import check_int_ids, check_triton_device
 MAX_EXPERTS = 1024
 
 
-def _blocks(block_e: int) -> Tuple[int, int, int]:
-    """(BLOCK_N rows per tile, BLOCK_P padded slots and BLOCK_B blocks per program): every program
-    holds [BLOCK, BLOCK_E] compare tiles, kept at <= 16K elements so that they stay in registers."""
-    block_n = 128 if block_e <= 32 else 64
-    block_pb = max(16, min(128, 4096 // block_e))
-    return block_n, block_pb, block_pb
+FILL = 1024  # padded slots pre-filled with the sentinel per program of launch 1
+
+
+def _blocks(block_e: int) -> Tuple[int, int]:
+    """(BLOCK_N rows per tile, BLOCK_B blocks per program): the [BLOCK_N, BLOCK_E] histogram and
+    [BLOCK_B, BLOCK_E] block-owner compares stay <= 16K elements, in registers (ptxas -v, sm_90)."""
+    return (128 if block_e <= 32 else 64), max(16, min(128, 4096 // block_e))
 
 
 def _check(ids_TK: torch.Tensor, num_experts: int, order_N: Optional[torch.Tensor]) -> None:
@@ -43,9 +44,11 @@ def _warps(block_e: int) -> int:
 
 
 def _tile_counts(
-    ids_N: torch.Tensor, order_N: Optional[torch.Tensor], num_experts: int, expert_start: int
+    ids_N: torch.Tensor, order_N: Optional[torch.Tensor], num_experts: int, expert_start: int,
+    sorted_rows_P: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Launches 1 and 2: per-tile base ranks [S, BLOCK_E] (int32) and counts_E (int64)."""
+    """Launches 1 and 2: per-tile base ranks [S, BLOCK_E] (int32) and counts_E (int64); launch 1 also
+    fills sorted_rows_P (if given) with the sentinel N."""
     N, device = ids_N.numel(), ids_N.device
     block_e = triton.next_power_of_2(num_experts)
     block_n = _blocks(block_e)[0]
@@ -53,9 +56,11 @@ def _tile_counts(
     tile_counts_SE = torch.empty(num_tiles, block_e, dtype=torch.int32, device=device)
     counts_E = torch.empty(num_experts, dtype=torch.int64, device=device)
     order = order_N if order_N is not None else ids_N
-    tile_hist_kernel[(num_tiles,)](
-        ids_N, order, tile_counts_SE, N, num_experts, expert_start,
-        HAS_ORDER=order_N is not None, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=_warps(block_e),
+    P = 0 if sorted_rows_P is None else sorted_rows_P.numel()
+    tile_hist_kernel[(max(num_tiles, triton.cdiv(P, FILL)),)](
+        ids_N, order, tile_counts_SE, sorted_rows_P if P else tile_counts_SE, N, num_experts, expert_start,
+        num_tiles, P, HAS_ORDER=order_N is not None, BLOCK_N=block_n, BLOCK_E=block_e, FILL=FILL,
+        num_warps=_warps(block_e),
     )
     chunk_e = min(block_e, 8)  # a [BLOCK_S, CHUNK_E] scan of <= 4096 counts: no spills on sm_90 (ptxas -v)
     block_s = min(triton.next_power_of_2(num_tiles), 4096 // chunk_e)
@@ -76,14 +81,14 @@ def expert_ranks_triton(
     if N == 0:
         return rank_N, torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
     tiles_SE, counts_E, num_tiles, block_e = _tile_counts(ids_N, order_N, num_experts, 0)
-    block_n, block_p, block_b = _blocks(block_e)
+    block_n, block_b = _blocks(block_e)
     d = rank_N  # unused pointer arguments
     tile_scatter_kernel[(num_tiles,)](
         ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E,
         rank_N, d, d, d, d, d, d, d, d, d,
-        N, num_experts, 0, 1, num_tiles, 0, 0,
+        N, num_experts, 0, 1, num_tiles, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_B=block_b, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=_warps(block_e),
     )
     return rank_N, counts_E
 
@@ -102,13 +107,8 @@ def permute_rows_triton(
         return permute_rows_torch(topk_ids_TK, topk_weights_TK, E, expert_start, block_size)
     ids_N = topk_ids_TK.reshape(-1).contiguous()
     w_N = topk_weights_TK.reshape(-1).contiguous()
-    tiles_SE, counts_E, num_tiles, block_e = _tile_counts(ids_N, None, E, expert_start)
-    block_n, block_p, block_b = _blocks(block_e)
     i64 = dict(dtype=torch.int64, device=device)
-    order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
-    weights_R = torch.empty(N, dtype=torch.float32, device=device)
-    offsets_E1 = torch.empty(E + 1, **i64)
-    grid, P, num_blocks, layout = num_tiles, 0, 0, None
+    layout, num_blocks = None, 0
     if block_size is not None:
         P = max_padded_rows(N, E, block_size)
         num_blocks = P // block_size
@@ -117,15 +117,21 @@ def permute_rows_triton(
             block_expert_B=torch.empty(num_blocks, dtype=torch.int32, device=device),
             padded_offsets_E1=torch.empty(E + 1, **i64), num_padded=torch.empty(1, dtype=torch.int32, device=device),
         )
-        grid = max(num_tiles, triton.cdiv(P, block_p), triton.cdiv(num_blocks, block_b))
+    tiles_SE, counts_E, num_tiles, block_e = _tile_counts(
+        ids_N, None, E, expert_start, layout.sorted_rows_P if layout else None
+    )
+    block_n, block_b = _blocks(block_e)
+    order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
+    weights_R = torch.empty(N, dtype=torch.float32, device=device)
+    offsets_E1 = torch.empty(E + 1, **i64)
     lay = (layout.sorted_rows_P, layout.block_expert_B, layout.padded_offsets_E1, layout.num_padded) if layout else (
         order_R,) * 4
-    tile_scatter_kernel[(grid,)](
+    tile_scatter_kernel[(max(num_tiles, triton.cdiv(num_blocks, block_b)),)](
         ids_N, ids_N, w_N, tiles_SE, counts_E,
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
-        N, E, expert_start, K, num_tiles, P, num_blocks,
+        N, E, expert_start, K, num_tiles, num_blocks,
         HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=block_size or 0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_B=block_b, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=_warps(block_e),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,
