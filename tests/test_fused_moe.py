@@ -60,6 +60,27 @@ def test_fused_experts_matches_reference(T, K, E, D, F, start, E_total, dtype):
     assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("N,E,start,block_m", [(1, 1, 0, 16), (46, 7, 2, 16), (64, 130, 3, 32)])
+def test_inline_schedule_matches_launched_schedule(N, E, start, block_m):
+    """Decode: the GEMMs derive the schedule from ids_N themselves; same act_PF and y_ND bits."""
+    from moe_infer.kernels.fused_moe import down, gate_up
+
+    torch.manual_seed(N)
+    D, F = 32, 24
+    ids_N = torch.randint(-1, E + start + 2, (N,), dtype=torch.int32, device=DEV)
+    x_ND = torch.randn(N, D, device=DEV)
+    w_N = torch.rand(N, device=DEV)
+    w13, w2 = _weights(E, D, F, torch.float32)
+    outs = []
+    for inline in (False, True):
+        sched = block_schedule(ids_N, E, start, block_m, allow_inline=inline)
+        assert sched.is_inline == inline
+        act_PF = gate_up(x_ND, w13, sched, 1, SMALL.gate_up)
+        num_padded = int(block_schedule(ids_N, E, start, block_m).num_padded_1)
+        outs.append((act_PF[:num_padded], down(act_PF, w2, w_N, sched, SMALL.down, torch.zeros(N, D, device=DEV))))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_tma_path_matches_reference(monkeypatch):
     """Weights (and the down GEMM's rows) through tensor descriptors; forced on in the interpreter."""
     import moe_infer.kernels.fused_moe as fused_moe

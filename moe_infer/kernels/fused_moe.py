@@ -1,7 +1,8 @@
 """Launch wrappers of the fused MoE path (kernels in fused_moe_align.py and fused_moe_gemm.py).
 
     fused_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF) -> out_TD
-        = block_schedule (1 launch for decode, 2 for prefill) -> gate_up -> down -> combine_topk
+        = block_schedule (no launch for decode: the GEMMs derive it; 1-2 launches else)
+      -> gate_up -> down -> combine_topk
 
 No host sync: every grid is sized from shapes alone (P_max = N + min(E, N) * (BLOCK_M - 1) padded
 slots bound the schedule), so a decode step captures in a CUDA graph. Each function has a PyTorch
@@ -38,6 +39,17 @@ class BlockSchedule:
     num_padded_1: torch.Tensor  # int32 [1]: live slots
     block_m: int
     num_rows: int  # N: the sentinel and the number of routed rows
+    p_max: int  # padded slots that can be live: N + min(E, N) * (block_m - 1)
+    expert_start: int = 0
+    num_experts: int = 1
+    is_inline: bool = False  # decode: sorted_P holds ids_N and the GEMMs derive the schedule themselves
+
+    def kernel_args(self) -> dict:
+        return dict(INLINE=self.is_inline, N_PAD=max(16, triton.next_power_of_2(self.num_rows)) if self.is_inline else 16,
+                    E_PAD=max(16, triton.next_power_of_2(self.num_experts)) if self.is_inline else 16)
+
+
+MAX_INLINE_ROWS = 64  # up to this many routed rows, the GEMMs build the schedule in registers
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -45,14 +57,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int) -> BlockSchedule:
-    """Rows of local experts grouped by expert, each group padded to a multiple of block_m."""
+def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int,
+                   allow_inline: bool = False) -> BlockSchedule:
+    """Rows of local experts grouped by expert, each group padded to a multiple of block_m.
+
+    allow_inline and N <= MAX_INLINE_ROWS: no launch; the GEMM programs derive the same schedule."""
     _check(ids_N.dim() == 1 and not ids_N.is_floating_point(), f"ids_N must be a 1-D integer tensor, got {ids_N.dtype} {tuple(ids_N.shape)}")
     _check(num_local_experts >= 1 and block_m >= 16 and block_m & (block_m - 1) == 0,
            f"bad schedule request: num_local_experts={num_local_experts} block_m={block_m}")
     N, E, dev = ids_N.numel(), num_local_experts, ids_N.device
     ids_N = ids_N.contiguous()
     p_max = N + min(E, N) * (block_m - 1)
+    if allow_inline and 0 < N <= MAX_INLINE_ROWS:
+        return BlockSchedule(ids_N, ids_N, ids_N, block_m, N, p_max, expert_start, E, True)
     num_tiles = triton.cdiv(p_max, block_m)
     sorted_P = torch.empty(max(p_max, 1), dtype=torch.int32, device=dev)
     expert_B = torch.empty(max(num_tiles, 1), dtype=torch.int32, device=dev)
@@ -72,7 +89,7 @@ def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: in
         BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, C_PAD=max(2, triton.next_power_of_2(num_chunks)),
         TILE_SUB=min(64, 8192 // e_pad), IS_SINGLE=is_single, num_warps=8,
     )
-    return BlockSchedule(sorted_P, expert_B, num_padded_1, block_m, N)
+    return BlockSchedule(sorted_P, expert_B, num_padded_1, block_m, N, p_max, expert_start, E)
 
 
 def _check_weights(x: torch.Tensor, w: torch.Tensor, name: str, rows: int, cols: int) -> None:
@@ -108,7 +125,7 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     _check(F2 % 2 == 0, f"w13_E2FD dim 1 must be 2F (gate; up), got {F2}")
     F = F2 // 2
     _check_weights(x_SD, w13_E2FD, "w13_E2FD", F2, x_SD.shape[1])
-    p_max = sched.sorted_P.numel()
+    p_max = max(sched.p_max, 1)
     act_PF = torch.empty(p_max, F, dtype=x_SD.dtype, device=x_SD.device)
     num_tiles_m = triton.cdiv(p_max, sched.block_m)
     grid = (num_tiles_m * triton.cdiv(F, cfg.block_n),)
@@ -116,11 +133,11 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     w13 = _descriptor(w13_E2FD.view(E * F2, D), (cfg.block_n, cfg.block_k)) if use_tma else w13_E2FD
     gate_up_kernel[grid](
         x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
-        sched.num_rows, row_div, D, F, num_tiles_m,
+        sched.num_rows, row_div, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(x_SD),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return act_PF
 
@@ -144,11 +161,11 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
         w2 = _descriptor(w2_EDF.view(E * D, F), (cfg.block_n, cfg.block_k))
     down_kernel[grid](
         act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
-        sched.num_rows, D, F, num_tiles_m,
+        sched.num_rows, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y_ND
 
@@ -187,7 +204,7 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
     if T == 0:
         return torch.empty_like(x_TD)
     cfg = config or get_config(T, E, F2 // 2, D, K, _DTYPE_NAMES[x_TD.dtype])
-    sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m)
+    sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m, allow_inline=True)
     act_PF = gate_up(x_TD, w13_E2FD, sched, K, cfg.gate_up)
     y_ND = down(act_PF, w2_EDF, topk_weights_TK.reshape(-1), sched, cfg.down)
     return combine_topk(y_ND, topk_ids_TK, E, expert_start)

@@ -98,3 +98,33 @@ def align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, num_padded
             expert = tl.sum((end[None, :] <= first[:, None]).to(tl.int32), axis=1)
             expert = tl.where(first < num_padded, expert, -1)
             tl.store(expert_ptr + tiles, expert, mask=tiles < num_tiles)
+
+
+@triton.jit
+def tile_rows(pid_m, sched_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
+              BLOCK_M: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """(num_padded, rows [BLOCK_M], expert) of tile pid_m.
+
+    INLINE (decode, N <= N_PAD rows): sched_ptr holds ids_N and each program derives the same schedule
+    as align_scatter_kernel in registers, which saves the schedule launch. Otherwise sched_ptr holds
+    sorted_P, written by align_scatter_kernel.
+    """
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if INLINE:
+        offs = tl.arange(0, N_PAD)
+        bins = tl.arange(0, E_PAD)
+        key = _keys(sched_ptr, offs, num_rows, expert_start, E)
+        padded = (tl.sum((key[:, None] == bins[None, :]).to(tl.int32), axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = tl.cumsum(padded, axis=0)
+        num_padded = tl.sum(padded, axis=0)
+        expert = tl.sum((end <= pid_m * BLOCK_M).to(tl.int32), axis=0)
+        start = tl.sum(tl.where(bins == expert, end - padded, 0), axis=0)
+        rank = tl.sum(((key[:, None] == key[None, :]) & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)
+        match = (key[None, :] == expert) & (rank[None, :] == (slots - start)[:, None])  # [BLOCK_M, N_PAD]
+        is_match = tl.sum(match.to(tl.int32), axis=1) > 0
+        rows = tl.where(is_match, tl.sum(tl.where(match, offs[None, :], 0), axis=1), num_rows)
+    else:
+        num_padded = tl.load(num_padded_ptr)
+        rows = tl.load(sched_ptr + slots, mask=slots < num_padded, other=num_rows)
+        expert = tl.load(expert_ptr + pid_m)  # in bounds: expert_B has a slot for every tile
+    return num_padded, rows, expert

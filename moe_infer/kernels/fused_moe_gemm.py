@@ -1,7 +1,8 @@
 """Raw Triton kernels of the fused MoE path: gate_up GEMM + SiLU*up, down GEMM + routing weight,
 and the top-k combine.
 
-Both GEMMs walk the block-padded schedule of `fused_moe_align` (sorted_P, expert_B, num_padded):
+Both GEMMs walk the block-padded schedule of `fused_moe_align` (sorted_P, expert_B, num_padded),
+read from memory or, for decode (INLINE), derived from ids_N inside each program (`tile_rows`):
 tile b holds BLOCK_M slots of one expert; tiles past num_padded exit at once, so the grid is
 static (CUDA-graph capturable) and non-local rows cost nothing. The gate_up GEMM reads its rows
 straight from the source activations (x_TD through row // ROW_DIV), so no gathered copy exists;
@@ -15,6 +16,8 @@ P padded slots, B tiles.
 """
 import triton
 import triton.language as tl
+
+from moe_infer.kernels.fused_moe_align import tile_rows
 
 
 @triton.jit
@@ -30,22 +33,24 @@ def _tile_ids(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
-                   num_rows, ROW_DIV, D, F, num_tiles_m,
+                   num_rows, ROW_DIV, D, F, num_tiles_m, expert_start, E,
                    stride_xm, stride_we, stride_wn, stride_wk, stride_am,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
+                   E_PAD: tl.constexpr):
     """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile.
 
     USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K].
     """
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
+                                    BLOCK_M, INLINE, N_PAD, E_PAD)
+    if pid_m * BLOCK_M >= num_padded:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + offs_m)
     is_row = rows < num_rows
-    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    e = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (rows // ROW_DIV).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
@@ -84,23 +89,25 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
 
 @triton.jit
 def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
-                num_rows, D, F, num_tiles_m,
+                num_rows, D, F, num_tiles_m, expert_start, E,
                 stride_am, stride_we, stride_wn, stride_wk, stride_ym,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
+                E_PAD: tl.constexpr):
     """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
     and w2 viewed [E*D, F] (block [BLOCK_N, BLOCK_K]).
     """
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
+                                    BLOCK_M, INLINE, N_PAD, E_PAD)
+    if pid_m * BLOCK_M >= num_padded:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + offs_m)
     is_row = rows < num_rows
-    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    e = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     if USE_TMA:

@@ -33,12 +33,13 @@ def block_schedule_ref(ids_N: torch.Tensor, num_local_experts: int, expert_start
         expert_B[slot // block_m:(slot + padded) // block_m] = e
         slot += padded
     return BlockSchedule(sorted_P.to(ids_N.device), expert_B.to(ids_N.device),
-                         torch.tensor([slot], dtype=torch.int32, device=ids_N.device), block_m, N)
+                         torch.tensor([slot], dtype=torch.int32, device=ids_N.device), block_m, N, p_max,
+                         expert_start, E)
 
 
 def gate_up_ref(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig) -> torch.Tensor:
     F_ = w13_E2FD.shape[1] // 2
-    act_PF = torch.zeros(sched.sorted_P.numel(), F_, dtype=x_SD.dtype, device=x_SD.device)
+    act_PF = torch.zeros(max(sched.p_max, 1), F_, dtype=x_SD.dtype, device=x_SD.device)
     for p in range(int(sched.num_padded_1)):
         r = int(sched.sorted_P[p])
         if r < sched.num_rows:
