@@ -48,16 +48,18 @@ def store_kv(
     # No host sync (CUDA-graph safe): a padding row repeats the first valid row's write (same slot,
     # same value, so the duplicate index is harmless); with no valid row at all, every row writes
     # slot 0's own value back.
+    # Indexing with a 0-dim tensor would read it on the host: index_select keeps it on the device.
     valid_T = slots_T >= 0
-    first = torch.argmax(valid_T.int())
+    first_1 = torch.argmax(valid_T.int()).reshape(1)
+    any_valid_1 = valid_T.index_select(0, first_1)
+    fill_slot_1 = torch.where(any_valid_1, slots_T.index_select(0, first_1), torch.zeros_like(first_1))
+    dst_T = torch.where(valid_T, slots_T, fill_slot_1)
     for new_THd, cache in ((k_THd, k_cache_NbSHd), (v_THd, v_cache_NbSHd)):
         flat = cache.view(-1, *cache.shape[2:])
         new_THd = new_THd.to(flat.dtype)
-        any_valid = valid_T[first]
-        fill_slot = torch.where(any_valid, slots_T[first], torch.zeros_like(slots_T[first]))
-        fill_Hd = torch.where(any_valid, new_THd[first], flat[fill_slot])
-        dst_T = torch.where(valid_T, slots_T, fill_slot)
-        flat.index_put_((dst_T,), torch.where(valid_T[:, None, None], new_THd, fill_Hd))
+        fill_1Hd = torch.where(any_valid_1[:, None, None], new_THd.index_select(0, first_1),
+                               flat.index_select(0, fill_slot_1))
+        flat.index_put_((dst_T,), torch.where(valid_T[:, None, None], new_THd, fill_1Hd))
 
 
 def paged_attention_ref(
@@ -180,9 +182,12 @@ def _dense_fp32(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tens
 
 def _dense_sdpa(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:
     """Masked attention by torch's SDPA in the inputs' dtype (K/V heads repeated for GQA)."""
-    G = q_BQHd.shape[2] // k_BLHd.shape[2]
-    k_BHLd = k_BLHd.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
-    v_BHLd = v_BLHd.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
+    B, L, Hkv, d = k_BLHd.shape
+    G = q_BQHd.shape[2] // Hkv
+    # head h reads kv head h // G; expand + reshape copies once and, unlike repeat_interleave on CUDA,
+    # never reads a size back to the host
+    k_BHLd = k_BLHd.permute(0, 2, 1, 3)[:, :, None].expand(B, Hkv, G, L, d).reshape(B, Hkv * G, L, d)
+    v_BHLd = v_BLHd.permute(0, 2, 1, 3)[:, :, None].expand(B, Hkv, G, L, d).reshape(B, Hkv * G, L, d)
     out_BHQd = F.scaled_dot_product_attention(
         q_BQHd.permute(0, 2, 1, 3), k_BHLd.to(q_BQHd.dtype), v_BHLd.to(q_BQHd.dtype),
         attn_mask=visible_BQL[:, None], scale=scale,
