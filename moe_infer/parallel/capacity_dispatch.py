@@ -25,13 +25,13 @@ class CapacityDispatcher(A2ADispatcher):
         super().__init__(*args, **kwargs)
         self.capacity_fn = capacity_fn
 
-    def _plan(self, x_TD, ids_TK, weights_TK, ranges: Sequence[Tuple[int, int]], capacity_tokens: int) -> RoutePlan:
+    def _plan(self, x_TD, ids_TK, weights_TK, ranges: Sequence[Tuple[int, int]], layer_tokens: int) -> RoutePlan:
         T, K = ids_TK.shape
         N, S, ep, D = T * K, self.num_local_experts, self.ep, x_TD.shape[1]
         P, dev = ep * S, ids_TK.device
-        C = int(self.capacity_fn(capacity_tokens))
+        C = int(self.capacity_fn(layer_tokens))
         if C <= 0:
-            raise ValueError(f"capacity_fn({capacity_tokens}) = {C}: the capacity must be positive")
+            raise ValueError(f"capacity_fn({layer_tokens}) = {C}: the capacity must be positive")
         v_N, valid_N = self._virtual_slots(ids_TK, ranges)
         key_N = torch.where(valid_N, v_N, torch.full_like(v_N, P))
         key_sorted_N, order_N = torch.sort(key_N, stable=True)
@@ -43,11 +43,11 @@ class CapacityDispatcher(A2ADispatcher):
         dest_N = torch.where(keep_N, v_N * C + pos_N, torch.full_like(v_N, P * C))
         w_NW = weight_cols(weights_TK.reshape(-1), x_TD.dtype)
         send_XD = x_TD.new_zeros(P * C + 1, D + w_NW.shape[1])  # + the trash row that dropped rows write
-        send_XD[:, :D].index_copy_(0, dest_N, x_TD.repeat_interleave(K, dim=0))
+        send_XD[:, :D].index_copy_(0, dest_N, x_TD.unsqueeze(1).expand(T, K, D).reshape(N, D))
         send_XD[:, D:].index_copy_(0, dest_N, w_NW)
         sections = tuple(send_XD[a * ep * C:b * ep * C] for a, b in ranges)
         return RoutePlan(
-            num_tokens=T, top_k=K, slot_ranges=tuple(ranges), send_pos_N=dest_N,
+            num_tokens=T, top_k=K, layer_tokens=layer_tokens, slot_ranges=tuple(ranges), send_pos_N=dest_N,
             sent_N=keep_N, overflow_N=valid_N & ~keep_N, send_rows=sections,
             send_splits=(None,) * len(ranges), recv_splits=(None,) * len(ranges), recv_counts_rS=None, capacity=C,
         )

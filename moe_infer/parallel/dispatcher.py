@@ -67,6 +67,7 @@ class RoutePlan:
 
     num_tokens: int  # T
     top_k: int  # K
+    layer_tokens: int  # tokens of the whole MoE layer call (> T when tokens are replicated and sharded)
     slot_ranges: Tuple[Tuple[int, int], ...]  # local slots [a, b) of each micro-batch
     send_pos_N: torch.Tensor  # int64 [N]: row of the returned buffer holding routed row n (sentinel: zero row)
     sent_N: torch.Tensor  # bool [N]: rows sent to an expert (False: dropped by the policy or by capacity)
@@ -81,7 +82,8 @@ class RoutePlan:
 @dataclass(frozen=True)
 class A2AMetadata(DispatchMetadata):
     """DispatchMetadata of one micro-batch on the receiving rank. token_idx_R holds the receive-buffer
-    row of each dispatched row, inv_N the plan's send_pos_N; weights_R came with the rows."""
+    row of each dispatched row, inv_N the plan's send_pos_N; weights_R came with the rows; num_tokens
+    is the layer's token count (what an experts backend picks its kernel config by, as on one rank)."""
 
     micro_batch: int
     plan: RoutePlan
@@ -158,7 +160,7 @@ class A2ADispatcher(LocalDispatcher):
         return torch.where(valid_N, v_P[phys_N], torch.full_like(phys_N, -1)), valid_N
 
     # ---- subclass hooks ------------------------------------------------------------------------
-    def _plan(self, x_TD, ids_TK, weights_TK, ranges, capacity_tokens: int) -> RoutePlan:
+    def _plan(self, x_TD, ids_TK, weights_TK, ranges, layer_tokens: int) -> RoutePlan:
         raise NotImplementedError
 
     def _regroup(self, plan: RoutePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +207,7 @@ class A2ADispatcher(LocalDispatcher):
         D = recv_RD.shape[1] - weight_columns(recv_RD.dtype)
         weights_R = recv_RD[:, D:].index_select(0, slot_order_R).view(torch.float32).view(-1)
         meta = A2AMetadata(
-            num_tokens=plan.num_tokens, top_k=plan.top_k, token_idx_R=slot_order_R, weights_R=weights_R,
+            num_tokens=plan.layer_tokens, top_k=plan.top_k, token_idx_R=slot_order_R, weights_R=weights_R,
             counts_E=counts_S, offsets_E1=offsets_S1, inv_N=plan.send_pos_N, micro_batch=m, plan=plan,
         )
         return recv_RD[:, :D].index_select(0, slot_order_R), meta
@@ -258,9 +260,9 @@ class A2ADispatcher(LocalDispatcher):
             raise self._comm_error(err) from err
         return out_TD[:T]
 
-    def _run(self, x_TD, ids_TK, weights_TK, experts_fn: ExpertsCall, capacity_tokens: int) -> torch.Tensor:
-        use_overlap = self.overlap and capacity_tokens >= self.overlap_min_tokens
-        plan = self._plan(x_TD, ids_TK, weights_TK, self._slot_ranges(2 if use_overlap else 1), capacity_tokens)
+    def _run(self, x_TD, ids_TK, weights_TK, experts_fn: ExpertsCall, layer_tokens: int) -> torch.Tensor:
+        use_overlap = self.overlap and layer_tokens >= self.overlap_min_tokens
+        plan = self._plan(x_TD, ids_TK, weights_TK, self._slot_ranges(2 if use_overlap else 1), layer_tokens)
         M = len(plan.slot_ranges)
         if M == 1:
             x_RD, meta = self._finish_dispatch(plan, 0, self._start_dispatch(plan, x_TD, 0, async_op=False))

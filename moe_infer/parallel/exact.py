@@ -20,7 +20,7 @@ _HEADER = 2  # columns ahead of the counts: number of micro-batches, tokens on t
 
 @DISPATCHERS.register("exact")
 class ExactDispatcher(A2ADispatcher):
-    def _plan(self, x_TD, ids_TK, weights_TK, ranges: Sequence[Tuple[int, int]], capacity_tokens: int) -> RoutePlan:
+    def _plan(self, x_TD, ids_TK, weights_TK, ranges: Sequence[Tuple[int, int]], layer_tokens: int) -> RoutePlan:
         T, K = ids_TK.shape
         N, S, ep = T * K, self.num_local_experts, self.ep
         P, dev = ep * S, ids_TK.device
@@ -53,7 +53,7 @@ class ExactDispatcher(A2ADispatcher):
             send.append((tok_sorted[start:start + sum(splits)], w_sorted[start:start + sum(splits)]))
             start += sum(splits)
         return RoutePlan(
-            num_tokens=T, top_k=K, slot_ranges=tuple(ranges),
+            num_tokens=T, top_k=K, layer_tokens=layer_tokens, slot_ranges=tuple(ranges),
             send_pos_N=pos_N.clamp_max(num_send),  # dropped rows sort last: all of them -> sentinel
             sent_N=valid_N, overflow_N=torch.zeros(N, dtype=torch.bool, device=dev),
             send_rows=tuple(send), send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),

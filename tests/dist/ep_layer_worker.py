@@ -29,6 +29,7 @@ from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.experts.reference import EXPERT_BACKENDS  # noqa: E402
 from moe_infer.layers.moe import MoEBackends, MoELayer  # noqa: E402
 from moe_infer.parallel import init, replicate_hot_experts  # noqa: E402
+from moe_infer.plugins import load_plugins  # noqa: E402
 from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 E, K, D, F_ = 8, 2, 32, 24
@@ -60,7 +61,7 @@ def build_ep_layer(ref, ctx, pcfg, policy, policy_kwargs, experts, tokens_replic
 
 
 def check_case(ctx, case, placement_path):
-    backend, overlap, replicas, replicated, dtype_name, policy = case
+    backend, overlap, replicas, replicated, dtype_name, policy, ctx.experts = case
     dtype, dev, ep, rank = getattr(torch, dtype_name), ctx.device, ctx.dims.ep, ctx.rank
     policy_kwargs = {} if policy == "dropless" else dict(capacity_factor=1.0, min_capacity=2)
     ref = build_reference(dtype, dev, policy, policy_kwargs, ctx.experts)
@@ -116,6 +117,39 @@ def check_plain_api(ctx, backend):
     return [] if torch.allclose(out_TD, ref_TD, atol=1e-5, rtol=1e-5) else ["plain dispatch/combine differs"]
 
 
+def check_capacity_no_host_sync(ctx):
+    """The capacity backend's dispatch and combine, overlap included, never synchronize with the host
+    (after a first call, which builds the dispatcher's replica tables on the device)."""
+    policy, kw = ("drop", dict(capacity_factor=1.0, min_capacity=2))
+    ref = build_reference(torch.bfloat16, ctx.device, policy, kw, ctx.experts)
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher="capacity", overlap=True, overlap_min_tokens=0)
+    layer, disp = build_ep_layer(ref, ctx, pcfg, policy, kw, ctx.experts, False)
+    x_TD = torch.randn(32, D, device=ctx.device, dtype=torch.bfloat16)
+
+    def experts_fn(x_RD, meta):  # the experts backend is not under test here
+        torch.cuda.set_sync_debug_mode(0)
+        y_RD = layer._run_experts(x_RD, meta)
+        torch.cuda.set_sync_debug_mode(2)
+        return y_RD
+
+    with torch.no_grad():
+        w_TK, ids_TK = ref._select(ref.gate(x_TD), ref.spec, None)
+        kept_TK, kw_TK = ref._policy(ids_TK, w_TK, logits_TE=ref.gate(x_TD), spec=ref.spec, **kw)
+        disp.forward_experts(x_TD, kept_TK, kw_TK, layer._run_experts)  # builds the device tables
+        torch.cuda.synchronize()
+        try:
+            torch.cuda.set_sync_debug_mode(2)  # "error": any synchronizing call raises
+            disp.forward_experts(x_TD, kept_TK, kw_TK, experts_fn)
+            disp.overlap = False
+            x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)
+            disp.combine(experts_fn(x_RD, meta), meta)
+        except RuntimeError as err:
+            return [f"host sync: {err}"]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return []
+
+
 def check_mismatch_raises(ctx):
     """Rank 0 runs two micro-batches, the others one: every rank must raise, none may hang."""
     ref = build_reference(torch.float32, ctx.device, "dropless", {}, ctx.experts)
@@ -134,20 +168,23 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--experts", default="torch")
+    ap.add_argument("--experts", default="torch", help="experts backends, comma-separated (torch, triton)")
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     ctx = init(ParallelConfig(ep=world, timeout_s=120), device=args.device)
     ctx.base_cfg = ctx.cfg
-    ctx.experts = args.experts
-    EXPERT_BACKENDS.get(args.experts) if args.experts == "torch" else __import__("moe_infer.plugins").plugins.load_plugins()
+    load_plugins()
+    experts = args.experts.split(",")
+    for name in experts:
+        EXPERT_BACKENDS.get(name)  # fails naming the registered ones
+    ctx.experts = experts[0]
     load_E = [1.0 + 10.0 * (e == 3) + 4.0 * (e == 6) for e in range(E)]  # hot experts 3 and 6
     placement = replicate_hot_experts(load_E, world, num_redundant=world)
     path = os.path.join(tempfile.mkdtemp(), "placement.json")
     with open(path, "w") as f:
         f.write(placement.to_json())
     cases = [c for c in itertools.product(("exact", "capacity"), (False, True), (False, True), (False, True),
-                                          args.dtypes.split(","), ("dropless", "drop", "reroute"))
+                                          args.dtypes.split(","), ("dropless", "drop", "reroute"), experts)
              if not (c[0] == "capacity" and c[5] == "dropless")]
     failures, rows = [], []
     for case in cases:
@@ -157,13 +194,15 @@ def main() -> int:
     for backend in ("exact", "capacity"):
         failures += [f"rank {ctx.rank} plain {backend}: {p}" for p in check_plain_api(ctx, backend)]
     failures += [f"rank {ctx.rank} mismatch: {p}" for p in check_mismatch_raises(ctx)]
+    if ctx.device.type == "cuda":
+        failures += [f"rank {ctx.rank} capacity sync: {p}" for p in check_capacity_no_host_sync(ctx)]
     all_failures: list = [None] * world
     dist.all_gather_object(all_failures, failures)
     if ctx.rank == 0:
         worst = {}
         for case, err in rows:
             worst[case[4]] = max(worst.get(case[4], 0.0), err)
-        print(json.dumps({"ranks": world, "cases": len(cases), "worst_rel_err": worst}))
+        print(json.dumps({"ranks": world, "device": str(ctx.device), "cases": len(cases), "worst_rel_err": worst}))
         flat = [f for fs in all_failures for f in fs]
         for f in flat:
             print("FAIL", f)
