@@ -133,6 +133,25 @@ def test_backend_matches_torch_experts(start, num_local):
     assert torch.count_nonzero(y_RD[int(meta.offsets_E1[-1]):]) == 0
 
 
+@pytest.mark.parametrize("num_local,start", [(9, 0), (4, 3)])
+def test_moe_layer_takes_the_fused_path(num_local, start, monkeypatch):
+    """MoELayer with experts="triton" and a plain LocalDispatcher runs fused_experts (no dispatch)."""
+    from moe_infer.layers.moe import MoEBackends, MoELayer
+    from moe_infer.routing.spec import RoutingSpec
+
+    torch.manual_seed(num_local)
+    spec = RoutingSpec(num_experts=9, top_k=3)
+    layers = [MoELayer(0, 32, 24, spec, MoEBackends(experts=name, dispatcher=LocalDispatcher(9, num_local, start)),
+                       torch.float32).to(DEV) for name in ("torch", "triton")]
+    for p in layers[0].parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layers[1].load_state_dict(layers[0].state_dict())
+    monkeypatch.setattr(layers[1].dispatcher, "dispatch", None)  # the fused path must not call it
+    x_TD = torch.randn(13, 32, device=DEV)
+    with torch.no_grad():
+        assert _rel_err(layers[1](x_TD), layers[0](x_TD)) < 1e-5
+
+
 def test_bad_input_is_named():
     w13, w2 = _weights(2, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="w13_E2FD"):

@@ -2,9 +2,13 @@
 
 The layer hands already-gathered rows x_RD sorted by local expert (meta.offsets_E1); this backend
 turns the offsets into the kernels' block-padded schedule on the device (no host sync), runs the
-gate_up and down GEMMs and leaves rows past offsets_E1[-1] zero, as the contract asks. The faster
-whole path from (x_TD, topk_ids, topk_weights), which gathers rows inside the GEMM and combines
-itself, is `moe_infer.kernels.fused_moe.fused_experts`.
+gate_up and down GEMMs and leaves rows past offsets_E1[-1] zero, as the contract asks (the path
+of the expert-parallel dispatchers, which hand over already-gathered rows).
+
+The backend also declares `fused_experts` (moe_infer.kernels.fused_moe.fused_experts): the whole
+path from (x_TD, topk_ids, topk_weights) to out_TD, rows gathered inside the gate_up GEMM and
+combined by one kernel, with no dispatch/combine of the dispatcher. MoELayer takes it when its
+dispatcher is the plain LocalDispatcher.
 
 Legend: R dispatched rows, D hidden, F expert intermediate, E local experts.
 """
@@ -14,7 +18,7 @@ import torch
 
 from moe_infer.experts.dispatcher import DispatchMetadata
 from moe_infer.experts.reference import EXPERT_BACKENDS
-from moe_infer.kernels.fused_moe import _DTYPE_NAMES, block_schedule, down, gate_up
+from moe_infer.kernels.fused_moe import _DTYPE_NAMES, block_schedule, down, fused_experts, gate_up
 from moe_infer.kernels.fused_moe_config import get_config
 
 
@@ -37,3 +41,6 @@ def experts_triton(
     sched = block_schedule(expert_of_rows(meta.offsets_E1, R), E, 0, cfg.block_m)
     act_PF = gate_up(x_RD, w13_E2FD, sched, 1, cfg.gate_up)
     return down(act_PF, w2_EDF, meta.weights_R, sched, cfg.down, y_RD)
+
+
+experts_triton.fused_experts = fused_experts

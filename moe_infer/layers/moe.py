@@ -96,7 +96,11 @@ class MoELayer(nn.Module):
         )
         if self.backends.stats is not None:
             self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK)
-        out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts)
+        fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
+        if fused is not None and type(self.dispatcher) is LocalDispatcher:
+            out_TD = fused(x_TD, kept_ids_TK, kept_weights_TK, *self.store.weights(), self.dispatcher.expert_start)
+        else:
+            out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         return out_TD
