@@ -88,7 +88,10 @@ class ParallelConfig:
     ep: int = 1
     dispatcher: str = "exact"  # all-to-all backend when ep > 1: exact | capacity
     overlap: bool = True
-    overlap_min_tokens: int = 256  # two micro-batches only from this many tokens per MoE layer up
+    # two micro-batches only when a rank's dispatch payload (T*K*D elements) reaches this many MB: on
+    # 4 H200s overlap gained 6-12% at DeepSeek-V3 shapes with 4096 tokens (470 MB) and lost below
+    # (benchmarks/results/expert_parallel_h200_ep*.json); 0 = always
+    overlap_min_mb: float = 256.0
     placement_file: Optional[str] = None
     timeout_s: float = 300.0
 
@@ -98,8 +101,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be positive, got {getattr(self, name)}")
         if self.dispatcher not in ("exact", "capacity"):
             raise ValueError(f"parallel.dispatcher must be 'exact' or 'capacity', got {self.dispatcher!r}")
-        if self.overlap_min_tokens < 0:
-            raise ValueError(f"parallel.overlap_min_tokens must be >= 0, got {self.overlap_min_tokens}")
+        if self.overlap_min_mb < 0:
+            raise ValueError(f"parallel.overlap_min_mb must be >= 0, got {self.overlap_min_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
 

@@ -21,4 +21,4 @@ def test_peer_failure_raises_within_the_timeout(mode):
     assert rc != 0
     m = re.search(r"rank 0 raised after ([0-9.]+) s: EP all-to-all failed", out)
     assert m, out[-3000:]
-    assert float(m.group(1)) < 7.0  # the 3 s collective timeout, not rank 1's 8 s
+    assert float(m.group(1)) < 15.0  # the 3 s collective timeout (+ load), not rank 1's 20 s

@@ -83,3 +83,5 @@ def test_parallel_config_names_bad_fields():
         ParallelConfig(dispatcher="nccl")
     with pytest.raises(ValueError, match="parallel.timeout_s"):
         ParallelConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="parallel.overlap_min_mb"):
+        ParallelConfig(overlap_min_mb=-1)

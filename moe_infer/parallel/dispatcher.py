@@ -28,7 +28,7 @@ Two backends (registry `DISPATCHERS`):
             per-expert capacity, so rows the policy (drop/reroute) kept always fit; T must be the
             same on every rank (true for the engine, which pads its batch). Padding rows are zeros.
 
-Overlap. With `overlap` the layer runs as two micro-batches split by expert slot (slots [0, S/2)
+Overlap. With `overlap` (and a payload of at least `overlap_min_mb`) the layer runs as two micro-batches split by expert slot (slots [0, S/2)
 and [S/2, S) of every rank), not by token: each routed row belongs to exactly one micro-batch, so
 the capacity buffers do not double and the K-sum stays in one place. Both dispatch all-to-alls
 are issued asynchronously (they run on the process group's communication stream: NCCL's own
@@ -118,14 +118,14 @@ class A2ADispatcher(LocalDispatcher):
         rank: int,
         top_k: int,
         overlap: bool = False,
-        overlap_min_tokens: int = 0,
+        overlap_min_mb: float = 0.0,
         tokens_replicated: bool = False,
     ) -> None:
         if dist.get_world_size(group) != placement.ep:
             raise ValueError(f"EP group has {dist.get_world_size(group)} ranks, placement expects {placement.ep}")
         super().__init__(placement.num_experts, placement.slots_per_rank, rank * placement.slots_per_rank)
         self.placement, self.group, self.rank, self.ep = placement, group, rank, placement.ep
-        self.top_k, self.overlap, self.overlap_min_tokens = top_k, overlap, overlap_min_tokens
+        self.top_k, self.overlap, self.overlap_min_mb = top_k, overlap, overlap_min_mb
         self.tokens_replicated = tokens_replicated
         self.local_expert_ids = placement.local_experts(rank)
         self._tables: dict = {}
@@ -141,17 +141,19 @@ class A2ADispatcher(LocalDispatcher):
     def _virtual_slots(self, ids_TK: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> tuple:
         """v_N: each routed row's physical slot renumbered micro-batch-major ((m, rank, slot) order),
         -1 for dropped rows; valid_N; both on ids_TK's device."""
-        key = (ids_TK.device, tuple(ranges))
+        dev = ids_TK.device
+        if dev not in self._tables:  # built once per device (a host-to-device copy)
+            self._tables[dev] = self.placement.replica_table(dev)
+        key = (dev, tuple(ranges))
         if key not in self._tables:
-            replicas_EM, num_rep_E = self.placement.replica_table(ids_TK.device)
             S, ep = self.num_local_experts, self.ep
             v_P = torch.empty(ep * S, dtype=torch.int64)
             for a, b in ranges:
                 for r in range(ep):
                     for s in range(a, b):
                         v_P[r * S + s] = a * ep + r * (b - a) + (s - a)
-            self._tables[key] = (replicas_EM, num_rep_E, v_P.to(ids_TK.device))
-        replicas_EM, num_rep_E, v_P = self._tables[key]
+            self._tables[key] = v_P.to(dev)
+        (replicas_EM, num_rep_E), v_P = self._tables[dev], self._tables[key]
         ids_N = ids_TK.reshape(-1).long()
         valid_N = ids_N >= 0
         e_N = ids_N.clamp_min(0)
@@ -261,7 +263,8 @@ class A2ADispatcher(LocalDispatcher):
         return out_TD[:T]
 
     def _run(self, x_TD, ids_TK, weights_TK, experts_fn: ExpertsCall, layer_tokens: int) -> torch.Tensor:
-        use_overlap = self.overlap and layer_tokens >= self.overlap_min_tokens
+        payload_mb = layer_tokens * self.top_k * x_TD.shape[1] * x_TD.element_size() / 1e6
+        use_overlap = self.overlap and payload_mb >= self.overlap_min_mb
         plan = self._plan(x_TD, ids_TK, weights_TK, self._slot_ranges(2 if use_overlap else 1), layer_tokens)
         M = len(plan.slot_ranges)
         if M == 1:

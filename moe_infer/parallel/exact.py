@@ -66,7 +66,7 @@ class ExactDispatcher(A2ADispatcher):
             raise RuntimeError(
                 f"EP rank {self.rank} runs {num_micro_batches} micro-batch(es) for {num_tokens} tokens but ranks "
                 + ", ".join(f"{src} run {m} (for {t} tokens)" for src, m, t in bad)
-                + ": overlap needs the same token count on every rank (parallel.overlap_min_tokens)"
+                + ": overlap needs the same token count on every rank (parallel.overlap_min_mb)"
             )
 
     def _send_buffer(self, plan: RoutePlan, x_TD: torch.Tensor, m: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ def main() -> int:
     results = []
     for dispatcher, overlap, replicas, policy in CASES:
         llm = LLM(model=args.checkpoint, **engine_kwargs(args.device, args.dtype), ep=world, dispatcher=dispatcher,
-                  overlap=overlap, overlap_min_tokens=0, placement_file=placement_path if replicas else None,
+                  overlap=overlap, overlap_min_mb=0, placement_file=placement_path if replicas else None,
                   policy=policy, capacity_factor=1.0, min_capacity=2)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outs]

@@ -5,7 +5,7 @@
 config_mismatch: rank 1 starts with another dispatcher; `init` must raise on every rank, naming
     the field. dead_rank: rank 1 leaves right after start-up; rank 0's next MoE layer must raise
     an "EP all-to-all failed" error. hung_rank: rank 1 stays alive but never joins the all-to-all;
-    rank 0 must raise once the collective timeout (3 s) has passed.
+    rank 0 must raise once the collective timeout (3 s) has passed, well before rank 1 wakes (20 s).
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def main(mode: str) -> int:
         print("rank 1 leaves", flush=True)
         os._exit(0)
     if rank == 1:
-        time.sleep(8)
-        print("rank 1 leaves after 8 s", flush=True)
+        time.sleep(20)
+        print("rank 1 leaves after 20 s", flush=True)
         os._exit(0)
     spec = RoutingSpec(num_experts=4, top_k=2)
     disp = ctx.make_dispatcher(4, 2, RoutingConfig(), tokens_replicated=False)

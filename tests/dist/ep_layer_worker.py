@@ -13,6 +13,7 @@ Prints `EP LAYER OK <cases>` on rank 0 and exits 0 only if every case passed on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -65,7 +66,7 @@ def check_case(ctx, case, placement_path):
     dtype, dev, ep, rank = getattr(torch, dtype_name), ctx.device, ctx.dims.ep, ctx.rank
     policy_kwargs = {} if policy == "dropless" else dict(capacity_factor=1.0, min_capacity=2)
     ref = build_reference(dtype, dev, policy, policy_kwargs, ctx.experts)
-    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher=backend, overlap=overlap, overlap_min_tokens=0,
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher=backend, overlap=overlap, overlap_min_mb=0,
                                placement_file=placement_path if replicas else None)
     layer, disp = build_ep_layer(ref, ctx, pcfg, policy, policy_kwargs, ctx.experts, replicated)
     uniform = replicated or backend == "capacity"
@@ -117,43 +118,86 @@ def check_plain_api(ctx, backend):
     return [] if torch.allclose(out_TD, ref_TD, atol=1e-5, rtol=1e-5) else ["plain dispatch/combine differs"]
 
 
+_SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_sync(device):
+    """CUDA: torch's sync debug mode set to "error". CPU (a weaker stand-in): the Tensor methods
+    that read a value back to Python raise."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode(2)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    saved = {name: getattr(torch.Tensor, name) for name in _SYNCING}
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise RuntimeError(f"host sync: Tensor.{name}")
+        return method
+
+    for name in _SYNCING:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
 def check_capacity_no_host_sync(ctx):
     """The capacity backend's dispatch and combine, overlap included, never synchronize with the host
-    (after a first call, which builds the dispatcher's replica tables on the device)."""
+    (after a first call of each kind, which builds the dispatcher's tables on the device)."""
     policy, kw = ("drop", dict(capacity_factor=1.0, min_capacity=2))
     ref = build_reference(torch.bfloat16, ctx.device, policy, kw, ctx.experts)
-    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher="capacity", overlap=True, overlap_min_tokens=0)
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher="capacity", overlap=True, overlap_min_mb=0)
     layer, disp = build_ep_layer(ref, ctx, pcfg, policy, kw, ctx.experts, False)
     x_TD = torch.randn(32, D, device=ctx.device, dtype=torch.bfloat16)
+    outside = []
 
-    def experts_fn(x_RD, meta):  # the experts backend is not under test here
-        torch.cuda.set_sync_debug_mode(0)
-        y_RD = layer._run_experts(x_RD, meta)
-        torch.cuda.set_sync_debug_mode(2)
-        return y_RD
+    def experts_fn(x_RD, meta):  # the experts backend is not under test here: run it outside the check
+        outside.append(True)
+        return outside_check(lambda: layer._run_experts(x_RD, meta))
 
     with torch.no_grad():
         w_TK, ids_TK = ref._select(ref.gate(x_TD), ref.spec, None)
         kept_TK, kw_TK = ref._policy(ids_TK, w_TK, logits_TE=ref.gate(x_TD), spec=ref.spec, **kw)
         disp.forward_experts(x_TD, kept_TK, kw_TK, layer._run_experts)  # builds the device tables
-        torch.cuda.synchronize()
+        x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)  # ... and those of one micro-batch
+        disp.combine(layer._run_experts(x_RD, meta), meta)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        state = {}
+
+        def outside_check(fn):
+            state["exit"].__exit__(None, None, None)
+            try:
+                return fn()
+            finally:
+                state["exit"] = no_host_sync(ctx.device)
+                state["exit"].__enter__()
+
         try:
-            torch.cuda.set_sync_debug_mode(2)  # "error": any synchronizing call raises
-            disp.forward_experts(x_TD, kept_TK, kw_TK, experts_fn)
-            disp.overlap = False
-            x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)
-            disp.combine(experts_fn(x_RD, meta), meta)
+            state["exit"] = no_host_sync(ctx.device)
+            state["exit"].__enter__()
+            try:
+                disp.forward_experts(x_TD, kept_TK, kw_TK, experts_fn)
+                x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)
+                disp.combine(experts_fn(x_RD, meta), meta)
+            finally:
+                state["exit"].__exit__(None, None, None)
         except RuntimeError as err:
             return [f"host sync: {err}"]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return []
+    return [] if len(outside) == 3 else [f"expected 3 expert calls, saw {len(outside)}"]
 
 
 def check_mismatch_raises(ctx):
     """Rank 0 runs two micro-batches, the others one: every rank must raise, none may hang."""
     ref = build_reference(torch.float32, ctx.device, "dropless", {}, ctx.experts)
-    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher="exact", overlap=True, overlap_min_tokens=16)
+    pcfg = dataclasses.replace(ctx.base_cfg, dispatcher="exact", overlap=True, overlap_min_mb=0.004)
     layer, _ = build_ep_layer(ref, ctx, pcfg, "dropless", {}, ctx.experts, False)
     x_TD = torch.randn(20 if ctx.rank == 0 else 8, D, device=ctx.device)
     try:
@@ -194,8 +238,7 @@ def main() -> int:
     for backend in ("exact", "capacity"):
         failures += [f"rank {ctx.rank} plain {backend}: {p}" for p in check_plain_api(ctx, backend)]
     failures += [f"rank {ctx.rank} mismatch: {p}" for p in check_mismatch_raises(ctx)]
-    if ctx.device.type == "cuda":
-        failures += [f"rank {ctx.rank} capacity sync: {p}" for p in check_capacity_no_host_sync(ctx)]
+    failures += [f"rank {ctx.rank} capacity sync: {p}" for p in check_capacity_no_host_sync(ctx)]
     all_failures: list = [None] * world
     dist.all_gather_object(all_failures, failures)
     if ctx.rank == 0:

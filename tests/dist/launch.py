@@ -1,4 +1,4 @@
-"""Run a tests/dist worker under torchrun (gloo on CPU) and return (returncode, output)."""
+"""Run a tests/dist worker under torchrun (gloo on CPU) and return (returncode, stderr + stdout)."""
 from __future__ import annotations
 
 import os
@@ -13,4 +13,4 @@ def torchrun(nproc: int, worker: str, *args: str, timeout: float = 240) -> tuple
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "tests", "dist", worker), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
+    return proc.returncode, proc.stderr + proc.stdout  # the workers' summaries (stdout) last
