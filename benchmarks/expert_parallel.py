@@ -121,7 +121,7 @@ def bench_model(ctx, timer, name, tokens, backends, dtype, experts_name, routing
             if backend == "local":
                 disp = LocalDispatcher(E)
             else:
-                ctx.cfg = ParallelConfig(ep=ep, dispatcher=backend, overlap=False, overlap_min_tokens=0)
+                ctx.cfg = ParallelConfig(ep=ep, dispatcher=backend, overlap=False, overlap_min_mb=0)
                 disp = ctx.make_dispatcher(E, K, routing, tokens_replicated=False)
             ids_TK, w_TK = route()
             x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
