@@ -190,6 +190,7 @@ def main() -> int:
     for name in args.models.split(","):
         bench_model(ctx, timer, name, [int(t) for t in args.tokens.split(",")], backends, dtype,
                     experts_name, routing_name, rows, emit)
+    if ctx.is_driver:
         hdr = f"{'model':<14}{'T':>5} {'backend':<9}{'route':>8}{'disp':>8}{'experts':>9}{'comb':>8}{'layer':>9}{'ovl':>9}{'raw':>8}"
         print(f"EP={world} on {world} x {device} (us per MoE layer, max over ranks)")
         print(hdr)
@@ -197,8 +198,24 @@ def main() -> int:
             print(f"{r['model'][:13]:<14}{r['tokens_per_rank']:>5} {r['backend']:<9}{r['route_us']:>8.0f}"
                   f"{r['dispatch_us']:>8.0f}{r['experts_us']:>9.0f}{r['combine_us']:>8.0f}{r['layer_us']:>9.0f}"
                   f"{r.get('layer_overlap_us', float('nan')):>9.0f}{r.get('raw_a2a_us', float('nan')):>8.0f}")
+        print_targets(rows)
     ctx.shutdown()
     return 0
+
+
+def print_targets(rows) -> None:
+    """The issue's targets, pass/fail: capacity dispatch/combine vs raw all-to-all; overlap at 4096."""
+    for r in rows:
+        if r["backend"] == "local":
+            continue
+        checks = []
+        if r["backend"] == "capacity":
+            checks += [("dispatch<=1.15raw", r["dispatch_vs_raw"]), ("combine<=1.15raw", r["combine_vs_raw"])]
+        if r["tokens_per_rank"] == 4096:
+            checks.append(("overlap<=1.15bound", r["overlap_vs_bound"]))
+        for name, ratio in checks:
+            print(f"target {r['model']} T={r['tokens_per_rank']} {r['backend']} {name}: {ratio:.2f} "
+                  f"{'PASS' if ratio <= 1.15 else 'FAIL'}")
 
 
 if __name__ == "__main__":
