@@ -24,6 +24,7 @@ class CapacityDispatcher(A2ADispatcher):
     def __init__(self, *args, capacity_fn: Callable[[int], int], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.capacity_fn = capacity_fn
+        self._regroups: dict = {}  # (slots, C, device) -> (slot_order_R, counts_S), read-only
 
     def _plan(self, x_TD, ids_TK, weights_TK, ranges: Sequence[Tuple[int, int]], layer_tokens: int) -> RoutePlan:
         T, K = ids_TK.shape
@@ -58,8 +59,12 @@ class CapacityDispatcher(A2ADispatcher):
     def _regroup(self, plan: RoutePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = plan.slot_ranges[m]
         C, dev = plan.capacity, plan.send_pos_N.device
-        # received rows are (source, slot, c); the experts want them (slot, source, c)
-        order_R = torch.arange(self.ep * (b - a) * C, device=dev).view(self.ep, b - a, C).transpose(0, 1)
-        counts_S = torch.zeros(self.num_local_experts, dtype=torch.int64, device=dev)
-        counts_S[a:b] = self.ep * C
-        return order_R.reshape(-1), counts_S
+        key = (a, b, C, dev)
+        if key not in self._regroups:  # received rows are (source, slot, c); the experts want (slot, source, c)
+            if len(self._regroups) >= 16:  # a few batch sizes recur (graph buckets); bound the rest
+                self._regroups.pop(next(iter(self._regroups)))
+            order_R = torch.arange(self.ep * (b - a) * C, device=dev).view(self.ep, b - a, C).transpose(0, 1)
+            counts_S = torch.zeros(self.num_local_experts, dtype=torch.int64, device=dev)
+            counts_S[a:b] = self.ep * C
+            self._regroups[key] = (order_R.reshape(-1), counts_S)
+        return self._regroups[key]

@@ -142,24 +142,28 @@ class A2ADispatcher(LocalDispatcher):
         """v_N: each routed row's physical slot renumbered micro-batch-major ((m, rank, slot) order),
         -1 for dropped rows; valid_N; both on ids_TK's device."""
         dev = ids_TK.device
-        if dev not in self._tables:  # built once per device (a host-to-device copy)
-            self._tables[dev] = self.placement.replica_table(dev)
         key = (dev, tuple(ranges))
-        if key not in self._tables:
+        if key not in self._tables:  # built once per device and split (host-to-device copies)
             S, ep = self.num_local_experts, self.ep
             v_P = torch.empty(ep * S, dtype=torch.int64)
             for a, b in ranges:
                 for r in range(ep):
                     for s in range(a, b):
                         v_P[r * S + s] = a * ep + r * (b - a) + (s - a)
-            self._tables[key] = v_P.to(dev)
-        (replicas_EM, num_rep_E), v_P = self._tables[dev], self._tables[key]
+            replicas_EM, num_rep_E = self.placement.replica_table()
+            v_EM = v_P[replicas_EM]  # virtual slots of each logical expert's replicas
+            v_E = v_EM[:, 0].contiguous() if self.placement.num_redundant == 0 else None
+            self._tables[key] = tuple(t if t is None else t.to(dev) for t in (v_E, v_EM, num_rep_E))
+        v_E, v_EM, num_rep_E = self._tables[key]
         ids_N = ids_TK.reshape(-1).long()
         valid_N = ids_N >= 0
         e_N = ids_N.clamp_min(0)
-        pick_N = (torch.arange(ids_N.numel(), device=ids_N.device) + self.rank) % num_rep_E[e_N]
-        phys_N = replicas_EM[e_N].gather(1, pick_N[:, None]).squeeze(1)
-        return torch.where(valid_N, v_P[phys_N], torch.full_like(phys_N, -1)), valid_N
+        if v_E is not None:  # one slot per expert: a table lookup
+            v_N = v_E[e_N]
+        else:  # replicas: round-robin over them by routed row (and rank)
+            pick_N = (torch.arange(ids_N.numel(), device=dev) + self.rank) % num_rep_E[e_N]
+            v_N = v_EM[e_N].gather(1, pick_N[:, None]).squeeze(1)
+        return torch.where(valid_N, v_N, -1), valid_N
 
     # ---- subclass hooks ------------------------------------------------------------------------
     def _plan(self, x_TD, ids_TK, weights_TK, ranges, layer_tokens: int) -> RoutePlan:
