@@ -2,8 +2,11 @@
 
 Same model (a Qwen3-MoE-shaped checkpoint with real dimensions and a few layers, random weights),
 same prompts (random ids, equal lengths so HF needs no padding), greedy, a fixed output length
-(EOS ignored on both sides), batch sizes 1, 16 and 64. Times include prefill; each batch size is warmed up first on other prompts of the same shape. Also reports how many
-of our greedy tokens equal HF's (bf16 greedy paths may part ways after a near tie; not a check).
+(EOS ignored on both sides), batch sizes 1, 16 and 64. Times include prefill; each batch size is
+warmed up first on other prompts of the same shape (Triton compiles, CUDA graphs captured). Ours
+runs with decode steps replayed as CUDA graphs (the default) and, on CUDA, also eagerly
+(enforce_eager=True). Also reports how many of our greedy tokens equal HF's (bf16 greedy paths may
+part ways after a near tie; not a check).
 
     python benchmarks/e2e_generate.py [--out X.json]      # GPU: real dims, ~2 min on an H100
     python benchmarks/e2e_generate.py --tiny               # CPU: tiny dims, a smoke run
@@ -82,6 +85,14 @@ def time_ours(llm, prompts, num_new: int, device: torch.device):
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
+def cuda_graph_summary(llm) -> dict:
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return dict(used=False)
+    return dict(used=graphs.disabled is None, disabled=graphs.disabled, decode_steps_replayed=graphs.runs,
+                captured=sorted(graphs.graphs))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -115,9 +126,11 @@ def main() -> None:
         hf = build_checkpoint(dims, dtype, device, ckpt)
         t_build = time.perf_counter() - t0
         t0 = time.perf_counter()
-        llm = LLM(model=ckpt, dtype=str(dtype).split(".")[-1], device=str(device), max_num_seqs=max(batches),
+        kw = dict(model=ckpt, dtype=str(dtype).split(".")[-1], device=str(device), max_num_seqs=max(batches),
                   max_num_batched_tokens=max(4096, prompt_len), max_model_len=prompt_len + num_new + 16)
+        llm = LLM(**kw)  # decode steps replayed as CUDA graphs (the default on CUDA)
         t_load = time.perf_counter() - t0
+        eager = LLM(**kw, enforce_eager=True) if device.type == "cuda" else None
         backends = llm.engine.runner.backends
         rows = []
         for b in batches:
@@ -129,11 +142,19 @@ def main() -> None:
             prompts = torch.randint(2, dims["vocab_size"], (b, prompt_len), generator=gen).tolist()
             t_ours, tok_ours = time_ours(llm, prompts, num_new, device)
             t_hf, tok_hf = time_hf(hf, prompts, num_new, device)
+            eager_row = {}
+            if eager is not None:
+                time_ours(eager, other, 3, device)
+                t_eager, tok_eager = time_ours(eager, prompts, num_new, device)
+                eager_row = dict(ours_eager_s=t_eager, ours_eager_tok_s=b * num_new / t_eager,
+                                 same_tokens_graph_vs_eager=sum(x == y for a, c in zip(tok_ours, tok_eager)
+                                                                for x, y in zip(a, c)) / (b * num_new))
             same = sum(x == y for a, c in zip(tok_ours, tok_hf) for x, y in zip(a, c))
             first = sum(a[0] == c[0] for a, c in zip(tok_ours, tok_hf))
             rows.append(dict(batch=b, prompt_len=prompt_len, new_tokens=num_new,
                              ours_s=t_ours, hf_s=t_hf, ours_tok_s=b * num_new / t_ours, hf_tok_s=b * num_new / t_hf,
-                             speedup=t_hf / t_ours, same_tokens=same / (b * num_new), same_first_token=first / b))
+                             speedup=t_hf / t_ours, same_tokens=same / (b * num_new), same_first_token=first / b,
+                             **eager_row))
     label = device_label(device)
     result = dict(
         benchmark="e2e_generate", device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -142,14 +163,16 @@ def main() -> None:
         backends=dict(routing=backends.routing, experts=backends.experts, policy=backends.policy),
         hf_experts_implementation=getattr(hf.config, "_experts_implementation", None) or "eager",
         num_kv_blocks=llm.engine.runner.num_kv_blocks, build_s=t_build, load_s=t_load, rows=rows,
+        cuda_graphs=cuda_graph_summary(llm),
     )
     print(f"e2e generate, {result['device']}, {dtype}, qwen3_moe x{dims['num_hidden_layers']} layers "
           f"(D={dims['hidden_size']}, E={dims['num_experts']}, K={dims['num_experts_per_tok']}, "
           f"F={dims['moe_intermediate_size']}), prompt {prompt_len}, {num_new} new tokens, experts={backends.experts}")
-    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'same tok':>9}")
+    print(f"cuda graphs: {result['cuda_graphs']}")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'eager tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'same tok':>9}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r['hf_tok_s']:>10.1f} {r['speedup']:>7.2f}x "
-              f"{r['same_tokens']:>8.0%}")
+        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('ours_eager_tok_s', float('nan')):>12.1f} "
+              f"{r['hf_tok_s']:>10.1f} {r['speedup']:>7.2f}x {r['same_tokens']:>8.0%}")
     out = args.out
     if out is None:
         folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -18,8 +18,12 @@ class ModelConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (auto: float32 on CPU, bfloat16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: Optional[int] = None  # default: the checkpoint's max_position_embeddings
+    enforce_eager: bool = False  # True: never replay decode steps as CUDA graphs (as vLLM's flag)
+    cuda_graph_max_batch: int = 256  # the largest decode batch captured; larger batches run eagerly
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch <= 0:
+            raise ValueError(f"model.cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"model.dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -29,19 +29,26 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn: Optional[AttentionMetadata]
+    valid_T: Optional[torch.Tensor] = None  # bool: False for padding rows of a CUDA-graph batch (None: all valid)
 
 
 _CONTEXT: Optional[ForwardContext] = None
 
 
 @contextmanager
-def forward_context(attn: Optional[AttentionMetadata]) -> Iterator[ForwardContext]:
+def forward_context(attn: Optional[AttentionMetadata],
+                    valid_T: Optional[torch.Tensor] = None) -> Iterator[ForwardContext]:
     global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ForwardContext(attn=attn)
+    prev, _CONTEXT = _CONTEXT, ForwardContext(attn=attn, valid_T=valid_T)
     try:
         yield _CONTEXT
     finally:
         _CONTEXT = prev
+
+
+def valid_tokens() -> Optional[torch.Tensor]:
+    """The padding mask of the running forward, None when every row is a real token (or no context)."""
+    return _CONTEXT.valid_T if _CONTEXT is not None else None
 
 
 def get_forward_context() -> ForwardContext:

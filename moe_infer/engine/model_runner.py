@@ -17,6 +17,7 @@ import torch
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import resolve_moe_backends
+from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
 from moe_infer.engine.forward_context import AttentionMetadata, forward_context
 from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
@@ -54,6 +55,17 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> Optional[DecodeGraphs]:
+        """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
+        why_not = graph_blocker(self.cfg, self.device, self.backends)
+        if why_not:
+            logger.info("decode steps run eagerly: %s", why_not)
+            return None
+        max_blocks = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
+                            max_blocks, self.block_size, self.device)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
@@ -127,8 +139,12 @@ class ModelRunner:
         if plan.is_empty:
             return [], []
         input_ids_T, meta, sample_rows_S = self.prepare(plan)
-        with forward_context(meta):
-            hidden_TD = self.model(input_ids_T, meta.positions_T)
+        hidden_TD = None
+        if self.graphs is not None and self.graphs.can_run(input_ids_T.shape[0], meta):
+            hidden_TD = self.graphs.run(input_ids_T, meta)  # None: the capture failed, run eagerly
+        if hidden_TD is None:
+            with forward_context(meta):
+                hidden_TD = self.model(input_ids_T, meta.positions_T)
         sampling = [s for s in plan.seqs if s.do_sample]
         tokens: List[Optional[int]] = [None] * len(plan.seqs)
         logprobs: List[Optional[tuple]] = [None] * len(plan.seqs)

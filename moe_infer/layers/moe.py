@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_infer.engine.forward_context import valid_tokens
 from moe_infer.experts.dispatcher import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.offload.store import EXPERT_STORES
@@ -95,7 +96,7 @@ class MoELayer(nn.Module):
             topk_ids_TK, topk_weights_TK, logits_TE=logits_TE, spec=self.spec, **self.backends.policy_kwargs
         )
         if self.backends.stats is not None:
-            self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK)
+            self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK, valid_tokens())
         fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
         if fused is not None and type(self.dispatcher) is LocalDispatcher:
             out_TD = fused(x_TD, kept_ids_TK, kept_weights_TK, *self.store.weights(), self.dispatcher.expert_start)

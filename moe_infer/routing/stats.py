@@ -16,15 +16,19 @@ class ExpertLoadStats:
         self.dropped_LE = torch.zeros_like(self.routed_LE)
         self.rerouted_LE = torch.zeros_like(self.routed_LE)
 
-    def record(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None) -> None:
-        """topk_ids_TK: the router's choice; kept_ids_TK: after the capacity policy (-1 = dropped)."""
+    def record(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None,
+               valid_T: torch.Tensor | None = None) -> None:
+        """topk_ids_TK: the router's choice; kept_ids_TK: after the capacity policy (-1 = dropped);
+        valid_T: bool, rows that are padding (False) are not counted (None: all rows count)."""
         ids_N = topk_ids_TK.reshape(-1).long()
-        self.routed_LE[layer].scatter_add_(0, ids_N, torch.ones_like(ids_N))
+        count_N = (torch.ones_like(ids_N) if valid_T is None
+                   else valid_T[:, None].expand(topk_ids_TK.shape).reshape(-1).long())
+        self.routed_LE[layer].scatter_add_(0, ids_N, count_N)
         if kept_ids_TK is not None and kept_ids_TK is not topk_ids_TK:
             kept_N = kept_ids_TK.reshape(-1).long()
-            dropped_N = (kept_N < 0).long()
+            dropped_N = (kept_N < 0).long() * count_N
             self.dropped_LE[layer].scatter_add_(0, ids_N, dropped_N)
-            moved_N = ((kept_N >= 0) & (kept_N != ids_N)).long()
+            moved_N = ((kept_N >= 0) & (kept_N != ids_N)).long() * count_N
             self.rerouted_LE[layer].scatter_add_(0, ids_N, moved_N)
 
     def imbalance_L(self) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""CUDA-graph replay of decode steps: one graph launch instead of hundreds of kernel launches.
+
+A decode step (every sequence runs one token) has the same kernels every time; only the batch size
+and the context length change. Eager, it is CPU-bound on kernel launches (the H100 profile in
+benchmarks/results/profile_engine_*.json: ~490 launches for 4 layers, the GPU busy ~2.7 ms of
+~16 ms). Like vLLM, the model forward of a decode step is captured once per shape bucket and
+replayed: the step's inputs are copied into static buffers, the graph replays, the hidden states
+come out of a static output tensor. The sampler stays eager (it reads per-request parameters).
+
+Buckets: the batch is padded up to a capture size (1, 2, 4, then multiples of 8); the context
+(keys gathered per sequence by the paged attention) up to a power-of-two number of blocks. A graph
+is captured the first time its bucket is seen, after one eager warm-up run on the same buffers
+(compiles Triton kernels outside the capture). Padded rows are harmless: they write no KV slot
+(slot -1), attend over one key of block 0, and are masked out of the expert-load statistics
+through the forward context's `valid_T`; their outputs are never read.
+
+Used only where the step is capturable and padding cannot change the result: CUDA, a local
+dispatcher (no expert parallelism), the dropless policy (a capacity would grow with padding) and
+an experts backend that runs without host syncs (one that declares `fused_experts`). Anything else,
+or a capture that fails, runs eagerly (the failure is logged once).
+
+Legend: B sequences of the step (one token each), Bp padded batch, Bmax largest capture size,
+M blocks per sequence of the whole table, Mp blocks of the context bucket, D hidden.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from moe_infer.engine.forward_context import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids_T, positions_T) -> hidden_TD
+
+
+def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
+    """Why decode steps of this engine cannot be replayed as CUDA graphs; None when they can."""
+    from moe_infer.experts.reference import EXPERT_BACKENDS
+
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, not {device.type}"
+    if cfg.model.enforce_eager:
+        return "model.enforce_eager=true"
+    if backends.dispatcher is not None:
+        return "expert parallelism (all-to-all dispatchers run eagerly)"
+    if backends.policy != "dropless":
+        return f"routing.policy={backends.policy} (its capacity would count the padding rows)"
+    if getattr(EXPERT_BACKENDS.get(backends.experts), "fused_experts", None) is None:
+        return f"experts backend {backends.experts!r} syncs with the host"
+    return None
+
+
+def capture_sizes(max_batch: int) -> List[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... up to max_batch (always included)."""
+    if max_batch <= 0:
+        raise ValueError(f"cuda graph max batch must be positive, got {max_batch}")
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+def context_blocks(num_blocks: int, max_blocks: int) -> int:
+    """The context bucket in blocks: the next power of two, at most the table width."""
+    bucket = 1
+    while bucket < num_blocks:
+        bucket *= 2
+    return min(bucket, max_blocks)
+
+
+class DecodeGraphs:
+    """Static buffers + one captured graph per (padded batch, context bucket).
+
+    capture=False runs the same padded, static-buffer forward eagerly: the padding logic is then
+    testable without a GPU, and the result must equal the unpadded eager forward row for row.
+    """
+
+    def __init__(self, forward: ForwardFn, max_batch: int, max_blocks: int, block_size: int,
+                 device: torch.device, capture: bool = True) -> None:
+        self.forward, self.block_size, self.max_blocks = forward, block_size, max_blocks
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch, self.capture = self.sizes[-1], capture
+        Bmax, dev = self.max_batch, device
+        self.input_ids_B = torch.zeros(Bmax, dtype=torch.int64, device=dev)
+        self.positions_B = torch.zeros(Bmax, dtype=torch.int64, device=dev)
+        self.slot_mapping_B = torch.full((Bmax,), -1, dtype=torch.int64, device=dev)
+        self.block_tables_BM = torch.zeros(Bmax, max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens_B = torch.ones(Bmax, dtype=torch.int32, device=dev)
+        self.query_start_loc_B1 = torch.arange(Bmax + 1, dtype=torch.int32, device=dev)
+        self.valid_B = torch.zeros(Bmax, dtype=torch.bool, device=dev)
+        self.graphs: Dict[Tuple[int, int], Tuple[Optional[torch.cuda.CUDAGraph], torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
+        self.runs = 0  # decode steps that went through the static buffers (replayed, or eager with capture=False)
+
+    def can_run(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """A pure decode step (one token per sequence) that fits the largest capture size."""
+        return (self.disabled is None and meta.max_query_len == 1 and num_tokens == meta.seq_lens_B.shape[0]
+                and num_tokens <= self.max_batch and meta.block_tables_BM.shape[1] <= self.max_blocks)
+
+    def _bucket(self, B: int, meta: AttentionMetadata) -> Tuple[int, int]:
+        Bp = next(b for b in self.sizes if b >= B)
+        need = max(meta.block_tables_BM.shape[1], -(-meta.max_seq_len // self.block_size))
+        return Bp, context_blocks(need, self.max_blocks)
+
+    def _fill(self, input_ids_T: torch.Tensor, meta: AttentionMetadata, Bp: int) -> None:
+        """Copies the step into the static buffers; rows B..Bp-1 become padding."""
+        B, m = input_ids_T.shape[0], meta.block_tables_BM.shape[1]
+        self.input_ids_B[:B].copy_(input_ids_T)
+        self.positions_B[:B].copy_(meta.positions_T)
+        self.slot_mapping_B[:B].copy_(meta.slot_mapping_T)
+        self.block_tables_BM[:B].fill_(-1)
+        self.block_tables_BM[:B, :m].copy_(meta.block_tables_BM)
+        self.seq_lens_B[:B].copy_(meta.seq_lens_B)
+        self.valid_B[:B].fill_(True)
+        if Bp > B:  # padding: token 0 at position 0, writes nothing, reads key 0 of block 0
+            self.input_ids_B[B:Bp].zero_()
+            self.positions_B[B:Bp].zero_()
+            self.slot_mapping_B[B:Bp].fill_(-1)
+            self.block_tables_BM[B:Bp].zero_()
+            self.seq_lens_B[B:Bp].fill_(1)
+            self.valid_B[B:Bp].fill_(False)
+
+    def _meta(self, Bp: int, Mp: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions_T=self.positions_B[:Bp], slot_mapping_T=self.slot_mapping_B[:Bp],
+            block_tables_BM=self.block_tables_BM[:Bp, :Mp], query_start_loc_B1=self.query_start_loc_B1[:Bp + 1],
+            seq_lens_B=self.seq_lens_B[:Bp], max_query_len=1, max_seq_len=Mp * self.block_size,
+            block_size=self.block_size,
+        )
+
+    def _run_static(self, Bp: int, Mp: int) -> torch.Tensor:
+        with forward_context(self._meta(Bp, Mp), valid_T=self.valid_B[:Bp]):
+            return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
+
+    def _capture(self, Bp: int, Mp: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # The warm-up runs for real on the step's buffers: it writes the same K/V the replay writes
+        # (same slots, same values) and, with valid_B all False, adds nothing to the load statistics.
+        valid_B = self.valid_B.clone()
+        self.valid_B.fill_(False)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run_static(Bp, Mp)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out_BpD = self._run_static(Bp, Mp)
+        self.valid_B.copy_(valid_B)
+        return graph, out_BpD
+
+    def run(self, input_ids_T: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """hidden [B, D] of the step, or None when the graph could not be captured (run eagerly)."""
+        B = input_ids_T.shape[0]
+        Bp, Mp = self._bucket(B, meta)
+        self._fill(input_ids_T, meta, Bp)
+        if not self.capture:
+            self.runs += 1
+            return self._run_static(Bp, Mp)[:B]
+        key = (Bp, Mp)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(Bp, Mp)
+            except Exception as err:  # noqa: BLE001 - any capture failure means: run this engine eagerly
+                torch.cuda.synchronize()
+                self.disabled = f"{type(err).__name__}: {err}"
+                logger.warning("CUDA graph capture failed at batch %d, %d blocks; decoding eagerly from now "
+                               "on (%s)", Bp, Mp, self.disabled)
+                return None
+        graph, out_BpD = self.graphs[key]
+        graph.replay()
+        self.runs += 1
+        return out_BpD[:B]
