@@ -14,6 +14,7 @@ and the issue's target with pass/fail. Writes JSON (device named) to benchmarks/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,7 +26,9 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from moe_infer.experts.dispatcher import LocalDispatcher  # noqa: E402
-from moe_infer.kernels.fused_moe import block_schedule, combine_topk, fused_experts  # noqa: E402
+from moe_infer.kernels.fused_moe import (  # noqa: E402
+    COMBINE_MODES, MAX_INLINE_ROWS, block_schedule, combine_topk, fused_experts,
+)
 from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
     MODEL_SHAPES, TOKEN_COUNTS, graph_time_us, make_inputs, make_weights, replays_for, roofline_us,
 )
@@ -80,6 +83,34 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def bench_variants(name, T, w13, w2):
+    """Ours under each schedule backend x combine mode (tuned GEMM tiles kept), checked, timed."""
+    E, K, D, F_ = MODEL_SHAPES[name]
+    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D, seed=T)
+    disp = LocalDispatcher(E)
+    x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
+    ref_TD = disp.combine(loop_fn(x_RD, meta, w13, w2)(), meta)
+    roof = roofline_us(ids_TK, E, D, F_)
+    cfg = get_config(T, E, F_, D, K, "bf16")
+    row = {"shape": name, "tokens": T, "roofline_us": round(roof, 1), "config": cfg.to_dict(), "variants": {}}
+    ids_N, n = ids_TK.reshape(-1), replays_for(roof)
+    scheds = (["inline"] if T * K <= MAX_INLINE_ROWS else []) + ["align", "permute"]
+    for sched in scheds:
+        if sched != "inline":
+            row[f"schedule_{sched}_us"] = graph_time_us(lambda: block_schedule(ids_N, E, 0, cfg.block_m, backend=sched), n)
+        for comb in COMBINE_MODES.names():
+            c = dataclasses.replace(cfg, schedule=sched, combine=comb)
+            fn = lambda: fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, c)  # noqa: E731
+            err = rel_err(fn(), ref_TD)
+            row["variants"][f"{sched}+{comb}"] = (graph_time_us(fn, n), err)
+    best = min(row["variants"].items(), key=lambda kv: kv[1][0])
+    i = TOKEN_COUNTS.index(T)
+    print(f"{name:14s} T={T:5d} " + " ".join(f"{k} {v[0]:8.1f}" for k, v in row["variants"].items())
+          + f" | best {best[0]} {best[1][0]:.1f} target {TARGET_US[name][i]} max err "
+          f"{max(v[1] for v in row['variants'].values()):.1e}", flush=True)
+    return row
+
+
 def bench_point(name, T, w13, w2):
     E, K, D, F_ = MODEL_SHAPES[name]
     x_TD, ids_TK, w_TK = make_inputs(T, E, K, D, seed=T)
@@ -120,6 +151,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", action="store_true", help="ours only, every schedule x combine mode")
     args = parser.parse_args()
     dev = device_name()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"fused_moe_{dev}.json")
@@ -128,6 +160,9 @@ def main() -> None:
         E, K, D, F_ = MODEL_SHAPES[name]
         w13, w2 = make_weights(E, D, F_)
         for T in map(int, args.tokens.split(",")):
+            if args.variants:
+                rows.append(bench_variants(name, T, w13, w2))
+                continue
             rows.append(bench_point(name, T, w13, w2))
             r = rows[-1]
             print(f"{name:14s} T={T:5d} ours {r['ours_us']:9.1f}  grouped {r['grouped_mm_us'] or float('nan'):9.1f}  "
@@ -135,6 +170,10 @@ def main() -> None:
         del w13, w2
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    if args.variants:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "points": rows}, f, indent=1)
+        return
     with open(out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "timing": "CUDA-graph replay, median, bf16", "points": rows}, f, indent=1)

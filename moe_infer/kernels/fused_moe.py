@@ -1,8 +1,9 @@
 """Launch wrappers of the fused MoE path (kernels in fused_moe_align.py and fused_moe_gemm.py).
 
     fused_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF) -> out_TD
-        = block_schedule (no launch for decode: the GEMMs derive it; 1-2 launches else)
-      -> gate_up -> down -> combine_topk
+        = block_schedule (fused_moe_schedule.py: no launch for decode, the GEMMs derive it)
+      -> gate_up -> down -> combine (COMBINE_MODES: "kernel" = combine_topk after down,
+                                     "tail" = inside the down GEMM's epilogue)
 
 No host sync: every grid is sized from shapes alone (P_max = N + min(E, N) * (BLOCK_M - 1) padded
 slots bound the schedule), so a decode step captures in a CUDA graph. Each function has a PyTorch
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 
-from moe_infer.kernels.fused_moe_align import align_count_kernel, align_scatter_kernel
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, get_config
 from moe_infer.kernels.fused_moe_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moe_infer.kernels.fused_moe_schedule import (  # noqa: F401  (re-exported)
+    MAX_INLINE_ROWS, SCHEDULE_BACKENDS, BlockSchedule, block_schedule,
+)
+from moe_infer.registry import Registry
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -32,64 +36,9 @@ def _is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@dataclass(frozen=True)
-class BlockSchedule:
-    sorted_P: torch.Tensor  # int32 [P_max]: routed row of each padded slot, num_rows for a pad slot
-    expert_B: torch.Tensor  # int32 [B_max]: local expert of each tile (-1 past num_padded)
-    num_padded_1: torch.Tensor  # int32 [1]: live slots
-    block_m: int
-    num_rows: int  # N: the sentinel and the number of routed rows
-    p_max: int  # padded slots that can be live: N + min(E, N) * (block_m - 1)
-    expert_start: int = 0
-    num_experts: int = 1
-    is_inline: bool = False  # decode: sorted_P holds ids_N and the GEMMs derive the schedule themselves
-
-    def kernel_args(self) -> dict:
-        return dict(INLINE=self.is_inline, N_PAD=max(16, triton.next_power_of_2(self.num_rows)) if self.is_inline else 16,
-                    E_PAD=max(16, triton.next_power_of_2(self.num_experts)) if self.is_inline else 16)
-
-
-MAX_INLINE_ROWS = 64  # up to this many routed rows, the GEMMs build the schedule in registers
-
-
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
-
-
-def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int,
-                   allow_inline: bool = False) -> BlockSchedule:
-    """Rows of local experts grouped by expert, each group padded to a multiple of block_m.
-
-    allow_inline and N <= MAX_INLINE_ROWS: no launch; the GEMM programs derive the same schedule."""
-    _check(ids_N.dim() == 1 and not ids_N.is_floating_point(), f"ids_N must be a 1-D integer tensor, got {ids_N.dtype} {tuple(ids_N.shape)}")
-    _check(num_local_experts >= 1 and block_m >= 16 and block_m & (block_m - 1) == 0,
-           f"bad schedule request: num_local_experts={num_local_experts} block_m={block_m}")
-    N, E, dev = ids_N.numel(), num_local_experts, ids_N.device
-    ids_N = ids_N.contiguous()
-    p_max = N + min(E, N) * (block_m - 1)
-    if allow_inline and 0 < N <= MAX_INLINE_ROWS:
-        return BlockSchedule(ids_N, ids_N, ids_N, block_m, N, p_max, expert_start, E, True)
-    num_tiles = triton.cdiv(p_max, block_m)
-    sorted_P = torch.empty(max(p_max, 1), dtype=torch.int32, device=dev)
-    expert_B = torch.empty(max(num_tiles, 1), dtype=torch.int32, device=dev)
-    num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
-    e_pad = max(16, triton.next_power_of_2(E))
-    n_pow = triton.next_power_of_2(max(N, 1))
-    sub = min(64, max(16, n_pow))  # one-hot [sub, e_pad] and pairwise [sub, sub] per step
-    chunk = max(sub, triton.next_power_of_2(triton.cdiv(N, 64)))  # at most 64 chunks, in parallel
-    num_chunks = max(1, triton.cdiv(N, chunk))
-    is_single = num_chunks == 1
-    counts_CE = sorted_P if is_single else torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
-    if not is_single:
-        align_count_kernel[(num_chunks,)](ids_N, counts_CE, N, expert_start, E, CHUNK=chunk, SUB=sub, E_PAD=e_pad,
-                                          num_warps=8)
-    align_scatter_kernel[(num_chunks,)](
-        ids_N, counts_CE, sorted_P, expert_B, num_padded_1, N, expert_start, E, num_chunks, num_tiles,
-        BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, C_PAD=max(2, triton.next_power_of_2(num_chunks)),
-        TILE_SUB=min(64, 8192 // e_pad), IS_SINGLE=is_single, num_warps=8,
-    )
-    return BlockSchedule(sorted_P, expert_B, num_padded_1, block_m, N, p_max, expert_start, E)
 
 
 def _check_weights(x: torch.Tensor, w: torch.Tensor, name: str, rows: int, cols: int) -> None:
@@ -142,9 +91,19 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     return act_PF
 
 
+@dataclass(frozen=True)
+class TailCombine:
+    """The down GEMM also combines: out_TD[t] = sum of t's local y_ND rows (see `_combine_tail`)."""
+
+    out_TD: torch.Tensor  # zeros on entry (tokens without a local row stay zero)
+    ids_TK: torch.Tensor
+    counts_TC: torch.Tensor  # int32 zeros [T, cdiv(D, block_n)]
+
+
 def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sched: BlockSchedule,
-         cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y_ND[r] = weights_N[r] * act_PF[p] @ w2_e.T for r = sorted_P[p]; other rows untouched."""
+         cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None, tail: Optional[TailCombine] = None) -> torch.Tensor:
+    """y_ND[r] = weights_N[r] * act_PF[p] @ w2_e.T for r = sorted_P[p]; other rows untouched.
+    With `tail`, also tail.out_TD = the top-k combine of y_ND (the rows of local experts)."""
     E, D, F = w2_EDF.shape
     _check_weights(act_PF, w2_EDF, "w2_EDF", D, act_PF.shape[1])
     _check(weights_N.numel() == sched.num_rows and weights_N.device == act_PF.device,
@@ -156,15 +115,27 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
     grid = (num_tiles_m * triton.cdiv(D, cfg.block_n),)
     use_tma = _can_use_tma(cfg, w2_EDF, act_PF)
     act, w2 = act_PF, w2_EDF
+    top_k = sched.num_rows // tail.ids_TK.shape[0] if tail is not None else 1
+    if tail is not None:
+        T = tail.ids_TK.shape[0]
+        _check(tail.ids_TK.shape == (T, top_k) and T * top_k == sched.num_rows and tail.ids_TK.is_contiguous(),
+               f"tail: ids_TK {tuple(tail.ids_TK.shape)} must be contiguous [T, K] with T*K = {sched.num_rows}")
+        _check(tail.out_TD.shape == (T, D) and tail.out_TD.stride(1) == 1 and tail.out_TD.dtype == y_ND.dtype,
+               f"tail: out_TD must be [{T}, {D}] {y_ND.dtype}, got {tuple(tail.out_TD.shape)} {tail.out_TD.dtype}")
+        _check(tail.counts_TC.dtype == torch.int32 and tail.counts_TC.numel() >= T * triton.cdiv(D, cfg.block_n),
+               f"tail: counts_TC must hold int32 [{T}, {triton.cdiv(D, cfg.block_n)}]")
     if use_tma:
         act = _descriptor(act_PF, (sched.block_m, cfg.block_k))
         w2 = _descriptor(w2_EDF.view(E * D, F), (cfg.block_n, cfg.block_k))
     down_kernel[grid](
         act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
+        *((tail.out_TD, tail.ids_TK, tail.counts_TC) if tail is not None else (y_ND,) * 3),
         sched.num_rows, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
+        tail.out_TD.stride(0) if tail is not None else 0,
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
+        COMBINE_TAIL=tail is not None, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
         **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y_ND
@@ -186,13 +157,39 @@ def combine_topk(y_ND: torch.Tensor, ids_TK: torch.Tensor, num_local_experts: in
     return out_TD
 
 
+CombineFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockSchedule, GemmConfig, torch.Tensor], torch.Tensor]
+COMBINE_MODES: Registry[CombineFn] = Registry("fused MoE combine mode")
+
+
+@COMBINE_MODES.register("kernel")
+def down_then_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg: GemmConfig, ids_TK) -> torch.Tensor:
+    """down writes y_ND, one more kernel sums each token's K rows."""
+    y_ND = down(act_PF, w2_EDF, weights_N, sched, cfg)
+    return combine_topk(y_ND, ids_TK, sched.num_experts, sched.expert_start)
+
+
+@COMBINE_MODES.register("tail")
+def down_with_tail_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg: GemmConfig, ids_TK) -> torch.Tensor:
+    """down sums each token's rows in its epilogue; out_TD and the counters share one zero fill."""
+    (T, K), D = ids_TK.shape, w2_EDF.shape[1]
+    num_tiles_n = triton.cdiv(D, cfg.block_n)
+    out_bytes = -(-T * D * act_PF.element_size() // 16) * 16
+    zeros = torch.zeros(out_bytes + T * num_tiles_n * 4, dtype=torch.uint8, device=act_PF.device)
+    out_TD = zeros[:T * D * act_PF.element_size()].view(act_PF.dtype).view(T, D)
+    counts_TC = zeros[out_bytes:].view(torch.int32).view(T, num_tiles_n)
+    y_ND = torch.empty(T * K, D, dtype=act_PF.dtype, device=act_PF.device)
+    down(act_PF, w2_EDF, weights_N, sched, cfg, y_ND, TailCombine(out_TD, ids_TK.contiguous(), counts_TC))
+    return out_TD
+
+
 def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0,
                   config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
     """The whole expert path: routed rows of x_TD through SwiGLU experts, weighted, summed per token.
 
     w13_E2FD/w2_EDF hold the E local experts [expert_start, expert_start + E); rows routed elsewhere
-    (or dropped, id -1) add nothing.
+    (or dropped, id -1) add nothing. config (default: the tuned one for this shape and device)
+    also names the schedule backend and the combine mode.
     """
     _check(x_TD.dim() == 2 and topk_ids_TK.dim() == 2 and topk_ids_TK.shape == topk_weights_TK.shape
            and topk_ids_TK.shape[0] == x_TD.shape[0],
@@ -204,7 +201,9 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
     if T == 0:
         return torch.empty_like(x_TD)
     cfg = config or get_config(T, E, F2 // 2, D, K, _DTYPE_NAMES[x_TD.dtype])
-    sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m, allow_inline=True)
+    combine = COMBINE_MODES.get(cfg.combine)
+    weights_N = topk_weights_TK.reshape(-1)
+    sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m, allow_inline=True,
+                           backend=cfg.schedule, weights_N=weights_N)
     act_PF = gate_up(x_TD, w13_E2FD, sched, K, cfg.gate_up)
-    y_ND = down(act_PF, w2_EDF, topk_weights_TK.reshape(-1), sched, cfg.down)
-    return combine_topk(y_ND, topk_ids_TK, E, expert_start)
+    return combine(act_PF, w2_EDF, weights_N, sched, cfg.down, topk_ids_TK)

@@ -47,6 +47,8 @@ class FusedMoEConfig:
     block_m: int  # rows of one tile; every expert's rows are padded to a multiple of it
     gate_up: GemmConfig
     down: GemmConfig
+    schedule: str = "auto"  # SCHEDULE_BACKENDS name (fused_moe_schedule.py); "auto" picks by row count
+    combine: str = "kernel"  # COMBINE_MODES name (fused_moe.py): "kernel" after down, "tail" in its epilogue
 
     def __post_init__(self) -> None:
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -57,7 +59,9 @@ class FusedMoEConfig:
 
     @staticmethod
     def from_dict(d: dict) -> "FusedMoEConfig":
-        return FusedMoEConfig(d["block_m"], GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+        """Files written before `schedule` / `combine` existed read as "auto" / "kernel"."""
+        return FusedMoEConfig(d["block_m"], GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]),
+                              d.get("schedule", "auto"), d.get("combine", "kernel"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -89,16 +89,19 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
 
 @triton.jit
 def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
+                out_ptr, ids_ptr, count_ptr,
                 num_rows, D, F, num_tiles_m, expert_start, E,
-                stride_am, stride_we, stride_wn, stride_wk, stride_ym,
+                stride_am, stride_we, stride_wn, stride_wk, stride_ym, stride_ot,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
-                E_PAD: tl.constexpr):
+                E_PAD: tl.constexpr, COMBINE_TAIL: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
     """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
     and w2 viewed [E*D, F] (block [BLOCK_N, BLOCK_K]).
+    COMBINE_TAIL: also the top-k combine (`_combine_tail`); out_ptr [T, D] must hold zeros for tokens
+    without a local row and count_ptr [T, cdiv(D, BLOCK_N)] zeros.
     """
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
@@ -135,6 +138,43 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=is_row[:, None] & is_n[None, :])
+    if COMBINE_TAIL:
+        _combine_tail(y_ptr, out_ptr, ids_ptr, count_ptr, rows, is_row, offs_n, is_n, pid_n, tl.cdiv(D, BLOCK_N),
+                      expert_start, E, stride_ym, stride_ot, BLOCK_M, BLOCK_N, TOP_K, K_PAD)
+
+
+@triton.jit
+def _combine_tail(y_ptr, out_ptr, ids_ptr, count_ptr, rows, is_row, offs_n, is_n, pid_n, num_tiles_n,
+                  expert_start, E, stride_ym, stride_ot,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """The top-k combine in the down GEMM's epilogue, overlapped with other tiles' GEMM work.
+
+    Each program, after storing its y rows, counts them per (token, column tile) with one atomic
+    each; the program that stores the last local row of a token sums that token's local rows
+    (k = 0..K-1, fp32, the order of `combine_kernel`, so the same bits) into out. The stores
+    before the count are released to the program that reads them (barrier + acq_rel atomics);
+    the reads go through L2 (.cg)."""
+    tl.debug_barrier()
+    tok = rows // TOP_K
+    count_ptrs = count_ptr + tok.to(tl.int64) * num_tiles_n + pid_n
+    num_before = tl.atomic_add(count_ptrs, tl.full([BLOCK_M], 1, tl.int32), mask=is_row, sem="acq_rel", scope="gpu")
+    kk = tl.arange(0, K_PAD)
+    ids_MK = tl.load(ids_ptr + tok.to(tl.int64)[:, None] * TOP_K + kk[None, :],
+                     mask=is_row[:, None] & (kk[None, :] < TOP_K), other=-1).to(tl.int32)
+    key_MK = ids_MK - expert_start
+    num_local = tl.sum(((ids_MK >= 0) & (key_MK >= 0) & (key_MK < E)).to(tl.int32), axis=1)
+    is_last = is_row & (num_before == num_local - 1)
+    tl.debug_barrier()
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        id_k = tl.sum(tl.where(kk[None, :] == k, ids_MK, 0), axis=1)
+        key_k = id_k - expert_start
+        is_k = is_last & (id_k >= 0) & (key_k >= 0) & (key_k < E)
+        y = tl.load(y_ptr + (tok * TOP_K + k).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+                    mask=is_k[:, None] & is_n[None, :], other=0.0, cache_modifier=".cg")
+        total += y.to(tl.float32)
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=is_last[:, None] & is_n[None, :])
 
 
 @triton.jit
