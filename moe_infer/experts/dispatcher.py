@@ -12,7 +12,7 @@ Legend: T tokens, D hidden, E local experts, K top-k, N = T*K routed rows, R dis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -67,8 +67,11 @@ class LocalDispatcher:
     def forward_experts(
         self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
         experts_fn: Callable[[torch.Tensor, DispatchMetadata], torch.Tensor],
+        fused_fn: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     ) -> torch.Tensor:
         """dispatch -> experts_fn(x_RD, meta) -> combine; EP dispatchers override it to overlap the
-        all-to-alls with the expert compute."""
+        all-to-alls with the expert compute. fused_fn(x_RD, ids_R1, weights_R1) -> weighted y_RD, if
+        the experts backend has one, computes rows in any order (ids: local expert, -1 = skip); EP
+        dispatchers run it on the received buffer as it lies; this dispatcher does not need it."""
         x_RD, meta = self.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
         return self.combine(experts_fn(x_RD, meta), meta)

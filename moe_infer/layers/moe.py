@@ -100,8 +100,10 @@ class MoELayer(nn.Module):
         fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
         if fused is not None and type(self.dispatcher) is LocalDispatcher:
             out_TD = fused(x_TD, kept_ids_TK, kept_weights_TK, *self.store.weights(), self.dispatcher.expert_start)
-        else:
-            out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts)
+        else:  # an EP dispatcher runs a fused backend on its received rows as they lie (ids: local slots)
+            fused_fn = None if fused is None else (lambda x, ids, w: fused(x, ids, w, *self.store.weights(), 0))
+            out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts,
+                                                     fused_fn=fused_fn)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         return out_TD

@@ -12,13 +12,20 @@ Weights are never moved at run time: tokens move to the experts (an expert's wei
 values, outweigh the few rows routed to it at inference batch sizes).
 
 What moves. The router's choice (logical ids, -1 = dropped by the capacity policy) is mapped to
-physical slots; routed rows are sorted by (micro-batch, destination rank, slot) and sent with one
-`all_to_all_single`; the receiver regroups them by local slot for the experts backend (the
-`DispatchMetadata` contract of `LocalDispatcher`: rows sorted by local expert, offsets_E1). Each
-row carries its float32 routing weight in 4 extra bytes (1 fp32 / 2 bf16 columns) of the same
-payload, so the experts backend applies it exactly as on one rank; the weighted outputs come back
-and the source rank sums the K rows of each token in float32, in the single-rank order: EP output
-equals the single-rank output up to the GEMMs' row blocking, for every experts backend.
+physical slots; routed rows are laid out by (micro-batch, destination rank, slot) in one send
+buffer by one kernel (`moe_infer.kernels.ep_ops.pack_rows`) and sent with one `all_to_all_single`.
+Each row carries its float32 routing weight in 4 extra bytes (1 fp32 / 2 bf16 columns) of the same
+payload. The receiver runs the experts on the received buffer as it lies, (source rank, slot, row):
+  fused     an experts backend that declares `fused_experts` (the layer hands it over as
+            `fused_fn`) takes the buffer as "tokens" with top-k 1 and id = local slot (-1 for empty
+            capacity rows, found from their zero weight): no regroup copy, and its output is already
+            in the order of the return all-to-all;
+  regroup   any other backend gets the rows sorted by local slot (the `DispatchMetadata` contract
+            of `LocalDispatcher`: offsets_E1) and its output is put back in receive order.
+The weighted outputs come back with one all-to-all into one buffer and one kernel sums the K rows
+of each token in float32 (`combine_rows`): EP output equals the single-rank output up to the
+GEMMs' row blocking, for every experts backend. On CPU the same steps run the ops' PyTorch
+references (`EP_ROW_OPS["torch"]`).
 
 Two backends (registry `DISPATCHERS`):
   exact     per-slot row counts exchanged first (a tiny all-to-all, the one host sync per layer,
@@ -28,19 +35,21 @@ Two backends (registry `DISPATCHERS`):
             per-expert capacity, so rows the policy (drop/reroute) kept always fit; T must be the
             same on every rank (true for the engine, which pads its batch). Padding rows are zeros.
 
-Overlap. With `overlap` (and a payload of at least `overlap_min_mb`) the layer runs as two micro-batches split by expert slot (slots [0, S/2)
-and [S/2, S) of every rank), not by token: each routed row belongs to exactly one micro-batch, so
-the capacity buffers do not double and the K-sum stays in one place. Both dispatch all-to-alls
-are issued asynchronously (they run on the process group's communication stream: NCCL's own
-stream on GPU, gloo's worker thread on CPU) while the experts of micro-batch 0 run on the compute
-stream; the combine of micro-batch 0 then runs under the experts of micro-batch 1.
+Overlap. With `overlap` (and a payload of at least `overlap_min_mb`) the layer runs as two
+micro-batches split by expert slot (slots [0, S/2) and [S/2, S) of every rank), not by token:
+each routed row belongs to exactly one micro-batch, so the capacity buffers do not double and the
+K-sum stays in one place. Both dispatch all-to-alls are issued asynchronously (they run on the
+process group's communication stream: NCCL's own stream on GPU, gloo's worker thread on CPU)
+while the experts of micro-batch 0 run on the compute stream; the combine of micro-batch 0 then
+runs under the experts of micro-batch 1.
 
 Replicated tokens. When attention is replicated (every EP rank holds the same T tokens), a
 dispatcher built with `tokens_replicated=True` lets rank r route only tokens [r*T/ep, (r+1)*T/ep)
 and all-gathers the outputs, instead of sending every token ep times.
 
 Legend: T tokens, D hidden, E logical experts, S local slots, P = ep*S physical slots, K top-k,
-N = T*K routed rows, R rows received for the local slots, C capacity rows per (rank, slot).
+N = T*K routed rows, R rows received for the local slots, C capacity rows per (rank, slot),
+X rows of the send buffer (all micro-batches).
 """
 from __future__ import annotations
 
@@ -52,13 +61,20 @@ import torch
 import torch.distributed as dist
 
 from moe_infer.experts.dispatcher import DispatchMetadata, LocalDispatcher
+from moe_infer.kernels.ep_ops import row_ops
+from moe_infer.kernels.ep_ops_ref import weight_columns
 from moe_infer.parallel.placement import ExpertPlacement
+from moe_infer.parallel.slots import SlotTables
 from moe_infer.registry import Registry
+
+__all__ = ["A2ADispatcher", "A2AMetadata", "DISPATCHERS", "ExpertsCall", "FusedCall", "RoutePlan", "weight_columns"]
 
 DISPATCHERS: Registry[type] = Registry("EP dispatcher")
 # torch >= 2.13 renames all_gather_into_tensor (2.11, the GPU machine, has only the old name)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 ExpertsCall = Callable[[torch.Tensor, DispatchMetadata], torch.Tensor]
+# (x_RD, ids_R1 local slot or -1, weights_R1 float32) -> weighted y_RD, rows in any order
+FusedCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -69,47 +85,42 @@ class RoutePlan:
     top_k: int  # K
     layer_tokens: int  # tokens of the whole MoE layer call (> T when tokens are replicated and sharded)
     slot_ranges: Tuple[Tuple[int, int], ...]  # local slots [a, b) of each micro-batch
-    send_pos_N: torch.Tensor  # int64 [N]: row of the returned buffer holding routed row n (sentinel: zero row)
-    sent_N: torch.Tensor  # bool [N]: rows sent to an expert (False: dropped by the policy or by capacity)
-    overflow_N: torch.Tensor  # bool [N]: rows the dispatcher itself had to drop (capacity backend only)
-    send_rows: Tuple[torch.Tensor, ...]  # per micro-batch: the send buffer (capacity) or its token ids (exact)
+    ids_N: torch.Tensor  # the ids routed (-1: dropped by the policy)
+    send_pos_N: torch.Tensor  # int64 [N]: send-buffer row of routed row n; >= num_send_rows: not sent
+    num_send_rows: int  # X, over all micro-batches; the returned rows land in the same rows
+    send_sections: Tuple[Tuple[int, int], ...]  # rows [a, b) of the send buffer of each micro-batch
+    send_rows: Tuple[torch.Tensor, ...]  # per micro-batch: the packed send buffer (capacity), routed rows (exact)
     send_splits: Tuple[Optional[List[int]], ...]  # per micro-batch rows to each rank (None: equal splits)
     recv_splits: Tuple[Optional[List[int]], ...]
     recv_counts_rS: Optional[torch.Tensor]  # int64 [ep, S]: rows from each source per local slot (exact)
     capacity: int  # C (0 for exact)
 
+    @property
+    def sent_N(self) -> torch.Tensor:
+        """bool [N]: rows sent to an expert (False: dropped by the policy or by capacity)."""
+        return self.send_pos_N < self.num_send_rows
+
+    @property
+    def overflow_N(self) -> torch.Tensor:
+        """bool [N]: rows the dispatcher itself had to drop (capacity backend only)."""
+        return (self.ids_N.reshape(-1) >= 0) & ~self.sent_N
+
 
 @dataclass(frozen=True)
 class A2AMetadata(DispatchMetadata):
-    """DispatchMetadata of one micro-batch on the receiving rank. token_idx_R holds the receive-buffer
-    row of each dispatched row, inv_N the plan's send_pos_N; weights_R came with the rows; num_tokens
-    is the layer's token count (what an experts backend picks its kernel config by, as on one rank)."""
+    """DispatchMetadata of one micro-batch on the receiving rank (regroup path). token_idx_R holds
+    the receive-buffer row of each dispatched row, inv_N the plan's send_pos_N; weights_R came with
+    the rows; num_tokens is the layer's token count (what an experts backend picks its kernel
+    config by, as on one rank)."""
 
     micro_batch: int
     plan: RoutePlan
 
 
-def weight_columns(dtype: torch.dtype) -> int:
-    """Payload columns that carry a row's float32 routing weight."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if 4 % size:
-        raise ValueError(f"cannot carry float32 weights in {dtype} columns")
-    return 4 // size
-
-
-def weight_cols(weights_R: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[R, weight_columns]: each row's float32 weight bit-cast to `dtype` columns."""
-    return weights_R.float().contiguous().view(dtype).view(weights_R.shape[0], weight_columns(dtype))
-
-
-def with_weights(rows_RD: torch.Tensor, weights_R: torch.Tensor) -> torch.Tensor:
-    """[R, D + weight_columns]: the rows, then their float32 weights."""
-    return torch.cat([rows_RD, weight_cols(weights_R, rows_RD.dtype)], dim=1)
-
-
 class A2ADispatcher(LocalDispatcher):
-    """Base of the all-to-all dispatchers: placement, replica choice, token sharding and the overlap
-    schedule. Subclasses build the plan (`_plan`) and the receive-side regrouping (`_regroup`)."""
+    """Base of the all-to-all dispatchers: placement, replica choice, token sharding, the experts call
+    on the received buffer and the overlap schedule. Subclasses build the plan (`_plan`), the send
+    buffer of a micro-batch (`_send_buffer`) and say which local slot each received row is for."""
 
     def __init__(
         self,
@@ -128,9 +139,8 @@ class A2ADispatcher(LocalDispatcher):
         self.top_k, self.overlap, self.overlap_min_mb = top_k, overlap, overlap_min_mb
         self.tokens_replicated = tokens_replicated
         self.local_expert_ids = placement.local_experts(rank)
-        self._tables: dict = {}
+        self.slots = SlotTables(placement, rank)
 
-    # ---- routing to physical slots -------------------------------------------------------------
     def _slot_ranges(self, num_micro_batches: int) -> Tuple[Tuple[int, int], ...]:
         S = self.num_local_experts
         if num_micro_batches == 1 or S < 2:
@@ -138,45 +148,22 @@ class A2ADispatcher(LocalDispatcher):
         half = (S + 1) // 2
         return ((0, half), (half, S))
 
-    def _virtual_slots(self, ids_TK: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> tuple:
-        """v_N: each routed row's physical slot renumbered micro-batch-major ((m, rank, slot) order),
-        -1 for dropped rows; valid_N; both on ids_TK's device."""
-        dev = ids_TK.device
-        key = (dev, tuple(ranges))
-        if key not in self._tables:  # built once per device and split (host-to-device copies)
-            S, ep = self.num_local_experts, self.ep
-            v_P = torch.empty(ep * S, dtype=torch.int64)
-            for a, b in ranges:
-                for r in range(ep):
-                    for s in range(a, b):
-                        v_P[r * S + s] = a * ep + r * (b - a) + (s - a)
-            replicas_EM, num_rep_E = self.placement.replica_table()
-            v_EM = v_P[replicas_EM]  # virtual slots of each logical expert's replicas
-            v_E = v_EM[:, 0].contiguous() if self.placement.num_redundant == 0 else None
-            self._tables[key] = tuple(t if t is None else t.to(dev) for t in (v_E, v_EM, num_rep_E))
-        v_E, v_EM, num_rep_E = self._tables[key]
-        ids_N = ids_TK.reshape(-1).long()
-        valid_N = ids_N >= 0
-        e_N = ids_N.clamp_min(0)
-        if v_E is not None:  # one slot per expert: a table lookup
-            v_N = v_E[e_N]
-        else:  # replicas: round-robin over them by routed row (and rank)
-            pick_N = (torch.arange(ids_N.numel(), device=dev) + self.rank) % num_rep_E[e_N]
-            v_N = v_EM[e_N].gather(1, pick_N[:, None]).squeeze(1)
-        return torch.where(valid_N, v_N, -1), valid_N
-
     # ---- subclass hooks ------------------------------------------------------------------------
     def _plan(self, x_TD, ids_TK, weights_TK, ranges, layer_tokens: int) -> RoutePlan:
-        raise NotImplementedError
-
-    def _regroup(self, plan: RoutePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot_order_R, counts_S) of micro-batch m's received rows."""
         raise NotImplementedError
 
     def _send_buffer(self, plan: RoutePlan, x_TD: torch.Tensor, m: int) -> torch.Tensor:
         raise NotImplementedError
 
-    # ---- one micro-batch: dispatch and combine, each split into start / finish -----------------
+    def _recv_slots(self, plan: RoutePlan, m: int) -> torch.Tensor:
+        """int [R]: the local slot of each row micro-batch m receives."""
+        raise NotImplementedError
+
+    def _regroup(self, plan: RoutePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_order_R, counts_S) of micro-batch m's received rows (regroup path)."""
+        raise NotImplementedError
+
+    # ---- communication -------------------------------------------------------------------------
     def _a2a(self, out, inp, out_splits, in_splits, async_op: bool):
         try:
             return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
@@ -197,60 +184,75 @@ class A2ADispatcher(LocalDispatcher):
             f"collective timeout (parallel.timeout_s), or runs a different layer sequence ({err})"
         )
 
+    # ---- one micro-batch: dispatch, experts, combine -------------------------------------------
     def _start_dispatch(self, plan: RoutePlan, x_TD: torch.Tensor, m: int, async_op: bool):
-        send_RD = self._send_buffer(plan, x_TD, m)
+        send_XC = self._send_buffer(plan, x_TD, m)
         splits = plan.recv_splits[m]
-        num_recv = sum(splits) if splits is not None else send_RD.shape[0]
-        recv_RD = x_TD.new_empty(num_recv, send_RD.shape[1])
-        return recv_RD, self._a2a(recv_RD, send_RD, splits, plan.send_splits[m], async_op)
+        num_recv = sum(splits) if splits is not None else send_XC.shape[0]
+        recv_XC = x_TD.new_empty(num_recv, send_XC.shape[1])
+        return recv_XC, self._a2a(recv_XC, send_XC, splits, plan.send_splits[m], async_op)
 
-    def _finish_dispatch(self, plan: RoutePlan, m: int, pending) -> tuple[torch.Tensor, A2AMetadata]:
-        recv_RD, work = pending
+    def _received(self, pending) -> torch.Tensor:
+        recv_XC, work = pending
         self._wait(work)
+        return recv_XC
+
+    def _regrouped(self, plan: RoutePlan, m: int, recv_XC: torch.Tensor) -> tuple[torch.Tensor, A2AMetadata]:
         slot_order_R, counts_S = self._regroup(plan, m)
         offsets_S1 = torch.zeros(counts_S.numel() + 1, dtype=torch.int64, device=counts_S.device)
         torch.cumsum(counts_S, 0, out=offsets_S1[1:])
-        D = recv_RD.shape[1] - weight_columns(recv_RD.dtype)
-        weights_R = recv_RD[:, D:].index_select(0, slot_order_R).view(torch.float32).view(-1)
+        D = recv_XC.shape[1] - weight_columns(recv_XC.dtype)
+        weights_R = recv_XC[:, D:].index_select(0, slot_order_R).contiguous().view(torch.float32).view(-1)
         meta = A2AMetadata(
             num_tokens=plan.layer_tokens, top_k=plan.top_k, token_idx_R=slot_order_R, weights_R=weights_R,
             counts_E=counts_S, offsets_E1=offsets_S1, inv_N=plan.send_pos_N, micro_batch=m, plan=plan,
         )
-        return recv_RD[:, :D].index_select(0, slot_order_R), meta
+        return recv_XC[:, :D].index_select(0, slot_order_R), meta
 
-    def _start_combine(self, y_RD: torch.Tensor, meta: A2AMetadata, async_op: bool):
-        plan, m = meta.plan, meta.micro_batch
-        y_recv_RD = torch.empty_like(y_RD).index_copy_(0, meta.token_idx_R, y_RD)
-        splits = plan.send_splits[m]
-        num_back = sum(splits) if splits is not None else y_recv_RD.shape[0]
-        y_back_RD = y_RD.new_empty(num_back, y_RD.shape[1])
-        return y_back_RD, self._a2a(y_back_RD, y_recv_RD, splits, plan.recv_splits[m], async_op)
+    def _experts(self, plan: RoutePlan, m: int, pending, experts_fn: ExpertsCall,
+                 fused_fn: Optional[FusedCall]) -> torch.Tensor:
+        """Weighted expert outputs of micro-batch m's received rows, in receive order."""
+        recv_XC = self._received(pending)
+        D = recv_XC.shape[1] - weight_columns(recv_XC.dtype)
+        if fused_fn is not None:  # no regroup: the buffer as it lies, empty rows skipped by id -1
+            ids_X, w_X = row_ops(recv_XC.device).recv_rows(recv_XC, self._recv_slots(plan, m), D)
+            return fused_fn(recv_XC[:, :D], ids_X[:, None], w_X[:, None])
+        x_RD, meta = self._regrouped(plan, m, recv_XC)
+        return self._to_receive_order(experts_fn(x_RD, meta), meta)
 
-    def _finish_combine(self, plan: RoutePlan, pending: Sequence) -> torch.Tensor:
-        backs = []
-        for y_back_RD, work in pending:
+    @staticmethod
+    def _to_receive_order(y_RD: torch.Tensor, meta: A2AMetadata) -> torch.Tensor:
+        return torch.empty_like(y_RD).index_copy_(0, meta.token_idx_R, y_RD)
+
+    def _start_combine(self, plan: RoutePlan, m: int, y_XD: torch.Tensor, y_back_XD: torch.Tensor, async_op: bool):
+        a, b = plan.send_sections[m]
+        return self._a2a(y_back_XD[a:b], y_XD, plan.send_splits[m], plan.recv_splits[m], async_op)
+
+    def _finish_combine(self, plan: RoutePlan, works: Sequence, y_back_XD: torch.Tensor) -> torch.Tensor:
+        for work in works:
             self._wait(work)
-            backs.append(y_back_RD)
-        D = backs[0].shape[1]
-        backs.append(backs[0].new_zeros(1, D))  # the sentinel row of dropped rows
-        y_NKD = torch.cat(backs).index_select(0, plan.send_pos_N).view(plan.num_tokens, plan.top_k, D)
-        return y_NKD.sum(dim=1, dtype=torch.float32).to(y_NKD.dtype)
+        return row_ops(y_back_XD.device).combine_rows(y_back_XD, plan.send_pos_N, plan.num_tokens, plan.top_k)
 
     # ---- the LocalDispatcher interface ---------------------------------------------------------
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> tuple[torch.Tensor, A2AMetadata]:
         plan = self._plan(x_TD, topk_ids_TK, topk_weights_TK, self._slot_ranges(1), x_TD.shape[0])
-        return self._finish_dispatch(plan, 0, self._start_dispatch(plan, x_TD, 0, async_op=False))
+        return self._regrouped(plan, 0, self._received(self._start_dispatch(plan, x_TD, 0, async_op=False)))
 
     def combine(self, y_RD: torch.Tensor, meta: A2AMetadata) -> torch.Tensor:
-        if len(meta.plan.slot_ranges) != 1:
+        plan = meta.plan
+        if len(plan.slot_ranges) != 1:
             raise ValueError("combine() takes a one-micro-batch dispatch; overlap runs through forward_experts()")
-        return self._finish_combine(meta.plan, [self._start_combine(y_RD, meta, async_op=False)])
+        y_back_XD = y_RD.new_empty(plan.num_send_rows, y_RD.shape[1])
+        work = self._start_combine(plan, 0, self._to_receive_order(y_RD, meta), y_back_XD, async_op=False)
+        return self._finish_combine(plan, [work], y_back_XD)
 
-    def forward_experts(self, x_TD, topk_ids_TK, topk_weights_TK, experts_fn: ExpertsCall) -> torch.Tensor:
-        """dispatch -> experts_fn(x_RD, meta) -> combine, with token sharding and overlap."""
+    def forward_experts(self, x_TD, topk_ids_TK, topk_weights_TK, experts_fn: ExpertsCall,
+                        fused_fn: Optional[FusedCall] = None) -> torch.Tensor:
+        """dispatch -> experts -> combine, with token sharding and overlap. fused_fn (optional): the
+        experts over rows in any order, ids = local slot; used instead of experts_fn (no regroup)."""
         T = x_TD.shape[0]
         if not self.tokens_replicated:
-            return self._run(x_TD, topk_ids_TK, topk_weights_TK, experts_fn, T)
+            return self._run(x_TD, topk_ids_TK, topk_weights_TK, experts_fn, fused_fn, T)
         Tr = math.ceil(T / self.ep)
         pad = Tr * self.ep - T
         if pad:
@@ -258,7 +260,7 @@ class A2ADispatcher(LocalDispatcher):
             topk_ids_TK = torch.cat([topk_ids_TK, topk_ids_TK.new_full((pad, topk_ids_TK.shape[1]), -1)])
             topk_weights_TK = torch.cat([topk_weights_TK, topk_weights_TK.new_zeros(pad, topk_weights_TK.shape[1])])
         mine = slice(self.rank * Tr, (self.rank + 1) * Tr)
-        out_TrD = self._run(x_TD[mine], topk_ids_TK[mine], topk_weights_TK[mine], experts_fn, T)
+        out_TrD = self._run(x_TD[mine], topk_ids_TK[mine], topk_weights_TK[mine], experts_fn, fused_fn, T)
         out_TD = out_TrD.new_empty(Tr * self.ep, out_TrD.shape[1])
         try:
             _all_gather_single(out_TD, out_TrD.contiguous(), group=self.group)
@@ -266,17 +268,17 @@ class A2ADispatcher(LocalDispatcher):
             raise self._comm_error(err) from err
         return out_TD[:T]
 
-    def _run(self, x_TD, ids_TK, weights_TK, experts_fn: ExpertsCall, layer_tokens: int) -> torch.Tensor:
+    def _run(self, x_TD, ids_TK, weights_TK, experts_fn, fused_fn, layer_tokens: int) -> torch.Tensor:
         payload_mb = layer_tokens * self.top_k * x_TD.shape[1] * x_TD.element_size() / 1e6
         use_overlap = self.overlap and payload_mb >= self.overlap_min_mb
         plan = self._plan(x_TD, ids_TK, weights_TK, self._slot_ranges(2 if use_overlap else 1), layer_tokens)
-        M = len(plan.slot_ranges)
-        if M == 1:
-            x_RD, meta = self._finish_dispatch(plan, 0, self._start_dispatch(plan, x_TD, 0, async_op=False))
-            return self._finish_combine(plan, [self._start_combine(experts_fn(x_RD, meta), meta, async_op=False)])
-        dispatches = [self._start_dispatch(plan, x_TD, m, async_op=True) for m in range(M)]
-        combines = []
-        for m in range(M):  # experts of m overlap the dispatch of m+1 and the combine of m-1
-            x_RD, meta = self._finish_dispatch(plan, m, dispatches[m])
-            combines.append(self._start_combine(experts_fn(x_RD, meta), meta, async_op=True))
-        return self._finish_combine(plan, combines)
+        y_back_XD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
+        if len(plan.slot_ranges) == 1:
+            y_XD = self._experts(plan, 0, self._start_dispatch(plan, x_TD, 0, async_op=False), experts_fn, fused_fn)
+            return self._finish_combine(plan, [self._start_combine(plan, 0, y_XD, y_back_XD, False)], y_back_XD)
+        dispatches = [self._start_dispatch(plan, x_TD, m, async_op=True) for m in range(len(plan.slot_ranges))]
+        works = []
+        for m, pending in enumerate(dispatches):  # experts of m overlap the dispatch of m+1 and the combine of m-1
+            y_XD = self._experts(plan, m, pending, experts_fn, fused_fn)
+            works.append(self._start_combine(plan, m, y_XD, y_back_XD, async_op=True))
+        return self._finish_combine(plan, works, y_back_XD)

@@ -3,6 +3,9 @@
 Per layer call: one tiny all-to-all of per-(rank, slot) row counts (with a header that checks
 every rank runs the same number of micro-batches) and one host sync to turn them into split sizes;
 then one payload all-to-all per micro-batch each way. No padding, no dropping: any T per rank.
+The send buffer is written by one kernel (`pack_rows`, rows in (micro-batch, rank, slot) order);
+the received rows of each source come sorted by slot, so the fused experts path takes them as
+they lie (their slots from the counts), and the combine is one all-to-all back + `combine_rows`.
 
 Legend: T tokens, D hidden, S local slots, P = ep*S physical slots, K top-k, N = T*K routed rows,
 R received rows, M micro-batches.
@@ -13,7 +16,9 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan, with_weights
+from moe_infer.kernels.ep_ops import row_ops
+from moe_infer.kernels.ep_ops_ref import weight_columns
+from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
 
 _HEADER = 2  # columns ahead of the counts: number of micro-batches, tokens on the sending rank
 
@@ -24,7 +29,7 @@ class ExactDispatcher(A2ADispatcher):
         T, K = ids_TK.shape
         N, S, ep = T * K, self.num_local_experts, self.ep
         P, dev = ep * S, ids_TK.device
-        v_N, valid_N = self._virtual_slots(ids_TK, ranges)
+        v_N, valid_N = self.slots.virtual_slots(ids_TK, tuple(ranges))
         key_N = torch.where(valid_N, v_N, torch.full_like(v_N, P))
         _, order_N = torch.sort(key_N, stable=True)
         counts_V1 = torch.zeros(P + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_N, torch.ones_like(key_N))
@@ -46,16 +51,16 @@ class ExactDispatcher(A2ADispatcher):
         num_send = sum(map(sum, send_splits))
         pos_N = torch.empty_like(order_N)
         pos_N[order_N] = torch.arange(N, device=dev)
-        tok_sorted = order_N // K
-        w_sorted = weights_TK.reshape(-1).float()[order_N]
-        send, start = [], 0
-        for splits in send_splits:
-            send.append((tok_sorted[start:start + sum(splits)], w_sorted[start:start + sum(splits)]))
+        w_N = weights_TK.reshape(-1).float().contiguous()
+        send, secs, start = [], [], 0
+        for splits in send_splits:  # each micro-batch's routed rows, in send order
+            send.append((order_N[start:start + sum(splits)], w_N))
+            secs.append((start, start + sum(splits)))
             start += sum(splits)
         return RoutePlan(
-            num_tokens=T, top_k=K, layer_tokens=layer_tokens, slot_ranges=tuple(ranges),
-            send_pos_N=pos_N.clamp_max(num_send),  # dropped rows sort last: all of them -> sentinel
-            sent_N=valid_N, overflow_N=torch.zeros(N, dtype=torch.bool, device=dev),
+            num_tokens=T, top_k=K, layer_tokens=layer_tokens, slot_ranges=tuple(ranges), ids_N=ids_TK,
+            send_pos_N=pos_N.clamp_max(num_send),  # dropped rows sort last: all of them -> the sentinel
+            num_send_rows=num_send, send_sections=tuple(secs),
             send_rows=tuple(send), send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
             recv_counts_rS=recv_cnt_rX[:, _HEADER:], capacity=0,
         )
@@ -70,16 +75,19 @@ class ExactDispatcher(A2ADispatcher):
             )
 
     def _send_buffer(self, plan: RoutePlan, x_TD: torch.Tensor, m: int) -> torch.Tensor:
-        tok_R, w_R = plan.send_rows[m]
-        return with_weights(x_TD.index_select(0, tok_R), w_R)
+        src_R, w_N = plan.send_rows[m]
+        send_RC = x_TD.new_empty(src_R.numel(), x_TD.shape[1] + weight_columns(x_TD.dtype))
+        return row_ops(x_TD.device).pack_rows(x_TD, w_N, src_R, plan.top_k, send_RC)
+
+    def _recv_slots(self, plan: RoutePlan, m: int) -> torch.Tensor:
+        a, b = plan.slot_ranges[m]
+        recv_rs = plan.recv_counts_rS[:, a:b]
+        slots = torch.arange(a, b, device=recv_rs.device).repeat(self.ep)
+        return torch.repeat_interleave(slots, recv_rs.reshape(-1), output_size=sum(plan.recv_splits[m]))
 
     def _regroup(self, plan: RoutePlan, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = plan.slot_ranges[m]
-        recv_rs = plan.recv_counts_rS[:, a:b]
-        num_recv = sum(plan.recv_splits[m])
-        slots = torch.arange(a, b, device=recv_rs.device).repeat(self.ep)
-        key_R = torch.repeat_interleave(slots, recv_rs.reshape(-1), output_size=num_recv)
-        _, slot_order_R = torch.sort(key_R, stable=True)
-        counts_S = torch.zeros(self.num_local_experts, dtype=torch.int64, device=recv_rs.device)
-        counts_S[a:b] = recv_rs.sum(0)
+        _, slot_order_R = torch.sort(self._recv_slots(plan, m), stable=True)
+        counts_S = torch.zeros(self.num_local_experts, dtype=torch.int64, device=plan.send_pos_N.device)
+        counts_S[a:b] = plan.recv_counts_rS[:, a:b].sum(0)
         return slot_order_R, counts_S

@@ -27,13 +27,23 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
-from moe_infer.experts.reference import EXPERT_BACKENDS  # noqa: E402
+from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch  # noqa: E402
+from moe_infer.kernels.fused_moe_ref import fused_experts_ref  # noqa: E402
 from moe_infer.layers.moe import MoEBackends, MoELayer  # noqa: E402
 from moe_infer.parallel import init, replicate_hot_experts  # noqa: E402
 from moe_infer.plugins import load_plugins  # noqa: E402
 from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 E, K, D, F_ = 8, 2, 32, 24
+
+
+def experts_torch_fused(x_RD, meta, w13_E2FD, w2_EDF):
+    """The torch experts, declaring the fused reference: the EP dispatchers' no-regroup path on gloo."""
+    return experts_torch(x_RD, meta, w13_E2FD, w2_EDF)
+
+
+experts_torch_fused.fused_experts = fused_experts_ref
+EXPERT_BACKENDS.register("torch_fused")(experts_torch_fused)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -76,8 +86,8 @@ def check_case(ctx, case, placement_path):
         T = 0  # a rank with nothing to send still serves the others
     x_TD = torch.randn(T, D, generator=gen).to(dev, dtype)
     plans = []
-    run = layer._run_experts
-    layer._run_experts = lambda x, m: (plans.append(m.plan), run(x, m))[1]
+    make_plan = disp._plan
+    disp._plan = lambda *args: (plans.append(make_plan(*args)), plans[-1])[1]
     with torch.no_grad():
         out_TD = layer(x_TD)
         ref_TD = ref(x_TD)
@@ -97,8 +107,8 @@ def check_case(ctx, case, placement_path):
         if not torch.equal(~plan.sent_N, kept_TK.reshape(-1) < 0):
             problems.append("rows the dispatcher did not send differ from the rows the routing policy dropped")
         expected = 2 if overlap and disp.num_local_experts > 1 else 1
-        if len(plan.slot_ranges) != expected or len(plans) != expected:
-            problems.append(f"expected {expected} micro-batches, got {len(plan.slot_ranges)} ({len(plans)} expert calls)")
+        if len(plan.slot_ranges) != expected or len(plans) != 1:
+            problems.append(f"expected {expected} micro-batches in one plan, got {len(plan.slot_ranges)} ({len(plans)} plans)")
     return err, problems
 
 
@@ -162,12 +172,22 @@ def check_capacity_no_host_sync(ctx):
         outside.append(True)
         return outside_check(lambda: layer._run_experts(x_RD, meta))
 
+    fused = getattr(layer._experts, "fused_experts", fused_experts_ref)
+
+    def fused_plain(x_RD, ids_R1, w_R1):
+        return fused(x_RD, ids_R1, w_R1, *layer.store.weights(), 0)
+
+    def fused_fn(x_RD, ids_R1, w_R1):  # the no-regroup path; its experts run outside the check too
+        outside.append(True)
+        return outside_check(lambda: fused_plain(x_RD, ids_R1, w_R1))
+
     with torch.no_grad():
         w_TK, ids_TK = ref._select(ref.gate(x_TD), ref.spec, None)
         kept_TK, kw_TK = ref._policy(ids_TK, w_TK, logits_TE=ref.gate(x_TD), spec=ref.spec, **kw)
         disp.forward_experts(x_TD, kept_TK, kw_TK, layer._run_experts)  # builds the device tables
         x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)  # ... and those of one micro-batch
         disp.combine(layer._run_experts(x_RD, meta), meta)
+        disp.forward_experts(x_TD, kept_TK, kw_TK, layer._run_experts, fused_plain)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         state = {}
@@ -187,11 +207,12 @@ def check_capacity_no_host_sync(ctx):
                 disp.forward_experts(x_TD, kept_TK, kw_TK, experts_fn)
                 x_RD, meta = disp.dispatch(x_TD, kept_TK, kw_TK)
                 disp.combine(experts_fn(x_RD, meta), meta)
+                disp.forward_experts(x_TD, kept_TK, kw_TK, experts_fn, fused_fn)
             finally:
                 state["exit"].__exit__(None, None, None)
         except RuntimeError as err:
             return [f"host sync: {err}"]
-    return [] if len(outside) == 3 else [f"expected 3 expert calls, saw {len(outside)}"]
+    return [] if len(outside) == 5 else [f"expected 5 expert calls, saw {len(outside)}"]
 
 
 def check_mismatch_raises(ctx):
@@ -212,7 +233,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--experts", default="torch", help="experts backends, comma-separated (torch, triton)")
+    ap.add_argument("--experts", default="torch,torch_fused",
+                    help="experts backends, comma-separated (torch, torch_fused: the fused reference, triton)")
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     ctx = init(ParallelConfig(ep=world, timeout_s=120), device=args.device)

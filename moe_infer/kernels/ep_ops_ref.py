@@ -1,0 +1,66 @@
+"""PyTorch references of the expert-parallel row kernels (`moe_infer.kernels.ep_ops`), same signatures.
+
+They are also the CPU (gloo) path of the all-to-all dispatchers. No host sync in any of them.
+
+Legend: T tokens, D hidden, K top-k, N = T*K routed rows, V slots, C capacity rows per slot,
+X rows of the send / receive buffer, W weight columns.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+
+def weight_columns(dtype: torch.dtype) -> int:
+    """Payload columns that carry a row's float32 routing weight."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if 4 % size:
+        raise ValueError(f"cannot carry float32 weights in {dtype} columns")
+    return 4 // size
+
+
+def slot_rows_ref(ids_N: torch.Tensor, rank_N: torch.Tensor, table_V: torch.Tensor, capacity: int,
+                  num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dest_N int64, src_X int32): routed row n with id >= 0 and 0 <= rank_N[n] < capacity goes to
+    send row table_V[ids_N[n]] * capacity + rank_N[n]; other rows get num_rows (X, the sentinel).
+    src_X[x] is the routed row sent to row x, -1 for an empty row."""
+    ids = ids_N.long()
+    slot_N = table_V.long()[ids.clamp_min(0)]
+    is_kept_N = (ids >= 0) & (rank_N >= 0) & (rank_N < capacity)
+    dest_N = torch.where(is_kept_N, slot_N * capacity + rank_N.long(), torch.full_like(ids, num_rows))
+    src_X1 = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=ids.device)
+    src_X1.index_put_((dest_N,), torch.arange(ids.numel(), dtype=torch.int32, device=ids.device))
+    return dest_N, src_X1[:num_rows]
+
+
+def pack_rows_ref(x_TD: torch.Tensor, weights_N: torch.Tensor, src_X: torch.Tensor, top_k: int,
+                  out_XC: torch.Tensor) -> torch.Tensor:
+    """out_XC[x] = [x_TD[src_X[x] // top_k], float32 bits of weights_N[src_X[x]]], zeros where src_X < 0.
+    out_XC is [X, D + W] in x_TD's dtype; returned."""
+    D = x_TD.shape[1]
+    src_X = src_X.long()
+    is_src_X = src_X >= 0
+    safe_X = src_X.clamp_min(0)
+    rows_XD = x_TD.index_select(0, safe_X // top_k) if x_TD.shape[0] else x_TD.new_zeros(src_X.numel(), D)
+    out_XC[:, :D] = torch.where(is_src_X[:, None], rows_XD, torch.zeros((), dtype=x_TD.dtype, device=x_TD.device))
+    w_X = weights_N.float().index_select(0, safe_X) if weights_N.numel() else weights_N.new_zeros(src_X.numel())
+    w_X = torch.where(is_src_X, w_X.float(), torch.zeros((), device=w_X.device))
+    out_XC[:, D:] = w_X.view(out_XC.dtype).view(src_X.numel(), out_XC.shape[1] - D)
+    return out_XC
+
+
+def recv_rows_ref(recv_XC: torch.Tensor, slot_X: torch.Tensor, hidden: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids_X int32, weights_X float32): each received row's local slot (-1 where its weight is 0: an
+    empty capacity row, or a row whose output is zero anyway) and its float32 weight."""
+    w_X = recv_XC[:, hidden:].contiguous().view(torch.float32).view(-1)
+    ids_X = torch.where(w_X != 0, slot_X.to(torch.int32), torch.full_like(slot_X, -1, dtype=torch.int32))
+    return ids_X, w_X
+
+
+def combine_rows_ref(y_XD: torch.Tensor, dest_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """out_TD[t] = sum over k of y_XD[dest_N[t*K + k]] (float32 sum); rows with dest >= X add nothing."""
+    X, D = y_XD.shape
+    y_X1D = torch.cat([y_XD, y_XD.new_zeros(1, D)])
+    y_TKD = y_X1D.index_select(0, dest_N.long().clamp_max(X)).view(num_tokens, top_k, D)
+    return y_TKD.sum(dim=1, dtype=torch.float32).to(y_XD.dtype)

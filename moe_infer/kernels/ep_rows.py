@@ -1,0 +1,72 @@
+"""Raw Triton kernels of the expert-parallel row path (wrappers and checks: `moe_infer.kernels.ep_ops`;
+PyTorch references of the same signatures: `moe_infer.kernels.ep_ops_ref`).
+
+    slot_rows_kernel     routed row n -> send row dest_N[n] = slot(n) * C + rank(n) (X if not sent)
+                         and the inverse map src_X[dest] = n (prefilled with -1)
+    pack_rows_kernel     send_XC[x] = [x_TD[src_X[x] // K], bits of weights_N[src_X[x]]] (zeros if src < 0)
+    recv_rows_kernel     received row x -> (local slot if its weight != 0 else -1, its float32 weight)
+    combine_rows_kernel  out_TD[t] = sum_k y_XD[dest_N[t*K + k]] in float32 (rows dest >= X add nothing)
+
+Legend: T tokens, D hidden, K top-k, N = T*K routed rows, V slots, C capacity rows per slot,
+X rows of the send / receive buffer, W weight columns (float32 bits in the payload's dtype).
+Rows are only moved here, never computed on: the interpreter's bf16 arithmetic is not used.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def slot_rows_kernel(ids_ptr, rank_ptr, table_ptr, dest_ptr, src_ptr, N, C, X, BLOCK_N: tl.constexpr):
+    n_B = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_row_B = n_B < N
+    id_B = tl.load(ids_ptr + n_B, mask=is_row_B, other=-1).to(tl.int64)
+    rank_B = tl.load(rank_ptr + n_B, mask=is_row_B, other=-1).to(tl.int64)
+    is_valid_B = is_row_B & (id_B >= 0)
+    slot_B = tl.load(table_ptr + tl.maximum(id_B, 0), mask=is_valid_B, other=0).to(tl.int64)
+    is_kept_B = is_valid_B & (rank_B >= 0) & (rank_B < C)
+    dest_B = tl.where(is_kept_B, slot_B * C + rank_B, X)
+    tl.store(dest_ptr + n_B, dest_B, mask=is_row_B)
+    tl.store(src_ptr + dest_B, n_B.to(tl.int32), mask=is_kept_B)
+
+
+@triton.jit
+def pack_rows_kernel(x_ptr, w_ptr, src_ptr, out_ptr, out_w_ptr, D, K, stride_x, stride_o, stride_ow, w_col,
+                     BLOCK_D: tl.constexpr):
+    """grid (X, cdiv(D, BLOCK_D)); out_w_ptr: the same buffer seen as float32 (row stride stride_ow)."""
+    row = tl.program_id(0).to(tl.int64)
+    d_B = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    is_d_B = d_B < D
+    src_B = tl.load(src_ptr + row + tl.zeros([BLOCK_D], dtype=tl.int64)).to(tl.int64)  # one value, broadcast
+    is_src_B = src_B >= 0
+    tok_B = tl.maximum(src_B, 0) // K
+    vals_B = tl.load(x_ptr + tok_B * stride_x + d_B, mask=is_d_B & is_src_B, other=0.0)
+    tl.store(out_ptr + row * stride_o + d_B, vals_B, mask=is_d_B)
+    if tl.program_id(1) == 0:  # the weight, as a 2-vector (lane 0) so that the masks are tensors
+        lane_2 = tl.arange(0, 2)
+        src_2 = tl.load(src_ptr + row + lane_2 * 0).to(tl.int64)
+        w_2 = tl.load(w_ptr + tl.maximum(src_2, 0), mask=(lane_2 == 0) & (src_2 >= 0), other=0.0)
+        tl.store(out_w_ptr + row * stride_ow + w_col + lane_2, w_2, mask=lane_2 == 0)
+
+
+@triton.jit
+def recv_rows_kernel(recv_w_ptr, slot_ptr, ids_ptr, w_ptr, X, stride_w, w_col, BLOCK_X: tl.constexpr):
+    x_B = tl.program_id(0) * BLOCK_X + tl.arange(0, BLOCK_X)
+    is_row_B = x_B < X
+    w_B = tl.load(recv_w_ptr + x_B.to(tl.int64) * stride_w + w_col, mask=is_row_B, other=0.0)
+    slot_B = tl.load(slot_ptr + x_B, mask=is_row_B, other=0).to(tl.int32)
+    tl.store(ids_ptr + x_B, tl.where(w_B != 0.0, slot_B, -1), mask=is_row_B)
+    tl.store(w_ptr + x_B, w_B, mask=is_row_B)
+
+
+@triton.jit
+def combine_rows_kernel(y_ptr, dest_ptr, out_ptr, D, X, stride_y, stride_o, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (T, cdiv(D, BLOCK_D))."""
+    t = tl.program_id(0).to(tl.int64)
+    d_B = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    is_d_B = d_B < D
+    acc_B = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        dest = tl.load(dest_ptr + t * K + k).to(tl.int64)
+        if dest < X:
+            acc_B += tl.load(y_ptr + dest * stride_y + d_B, mask=is_d_B, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + d_B, acc_B.to(out_ptr.dtype.element_ty), mask=is_d_B)

@@ -1,0 +1,110 @@
+"""EP row kernels (moe_infer.kernels.ep_rows) under the Triton interpreter == their PyTorch references.
+
+Fresh random inputs per case; outputs are poisoned first so an unwritten element shows.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moe_infer.kernels.ep_ops import EP_ROW_OPS, row_ops  # noqa: E402
+from moe_infer.kernels.ep_ops_ref import weight_columns  # noqa: E402
+from moe_infer.routing.capacity_ops import expert_ranks_torch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="needs the interpreter or CUDA"
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON, TORCH = EP_ROW_OPS.get("triton"), EP_ROW_OPS.get("torch")
+
+
+def _routing(T, K, V, drop, gen):
+    ids_TK = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(T)]).to(torch.int32) if T else \
+        torch.empty(0, K, dtype=torch.int32)
+    ids_TK[torch.rand(T, K, generator=gen) < drop] = -1
+    return ids_TK.to(DEV)
+
+
+@pytest.mark.parametrize("T,K,V,C,drop", [(7, 2, 5, 3, 0.2), (33, 4, 8, 2, 0.0), (0, 2, 4, 1, 0.0), (50, 8, 16, 3, 0.3)])
+def test_slot_rows(T, K, V, C, drop):
+    gen = torch.Generator().manual_seed(T * 31 + V)
+    ids_TK = _routing(T, K, V, drop, gen)
+    rank_N, _ = expert_ranks_torch(ids_TK, V)
+    table_V = torch.randperm(V, generator=gen).to(DEV)  # a slot permutation, as a placement gives
+    X = V * C
+    dest_t, src_t = TRITON.slot_rows(ids_TK.reshape(-1), rank_N, table_V, C, X)
+    dest_r, src_r = TORCH.slot_rows(ids_TK.reshape(-1), rank_N, table_V, C, X)
+    assert torch.equal(dest_t, dest_r) and torch.equal(src_t, src_r)
+    kept = dest_r < X  # every kept row is where src says, and rows over capacity are not sent
+    assert torch.equal(src_r[dest_r[kept]].long(), torch.nonzero(kept).squeeze(1))
+    assert not bool(((rank_N >= C) & kept).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K,D,X", [(9, 2, 48, 24), (5, 3, 40, 7), (0, 2, 16, 4)])
+def test_pack_rows(dtype, T, K, D, X):
+    gen = torch.Generator().manual_seed(X * 7 + D)
+    x_TD = torch.randn(T, D, generator=gen).to(DEV, dtype)
+    w_N = torch.rand(T * K, generator=gen).to(DEV)
+    src_X = torch.randint(-1, max(T * K, 1), (X,), generator=gen, dtype=torch.int32).to(DEV)
+    if T == 0:
+        src_X.fill_(-1)
+    W = weight_columns(dtype)
+    outs = []
+    for ops in (TRITON, TORCH):
+        out = torch.full((X, D + W), float("nan"), dtype=dtype, device=DEV)
+        outs.append(ops.pack_rows(x_TD, w_N, src_X, K, out))
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+    # a section of a larger buffer (the overlap's micro-batch) is written in place, nothing else
+    big = torch.full((X + 3, D + W), 5.0, dtype=dtype, device=DEV)
+    TRITON.pack_rows(x_TD, w_N, src_X, K, big[2:2 + X])
+    assert torch.equal(big[2:2 + X].view(torch.uint8), outs[1].view(torch.uint8))
+    assert bool((big[:2] == 5).all()) and bool((big[2 + X:] == 5).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recv_rows(dtype):
+    gen = torch.Generator().manual_seed(3)
+    X, D = 37, 24
+    W = weight_columns(dtype)
+    recv = torch.randn(X, D + W, generator=gen).to(DEV, dtype)
+    w_X = torch.rand(X, generator=gen)
+    w_X[::3] = 0.0
+    recv[:, D:] = w_X.to(DEV).view(dtype).view(X, W)
+    slot_X = torch.randint(0, 6, (X,), generator=gen).to(DEV)
+    ids_t, wt = TRITON.recv_rows(recv, slot_X, D)
+    ids_r, wr = TORCH.recv_rows(recv, slot_X, D)
+    assert torch.equal(ids_t, ids_r) and torch.equal(wt, wr) and torch.equal(wr.cpu(), w_X)
+    assert bool((ids_r[::3] == -1).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K,D", [(6, 2, 40), (11, 4, 2100), (0, 2, 8)])
+def test_combine_rows(dtype, T, K, D):
+    gen = torch.Generator().manual_seed(T + D)
+    X = 3 * T + 2
+    y_XD = torch.randn(X, D, generator=gen).to(DEV, dtype)
+    dest_N = torch.randint(0, X + 1, (T * K,), generator=gen).to(DEV)  # X: the sentinel, adds nothing
+    out_t = TRITON.combine_rows(y_XD, dest_N, T, K)
+    out_r = TORCH.combine_rows(y_XD, dest_N, T, K)
+    tol = 0 if dtype == torch.float32 else 1e-2  # fp32 -> bf16 truncates in the interpreter (1 ulp)
+    assert out_t.shape == (T, D) and torch.allclose(out_t.float(), out_r.float(), atol=tol, rtol=tol)
+    if T:
+        ref = sum(torch.cat([y_XD, y_XD.new_zeros(1, D)])[dest_N.view(T, K)[:, k]].float() for k in range(K))
+        assert torch.allclose(out_r.float(), ref.to(dtype).float(), atol=tol, rtol=tol)
+
+
+def test_bad_input_names_the_problem():
+    x_TD = torch.randn(4, 6, device=DEV)
+    with pytest.raises(ValueError, match="weights_N"):
+        TRITON.pack_rows(x_TD, torch.rand(3, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), 2,
+                         torch.empty(2, 7, device=DEV))
+    with pytest.raises(ValueError, match="out_XC"):
+        TRITON.pack_rows(x_TD, torch.rand(8, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), 2,
+                         torch.empty(2, 6, device=DEV))
+    with pytest.raises(ValueError, match="4-byte"):
+        TRITON.recv_rows(torch.empty(3, 7, dtype=torch.bfloat16, device=DEV), torch.zeros(3, dtype=torch.int64,
+                                                                                           device=DEV), 5)
+    assert row_ops(torch.device("cpu")) is TORCH
