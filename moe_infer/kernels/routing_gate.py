@@ -9,6 +9,22 @@ Launch wrapper: `moe_infer.routing.triton_select.select_experts_triton`.
 import triton
 import triton.language as tl
 
+MASKED = tl.constexpr(-3.0e38)  # choice of an expert outside the kept groups: below any score (+ bias), above a taken one
+
+
+@triton.jit
+def _ordered_key(x):
+    """int32 keys with the order of the fp32 values x (an involution on the bits, NaN aside): integer max/min
+    reduce across a warp in one `redux.sync` on sm_80+, where fp32 needs five shuffles."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(key):
+    """Inverse of `_ordered_key`: the fp32 value of a key."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def _argmax_lowest(x, cand, cols, BIG: tl.constexpr):
@@ -39,18 +55,18 @@ def _group_scores_loop(choice_BE, valid_BE, cols_E, gcols_G, per_group, G: tl.co
 
 
 @triton.jit
-def _group_scores_reshape(choice_BE, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr, PER_G: tl.constexpr):
-    """Same scores as `_group_scores_loop` when E = G * PER_G with both powers of 2."""
-    x_BGe = tl.reshape(choice_BE, (BLOCK_T, G, PER_G))
-    m1_BG = tl.max(x_BGe, axis=2)
+def _group_scores_reshape(key_BE, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr, PER_G: tl.constexpr):
+    """Same scores as `_group_scores_loop` (from the choices' ordered keys) when E = G * PER_G, both powers of 2."""
+    k_BGe = tl.reshape(key_BE, (BLOCK_T, G, PER_G))
+    m1_BG = tl.max(k_BGe, axis=2)
     if HAS_BIAS:
         j_e = tl.arange(0, PER_G)[None, None, :]
-        i1_BG = tl.min(tl.where(x_BGe == m1_BG[:, :, None], j_e, PER_G), axis=2)  # first (lowest) argmax
-        m2_BG = tl.max(tl.where(j_e == i1_BG[:, :, None], float("-inf"), x_BGe), axis=2)
+        i1_BG = tl.min(tl.where(k_BGe == m1_BG[:, :, None], j_e, PER_G), axis=2)  # first (lowest) argmax
+        m2_BG = tl.max(tl.where(j_e == i1_BG[:, :, None], -2147483648, k_BGe), axis=2)
         if PER_G < 2:
-            m2_BG = tl.zeros_like(m1_BG)
-        return m1_BG + m2_BG
-    return m1_BG
+            return _key_value(m1_BG)
+        return _key_value(m1_BG) + _key_value(m2_BG)
+    return _key_value(m1_BG)
 
 
 @triton.jit
@@ -75,8 +91,10 @@ def routing_gate_kernel(
     if IS_SIGMOID:
         scores_BE = tl.sigmoid(x_BE)
     else:
-        e_BE = tl.exp(x_BE - tl.max(x_BE, axis=1)[:, None])
-        scores_BE = e_BE / tl.sum(e_BE, axis=1)[:, None]
+        xmax_B = tl.max(x_BE, axis=1)
+        e_BE = tl.exp(x_BE - xmax_B[:, None])
+        xsum_B = tl.sum(e_BE, axis=1)
+        scores_BE = e_BE / xsum_B[:, None]
     scores_BE = tl.where(mask_BE, scores_BE, 0.0)
     if HAS_BIAS:
         bias_E = tl.load(bias_ptr + cols_E, mask=is_col_E, other=0.0).to(tl.float32)
@@ -89,14 +107,16 @@ def routing_gate_kernel(
     if G > 1:  # DeepSeek grouped top-k: keep the TOPK_GROUP best groups, mask the others
         gcols_G = tl.arange(0, BLOCK_G)
         if GROUP_RESHAPE:  # E == BLOCK_E and G a power of 2: one [BLOCK_T, G, E/G] pass per statistic
-            gscore_BG = _group_scores_reshape(choice_BE, HAS_BIAS, BLOCK_T, BLOCK_G, BLOCK_E // BLOCK_G)
+            gscore_BG = _group_scores_reshape(_ordered_key(choice_BE), HAS_BIAS, BLOCK_T, BLOCK_G, BLOCK_E // BLOCK_G)
         else:
             gscore_BG = _group_scores_loop(choice_BE, valid_BE, cols_E, gcols_G, E // G, G, HAS_BIAS, BLOCK_T, BLOCK_G, BLOCK_E)
-        gtaken_BG = gcols_G[None, :] < 0  # all False, [BLOCK_T, BLOCK_G]
-        is_group_G = gcols_G < G
-        for _j in tl.static_range(TOPK_GROUP):
-            _, gi_B = _argmax_lowest(gscore_BG, ~gtaken_BG & is_group_G[None, :], gcols_G, BLOCK_G)
-            gtaken_BG = gtaken_BG | (gcols_G[None, :] == gi_B[:, None])
+        gkey_BG = _ordered_key(gscore_BG)
+        gcolidx_G = tl.where(gcols_G < G, gcols_G, BLOCK_G)  # padding groups never win a tie
+        for _j in tl.static_range(TOPK_GROUP):  # a kept group's key drops to INT_MIN
+            gm_B = tl.max(gkey_BG, axis=1)
+            gi_B = tl.min(tl.where(gkey_BG == gm_B[:, None], gcolidx_G[None, :], BLOCK_G), axis=1)
+            gkey_BG = tl.where(gcols_G[None, :] == gi_B[:, None], -2147483648, gkey_BG)
+        gtaken_BG = gkey_BG == -2147483648
         if GROUP_RESHAPE:
             keep_BGe = tl.broadcast_to(gtaken_BG[:, :, None], (BLOCK_T, BLOCK_G, BLOCK_E // BLOCK_G))
             keep_BE = tl.reshape(keep_BGe, (BLOCK_T, BLOCK_E))
@@ -106,27 +126,34 @@ def routing_gate_kernel(
             for g in tl.static_range(G):
                 kept_B = tl.sum(tl.where(gtaken_BG & (gcols_G[None, :] == g), 1, 0), axis=1) > 0
                 keep_BE = keep_BE | ((group_E[None, :] == g) & kept_B[:, None])
-        choice_BE = tl.where(keep_BE, choice_BE, float("-inf"))
+        choice_BE = tl.where(keep_BE, choice_BE, MASKED)  # finite: ties among masked experts go to the lowest id
+        choice_BE = tl.where(is_col_E[None, :], choice_BE, float("-inf"))
 
     kcols_K = tl.arange(0, BLOCK_K)
+    out_mask_BK = is_tok_B[:, None] & (kcols_K[None, :] < K)
+    colidx_E = tl.where(is_col_E, cols_E, BLOCK_E)  # padding columns never win a tie
     ids_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     w_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    taken_BE = cols_E[None, :] < 0
-    for k in tl.static_range(K):
-        m_B, idx_B = _argmax_lowest(choice_BE, ~taken_BE & is_col_E[None, :], cols_E, BLOCK_E)
-        hit_BE = cols_E[None, :] == idx_B[:, None]
-        taken_BE = taken_BE | hit_BE
-        if HAS_BIAS or G > 1:  # the choice is not the score (bias) or may be a masked -inf (groups)
-            w_B = tl.sum(tl.where(hit_BE, scores_BE, 0.0), axis=1)
-        else:
-            w_B = m_B
+    key_BE = _ordered_key(choice_BE)
+    for k in tl.static_range(K):  # a taken expert drops to INT_MIN, below every real (or group-masked) choice
+        m_B = tl.max(key_BE, axis=1)
+        idx_B = tl.min(tl.where(key_BE == m_B[:, None], colidx_E[None, :], BLOCK_E), axis=1)
+        key_BE = tl.where(cols_E[None, :] == idx_B[:, None], -2147483648, key_BE)
         ids_BK = tl.where(kcols_K[None, :] == k, idx_B[:, None], ids_BK)
-        w_BK = tl.where(kcols_K[None, :] == k, w_B[:, None], w_BK)
+        if not (HAS_BIAS or G > 1):  # the choice is the score itself
+            w_BK = tl.where(kcols_K[None, :] == k, _key_value(m_B)[:, None], w_BK)
+    if HAS_BIAS or G > 1:  # the weight is the chosen expert's score: recompute it from its logit (same ops, same bits)
+        xk_BK = tl.load(logits_ptr + t_B[:, None] * stride_lt + ids_BK * stride_le, mask=out_mask_BK, other=0.0)
+        xk_BK = xk_BK.to(tl.float32)
+        if IS_SIGMOID:
+            w_BK = tl.sigmoid(xk_BK)
+        else:
+            w_BK = tl.exp(xk_BK - xmax_B[:, None]) / xsum_B[:, None]
+        w_BK = tl.where(kcols_K[None, :] < K, w_BK, 0.0)  # padding columns stay out of the renormalisation
     if RENORMALIZE:
         w_BK = w_BK / tl.maximum(tl.sum(w_BK, axis=1), 1e-20)[:, None]
     w_BK = w_BK * routed_scaling_factor
 
-    out_mask_BK = is_tok_B[:, None] & (kcols_K[None, :] < K)
     offs_BK = t_B[:, None] * K + kcols_K[None, :]
     tl.store(weights_ptr + offs_BK, w_BK, mask=out_mask_BK)
     tl.store(ids_ptr + offs_BK, ids_BK, mask=out_mask_BK)

@@ -1,0 +1,98 @@
+"""Where the routing microseconds go: device time of each kernel launch of the Triton pipeline
+(torch.profiler, CUDA activity) and the gate kernel at several launch shapes (CUDA-graph medians).
+
+Usage (GPU): python benchmarks/routing_launches.py [--out DIR]. Prints tables, writes
+routing_launches_<device>.json. Legend: T tokens, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.routing import BLOCK_SIZE, MODELS  # noqa: E402
+from moe_infer.kernels.routing_gate import routing_gate_kernel  # noqa: E402
+from moe_infer.routing.triton_permute import permute_rows_triton  # noqa: E402
+from moe_infer.routing.triton_select import select_experts_triton  # noqa: E402
+
+
+def kernel_times(fn, iters=20):
+    """{kernel name: mean device us per call} over `iters` calls after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return {k: v / iters for k, v in total.items()}
+
+
+def gate_variant(x_TE, spec, bias_E, block_t, num_warps):
+    T, E = x_TE.shape
+    K, G = spec.top_k, spec.num_expert_group
+    w = torch.empty(T, K, dtype=torch.float32, device=x_TE.device)
+    ids = torch.empty(T, K, dtype=torch.int32, device=x_TE.device)
+    be = triton.next_power_of_2(E)
+
+    def fn():
+        routing_gate_kernel[(triton.cdiv(T, block_t),)](
+            x_TE, bias_E if bias_E is not None else w, w, ids, T, E, x_TE.stride(0), x_TE.stride(1),
+            float(spec.routed_scaling_factor), K=K, G=G, TOPK_GROUP=spec.topk_group,
+            IS_SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias_E is not None, RENORMALIZE=spec.renormalize,
+            GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=block_t, BLOCK_E=be,
+            BLOCK_K=triton.next_power_of_2(K), BLOCK_G=triton.next_power_of_2(G), num_warps=num_warps)
+    return fn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    result = dict(device=dev, launches=[], gate_shapes=[])
+    for name, spec in MODELS.items():
+        for T in (256, 8192):
+            gen = torch.Generator(device="cuda").manual_seed(T)
+            E = spec.num_experts
+            x_TE = torch.randn(T, E, device="cuda", generator=gen).to(torch.bfloat16)
+            bias_E = torch.randn(E, device="cuda", generator=gen) * 0.05 if spec.has_score_bias else None
+
+            def pipe():
+                w, ids = select_experts_triton(x_TE, spec, bias_E)
+                return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
+            times = kernel_times(pipe)
+            total = 1000 * do_bench_cudagraph(pipe, rep=20, return_mode="median")
+            result["launches"].append(dict(model=name, T=T, graph_us=total, kernels_us=times))
+            print(f"{name:16s} T={T:5d} graph {total:6.1f}us  " + "  ".join(
+                f"{k.split('_kernel')[0][-14:]}={v:.1f}" for k, v in times.items()), flush=True)
+            if T != 8192:
+                continue
+            for bt, nw in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 4), (16, 8), (8, 8), (32, 16)):
+                if bt * triton.next_power_of_2(E) > 16384:
+                    continue
+                us = 1000 * do_bench_cudagraph(gate_variant(x_TE, spec, bias_E, bt, nw), rep=20, return_mode="median")
+                result["gate_shapes"].append(dict(model=name, T=T, block_t=bt, num_warps=nw, us=us))
+                print(f"   gate BT={bt:3d} warps={nw:2d}: {us:6.1f} us", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"routing_launches_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("->", path)
+
+
+if __name__ == "__main__":
+    main()
