@@ -5,16 +5,19 @@
 For each model shape (Qwen3-30B-A3B, DeepSeek-V3), tokens per rank T and dispatcher backend
 (`local` at EP=1; `exact` and `capacity` at EP>1), each rank holds E/ep experts (bf16) and its own
 T random tokens; the router is real (gate GEMM + top-k; `capacity` adds the drop policy at
-capacity factor 1.0). Timed, each alone (device events around a loop, mean per call, max over
-ranks):
+capacity factor 1.0). The experts run as the layer runs them: the fused backend (Triton on CUDA)
+on the received buffer as it lies (no regroup). Timed, each alone:
   route      gate GEMM + top-k (+ drop policy)
-  dispatch   dispatcher.dispatch(): plan, count exchange (exact), payload all-to-all, regroup
-  experts    the experts backend on the dispatched rows (Triton on CUDA)
-  combine    dispatcher.combine(): all-to-all back, top-k sum
+  dispatch   plan, send-buffer pack, count exchange (exact), payload all-to-all, received ids
+  experts    the fused experts on the received rows (EP=1: the whole fused path on x_TD)
+  combine    all-to-all back, top-k sum
   layer      dispatch -> experts -> combine (forward_experts), overlap off / on (two micro-batches)
   raw_a2a    a bare all_to_all_single of the dispatch payload's bytes (equal splits)
-Targets (issue 6): capacity dispatch and combine each <= 1.15 x raw_a2a; with overlap, the layer
-at 4096 tokens per rank <= 1.15 x max(2 x raw_a2a, experts). JSON names the device.
+Two timings of each (benchmarks/ep_timing.py): `graph` = CUDA-graph replay, median (the GPU's
+time; the capacity backend, local and raw all-to-all: the exact backend syncs with the host and
+cannot be captured) and `eager` = a loop of eager calls, mean (host launch overhead included).
+Targets (issue 6), on graph times: capacity dispatch and combine each <= 1.15 x raw_a2a; with
+overlap, the layer at 4096 tokens per rank <= 1.15 x max(2 x raw_a2a, experts). JSON names the device.
 """
 from __future__ import annotations
 
@@ -23,17 +26,20 @@ import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ep_timing import Timer  # noqa: E402
+from ep_report import print_report  # noqa: E402
 
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.engine.backends import resolve_name  # noqa: E402
-from moe_infer.experts.dispatcher import LocalDispatcher  # noqa: E402
 from moe_infer.experts.reference import EXPERT_BACKENDS  # noqa: E402
+from moe_infer.kernels.ep_ops import row_ops  # noqa: E402
+from moe_infer.kernels.fused_moe_ref import fused_experts_ref  # noqa: E402
 from moe_infer.parallel import init  # noqa: E402
 from moe_infer.parallel.dispatcher import weight_columns  # noqa: E402
 from moe_infer.plugins import load_plugins  # noqa: E402
@@ -43,58 +49,55 @@ from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
           "tiny": (8, 2, 64, 32)}  # E, K, D, F; tiny: a CPU smoke run
+STAGES = ("route", "dispatch", "experts", "combine", "layer", "layer_overlap", "raw_a2a")
 
 
-class Timer:
-    def __init__(self, ctx, iters_for):
-        self.ctx, self.iters_for, self.cuda = ctx, iters_for, ctx.device.type == "cuda"
+def stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep: int) -> dict:
+    """The stages of one layer call as closures over the dispatcher's steps (one micro-batch)."""
+    T, D, dev = x_TD.shape[0], x_TD.shape[1], x_TD.device
+    if ep == 1:
+        return {"experts": lambda: fused_fn(x_TD, ids_TK, w_TK), "layer": lambda: fused_fn(x_TD, ids_TK, w_TK)}
 
-    def _barrier(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-        if self.ctx.is_distributed:
-            t = torch.zeros(1, device=self.ctx.device)
-            dist.all_reduce(t, group=self.ctx.world_group)
-            if self.cuda:
-                torch.cuda.synchronize()
+    def dispatch():
+        plan = disp._plan(x_TD, ids_TK, w_TK, disp._slot_ranges(1), T)
+        recv_XC = disp._received(disp._start_dispatch(plan, x_TD, 0, async_op=False))
+        ids_X, weights_X = row_ops(dev).recv_rows(recv_XC, disp._recv_slots(plan, 0), D)
+        return plan, recv_XC, ids_X, weights_X
 
-    def __call__(self, fn, T: int) -> float:
-        """Mean microseconds per call, the slowest rank's."""
-        iters = self.iters_for(T)
-        for _ in range(2):
-            fn()
-        self._barrier()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            us = start.elapsed_time(end) * 1e3 / iters
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            us = (time.perf_counter() - t0) * 1e6 / iters
-        if self.ctx.is_distributed:
-            t = torch.tensor([us], device=self.ctx.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
-            us = float(t.item())
-        return us
+    plan, recv_XC, ids_X, weights_X = dispatch()
+
+    def experts():
+        return fused_fn(recv_XC[:, :D], ids_X[:, None], weights_X[:, None])
+
+    y_XD = experts()
+
+    def combine():
+        y_back_XD = y_XD.new_empty(plan.num_send_rows, D)
+        return disp._finish_combine(plan, [disp._start_combine(plan, 0, y_XD, y_back_XD, False)], y_back_XD)
+
+    def layer():
+        return disp.forward_experts(x_TD, ids_TK, w_TK, None, fused_fn)
+
+    return {"dispatch": dispatch, "experts": experts, "combine": combine, "layer": layer, "plan": plan}
 
 
-def raw_a2a_fn(ctx, rows: int, cols: int, dtype):
+def raw_a2a_fn(group, ep: int, rows: int, cols: int, dtype, device):
     """A bare all_to_all_single of rows x cols (equal splits), the same bytes as a payload."""
-    ep = ctx.dims.ep
     rows = max(ep, math.ceil(rows / ep) * ep)
-    send = torch.randn(rows, cols, device=ctx.device).to(dtype)
+    send = torch.randn(rows, cols, device=device).to(dtype)
     recv = torch.empty_like(send)
-    return lambda: dist.all_to_all_single(recv, send, group=ctx.ep_group)
+    return lambda: dist.all_to_all_single(recv, send, group=group)
 
 
-def bench_model(ctx, timer, name, tokens, backends, dtype, experts_name, routing_name, rows, emit):
-    """Appends one row per (T, backend) to rows, calling emit() after each."""
+def measure(timer, fn, mode: str, errors: list, name: str):
+    try:
+        return getattr(timer, mode)(fn)
+    except Exception as err:  # noqa: BLE001  (a capture that fails is reported, the run goes on)
+        errors.append(f"{name} {mode}: {type(err).__name__}: {str(err)[:200]}")
+        return None
+
+
+def bench_model(ctx, timer, name, tokens, backends, dtype, fused, routing_name, rows, emit):
     E, K, D, F_ = MODELS[name]
     ep, dev = ctx.dims.ep, ctx.device
     S = E // ep
@@ -102,9 +105,11 @@ def bench_model(ctx, timer, name, tokens, backends, dtype, experts_name, routing
     w13 = (torch.randn(S, 2 * F_, D, device=dev, generator=gen) * D ** -0.5).to(dtype)
     w2 = (torch.randn(S, D, F_, device=dev, generator=gen) * F_ ** -0.5).to(dtype)
     gate_ED = (torch.randn(E, D, device=dev, generator=gen) * D ** -0.5).to(dtype)
-    spec = RoutingSpec(num_experts=E, top_k=K)
-    select = ROUTING_BACKENDS.get(routing_name)
-    experts = EXPERT_BACKENDS.get(experts_name)
+    spec, select = RoutingSpec(num_experts=E, top_k=K), ROUTING_BACKENDS.get(routing_name)
+
+    def fused_fn(x, ids, w):
+        return fused(x, ids, w, w13, w2, 0)
+
     for T in tokens:
         x_TD = torch.randn(T, D, device=dev, generator=torch.Generator(device=dev).manual_seed(100 + ctx.rank)).to(dtype)
         for backend in backends:
@@ -118,42 +123,35 @@ def bench_model(ctx, timer, name, tokens, backends, dtype, experts_name, routing
                 w_TK, ids_TK = select(logits_TE, spec, None)
                 return policy_fn(ids_TK, w_TK, logits_TE=logits_TE, spec=spec, **kw)
 
-            if backend == "local":
-                disp = LocalDispatcher(E)
-            else:
+            disp = None
+            if backend != "local":
                 ctx.cfg = ParallelConfig(ep=ep, dispatcher=backend, overlap=False, overlap_min_mb=0)
                 disp = ctx.make_dispatcher(E, K, routing, tokens_replicated=False)
             ids_TK, w_TK = route()
-            x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
-            y_RD = experts(x_RD, meta, w13, w2)
-
-            def experts_fn(x, m):
-                return experts(x, m, w13, w2)
-
+            fns = stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep)
+            fns["route"] = route
             row = {"model": name, "E": E, "K": K, "D": D, "F": F_, "ep": ep, "tokens_per_rank": T, "backend": backend,
-                   "route_us": timer(route, T), "dispatch_us": timer(lambda: disp.dispatch(x_TD, ids_TK, w_TK), T),
-                   "experts_us": timer(lambda: experts(x_RD, meta, w13, w2), T),
-                   "combine_us": timer(lambda: disp.combine(y_RD, meta), T),
-                   "layer_us": timer(lambda: disp.forward_experts(x_TD, ids_TK, w_TK, experts_fn), T)}
-            if backend != "local":
-                disp.overlap = True
-                row["layer_overlap_us"] = timer(lambda: disp.forward_experts(x_TD, ids_TK, w_TK, experts_fn), T)
-                plan = meta.plan
-                sent = sum(map(sum, plan.send_splits)) if backend == "exact" else plan.capacity * disp.placement.num_physical
-                t = torch.tensor([sent], device=dev)
+                   "graph_us": {}, "eager_us": {}, "errors": []}
+            cols = D + weight_columns(dtype)
+            if disp is not None:
+                plan = fns.pop("plan")
+                t = torch.tensor([plan.num_send_rows], device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.ep_group)
-                cols = D + weight_columns(dtype)
-                row["payload_rows"] = int(t.item())
-                row["payload_bytes"] = int(t.item()) * cols * torch.empty((), dtype=dtype).element_size()
-                row["capacity"] = plan.capacity
-                row["raw_a2a_us"] = timer(raw_a2a_fn(ctx, int(t.item()), cols, dtype), T)
-                row["dispatch_vs_raw"] = row["dispatch_us"] / row["raw_a2a_us"]
-                row["combine_vs_raw"] = row["combine_us"] / row["raw_a2a_us"]
-                bound = max(2 * row["raw_a2a_us"], row["experts_us"])
-                row["overlap_vs_bound"] = row["layer_overlap_us"] / bound
+                row.update(capacity=plan.capacity, payload_rows=int(t.item()),
+                           payload_bytes=int(t.item()) * cols * torch.empty((), dtype=dtype).element_size())
+                fns["raw_a2a"] = raw_a2a_fn(ctx.ep_group, ep, int(t.item()), cols, dtype, dev)
+            graphable = backend != "exact"
+            for stage in STAGES:
+                if stage == "layer_overlap" and disp is not None:
+                    disp.overlap = True
+                    fns[stage] = fns["layer"]
+                if stage not in fns:
+                    continue
+                for mode in ("graph", "eager") if graphable or stage == "raw_a2a" else ("eager",):
+                    row[f"{mode}_us"][stage] = measure(timer, fns[stage], mode, row["errors"], stage)
             rows.append(row)
             emit()
-            del x_RD, meta, y_RD
+            del fns
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -164,7 +162,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="32,128,512,4096")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -172,50 +170,32 @@ def main() -> int:
     load_plugins()
     experts_name = resolve_name(EXPERT_BACKENDS, "auto", ctx.device, "experts.backend")
     routing_name = resolve_name(ROUTING_BACKENDS, "auto", ctx.device, "routing.backend")
-    timer = Timer(ctx, lambda T: args.iters if T <= 512 else max(3, args.iters // 2))
+    fused = getattr(EXPERT_BACKENDS.get(experts_name), "fused_experts", fused_experts_ref)
+    timer = Timer(ctx.device, ctx.world_group, args.iters)
     backends = ("local",) if world == 1 else ("exact", "capacity")
     dtype = getattr(torch, args.dtype)
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     rows = []
+    meta = {"device": device, "num_devices": world, "ep": world, "dtype": args.dtype, "torch": torch.__version__,
+            "experts_backend": experts_name, "routing_backend": routing_name, "iters": args.iters,
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "commit": os.environ.get("GIT_COMMIT")}
 
     def emit():  # the JSON is rewritten after every row: a run cut short keeps what it measured
         if not ctx.is_driver:
             return
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
+        print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as f:
-            json.dump({"device": device, "num_devices": world, "ep": world, "dtype": args.dtype,
-                       "torch": torch.__version__, "experts_backend": experts_name, "routing_backend": routing_name,
-                       "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "results": rows}, f, indent=1)
+            json.dump({**meta, "results": rows}, f, indent=1)
 
     for name in args.models.split(","):
-        bench_model(ctx, timer, name, [int(t) for t in args.tokens.split(",")], backends, dtype,
-                    experts_name, routing_name, rows, emit)
+        bench_model(ctx, timer, name, [int(t) for t in args.tokens.split(",")], backends, dtype, fused,
+                    routing_name, rows, emit)
     if ctx.is_driver:
-        hdr = f"{'model':<14}{'T':>5} {'backend':<9}{'route':>8}{'disp':>8}{'experts':>9}{'comb':>8}{'layer':>9}{'ovl':>9}{'raw':>8}"
-        print(f"EP={world} on {world} x {device} (us per MoE layer, max over ranks)")
-        print(hdr)
-        for r in rows:
-            print(f"{r['model'][:13]:<14}{r['tokens_per_rank']:>5} {r['backend']:<9}{r['route_us']:>8.0f}"
-                  f"{r['dispatch_us']:>8.0f}{r['experts_us']:>9.0f}{r['combine_us']:>8.0f}{r['layer_us']:>9.0f}"
-                  f"{r.get('layer_overlap_us', float('nan')):>9.0f}{r.get('raw_a2a_us', float('nan')):>8.0f}")
-        print_targets(rows)
+        summary = print_report(rows, world, device)
+        with open(args.out, "w") as f:
+            json.dump({**meta, **summary, "results": rows}, f, indent=1)
     ctx.shutdown()
     return 0
-
-
-def print_targets(rows) -> None:
-    """The issue's targets, pass/fail: capacity dispatch/combine vs raw all-to-all; overlap at 4096."""
-    for r in rows:
-        if r["backend"] == "local":
-            continue
-        checks = []
-        if r["backend"] == "capacity":
-            checks += [("dispatch<=1.15raw", r["dispatch_vs_raw"]), ("combine<=1.15raw", r["combine_vs_raw"])]
-        if r["tokens_per_rank"] == 4096:
-            checks.append(("overlap<=1.15bound", r["overlap_vs_bound"]))
-        for name, ratio in checks:
-            print(f"target {r['model']} T={r['tokens_per_rank']} {r['backend']} {name}: {ratio:.2f} "
-                  f"{'PASS' if ratio <= 1.15 else 'FAIL'}")
 
 
 if __name__ == "__main__":
