@@ -73,7 +73,7 @@ def test_inline_schedule_matches_launched_schedule(N, E, start, block_m):
     w13, w2 = _weights(E, D, F, torch.float32)
     outs = []
     for inline in (False, True):
-        sched = block_schedule(ids_N, E, start, block_m, allow_inline=inline)
+        sched = block_schedule(ids_N, E, start, block_m, backend="inline" if inline else "align")
         assert sched.is_inline == inline
         act_PF = gate_up(x_ND, w13, sched, 1, SMALL.gate_up)
         num_padded = int(block_schedule(ids_N, E, start, block_m).num_padded_1)
@@ -247,3 +247,62 @@ def test_fp32_on_gpu_is_not_tf32():
     out = fused_experts(x_TD, ids_TK, w_TK, w13, w2)
     ref = fused_experts_ref(x_TD.double(), ids_TK, w_TK, w13.double(), w2.double())
     assert _rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["align", "permute"])
+@pytest.mark.parametrize("N,E,start,block_m", [(7, 3, 0, 16), (300, 9, 1, 32)])
+def test_schedule_backends_agree(backend, N, E, start, block_m):
+    """The routing permutation's layout and ours hold the same live slots (the GEMMs accept either)."""
+    torch.manual_seed(N + 7)
+    ids_N = torch.randint(-1, E + start + 2, (N,), dtype=torch.int32, device=DEV)
+    got, ref = block_schedule(ids_N, E, start, block_m, backend=backend), block_schedule_ref(ids_N.cpu(), E, start, block_m)
+    num_padded = int(ref.num_padded_1)
+    assert int(got.num_padded_1) == num_padded and got.p_max >= num_padded
+    assert torch.equal(got.sorted_P[:num_padded].cpu(), ref.sorted_P[:num_padded])
+    assert torch.equal(got.expert_B[:num_padded // block_m].cpu(), ref.expert_B[:num_padded // block_m])
+
+
+def test_auto_schedule_choice():
+    from moe_infer.kernels.fused_moe_schedule import PERMUTE_MIN_ROWS, auto_schedule_backend
+
+    assert auto_schedule_backend(8, 128, True) == "inline"  # qwen3 T=1
+    assert auto_schedule_backend(8, 256, True) == "align"  # deepseek T=1: E_PAD work measured slower inline
+    assert auto_schedule_backend(64, 128, True) == "align"  # qwen3 T=8
+    assert auto_schedule_backend(8, 128, False) == "align"
+    assert auto_schedule_backend(PERMUTE_MIN_ROWS, 8, True) == "permute"
+
+
+@pytest.mark.parametrize("schedule,combine", [("permute", "tail"), ("inline", "tail"), ("align", "tail"),
+                                              ("permute", "kernel")])
+def test_schedule_and_combine_modes(schedule, combine):
+    """Every schedule backend x combine mode: dropped rows, non-local experts, a token with no local row;
+    the tail combine gives the same bits as the combine kernel."""
+    import dataclasses
+
+    torch.manual_seed(11)
+    T, K, E, D, F, start = 13, 3, 5, 40, 24, 1
+    x_TD = torch.randn(T, D, device=DEV)
+    ids_TK, w_TK = _routing(T, E + 3, K)
+    ids_TK[0, 0] = -1
+    ids_TK[1] = 0  # token 1: no local expert (expert 0 < start)
+    w13, w2 = _weights(E, D, F, torch.float32)
+    cfg = dataclasses.replace(SMALL, schedule=schedule, combine=combine)
+    out = fused_experts(x_TD, ids_TK, w_TK, w13, w2, start, cfg)
+    assert torch.count_nonzero(out[1]) == 0
+    assert _rel_err(out, fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2, start)) < 1e-5
+    base = fused_experts(x_TD, ids_TK, w_TK, w13, w2, start, dataclasses.replace(SMALL, schedule="align"))
+    assert torch.equal(out, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 300])
+def test_pdl_gives_the_same_bits(T, monkeypatch):
+    """Programmatic dependent launch changes only when programs start, never the result."""
+    E, K, D, F = 64, 8, 2048, 1024
+    torch.manual_seed(T)
+    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids_TK, w_TK = _routing(T, E, K)
+    w13, w2 = _weights(E, D, F, torch.bfloat16)
+    with_pdl = fused_experts(x_TD, ids_TK, w_TK, w13, w2)
+    monkeypatch.setenv("MOE_FUSED_PDL", "0")
+    assert torch.equal(with_pdl, fused_experts(x_TD, ids_TK, w_TK, w13, w2))

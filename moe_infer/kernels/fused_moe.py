@@ -24,7 +24,7 @@ import triton
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, get_config
 from moe_infer.kernels.fused_moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moe_infer.kernels.fused_moe_schedule import (  # noqa: F401  (re-exported)
-    MAX_INLINE_ROWS, SCHEDULE_BACKENDS, BlockSchedule, block_schedule,
+    MAX_INLINE_ROWS, SCHEDULE_BACKENDS, BlockSchedule, block_schedule, use_pdl,
 )
 from moe_infer.registry import Registry
 
@@ -86,7 +86,7 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(x_SD),
-        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(x_SD),
     )
     return act_PF
 
@@ -136,7 +136,7 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
         COMBINE_TAIL=tail is not None, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(act_PF),
     )
     return y_ND
 
@@ -152,7 +152,7 @@ def combine_topk(y_ND: torch.Tensor, ids_TK: torch.Tensor, num_local_experts: in
     if T:
         combine_kernel[(T, triton.cdiv(D, block_d))](
             y_ND, ids_TK.contiguous(), out_TD, D, expert_start, num_local_experts, y_ND.stride(0), out_TD.stride(0),
-            K=K, BLOCK_D=block_d, num_warps=4,
+            K=K, BLOCK_D=block_d, num_warps=4, **use_pdl(y_ND),
         )
     return out_TD
 

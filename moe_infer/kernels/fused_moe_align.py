@@ -19,6 +19,20 @@ B tiles of BLOCK_M slots.
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm_90+): the next kernel's programs are placed before this one ends
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover  (older Triton: wrappers then launch without PDL)
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Kernels launched with PDL: wait until the previous kernel's writes are visible (before any load
+    of its outputs), then allow the next kernel to be launched; no-op otherwise."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
 
 @triton.jit
 def _keys(ids_ptr, offs, N, expert_start, E):
@@ -44,8 +58,9 @@ def _chunk_hist(ids_ptr, start, N, expert_start, E, CHUNK: tl.constexpr, SUB: tl
 
 @triton.jit
 def align_count_kernel(ids_ptr, counts_ptr, N, expert_start, E,
-                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr):
+                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """counts_CE[c] = histogram of chunk c's local experts."""
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     hist = _chunk_hist(ids_ptr, c * CHUNK, N, expert_start, E, CHUNK, SUB, E_PAD)
     tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), hist)
@@ -55,8 +70,10 @@ def align_count_kernel(ids_ptr, counts_ptr, N, expert_start, E,
 def align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                          N, expert_start, E, num_chunks, num_tiles,
                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                         E_PAD: tl.constexpr, C_PAD: tl.constexpr, TILE_SUB: tl.constexpr, IS_SINGLE: tl.constexpr):
+                         E_PAD: tl.constexpr, C_PAD: tl.constexpr, TILE_SUB: tl.constexpr, IS_SINGLE: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """Writes sorted_P, expert_B and num_padded. IS_SINGLE: one chunk, no counts_CE needed."""
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     bins = tl.arange(0, E_PAD)
     if IS_SINGLE:

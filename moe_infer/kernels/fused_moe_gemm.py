@@ -17,7 +17,7 @@ P padded slots, B tiles.
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.fused_moe_align import tile_rows
+from moe_infer.kernels.fused_moe_align import pdl_enter, tile_rows
 
 
 @triton.jit
@@ -38,11 +38,12 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
-                   E_PAD: tl.constexpr):
+                   E_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile.
 
     USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K].
     """
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
@@ -95,7 +96,8 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
-                E_PAD: tl.constexpr, COMBINE_TAIL: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+                E_PAD: tl.constexpr, COMBINE_TAIL: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                USE_PDL: tl.constexpr):
     """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
@@ -103,6 +105,7 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
     COMBINE_TAIL: also the top-k combine (`_combine_tail`); out_ptr [T, D] must hold zeros for tokens
     without a local row and count_ptr [T, cdiv(D, BLOCK_N)] zeros.
     """
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
@@ -179,8 +182,9 @@ def _combine_tail(y_ptr, out_ptr, ids_ptr, count_ptr, rows, is_row, offs_n, is_n
 
 @triton.jit
 def combine_kernel(y_ptr, ids_ptr, out_ptr, D, expert_start, E, stride_ym, stride_ot,
-                   K: tl.constexpr, BLOCK_D: tl.constexpr):
+                   K: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """out_TD[t] = sum_k y_ND[t*K + k] over the k whose expert is local (others were never written)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     is_d = offs_d < D

@@ -17,17 +17,34 @@ Legend: N routed rows, E local experts, P padded slots, B tiles of block_m slots
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import triton
 
+from moe_infer.kernels import fused_moe_align
 from moe_infer.kernels.fused_moe_align import align_count_kernel, align_scatter_kernel
 from moe_infer.registry import Registry
 
-MAX_INLINE_ROWS = 64  # up to this many routed rows, the GEMMs build the schedule in registers
+MAX_INLINE_ROWS = 64  # up to this many routed rows, the GEMMs can build the schedule in registers
+MAX_INLINE_WORK = 2560  # "auto" inlines while N_PAD * (N_PAD + E_PAD) stays under this (H100: qwen3/olmoe T=1)
 PERMUTE_MIN_ROWS = 4096  # from this many routed rows on, "auto" takes the routing permutation
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and fused_moe_align.gdc_wait is not None
+
+
+def use_pdl(t: torch.Tensor) -> dict:
+    """Launch options: programmatic dependent launch on sm_90+ CUDA devices (every kernel of this path
+    calls `pdl_enter` first), unless MOE_FUSED_PDL=0. Returns the kernel keyword arguments."""
+    on = (t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("MOE_FUSED_PDL", "1") == "1"
+          and _device_has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    return dict(USE_PDL=True, launch_pdl=True) if on else dict(USE_PDL=False)
 
 
 @dataclass(frozen=True)
@@ -80,13 +97,14 @@ def schedule_align(ids_N: torch.Tensor, E: int, expert_start: int, block_m: int,
     num_chunks = max(1, triton.cdiv(N, chunk))
     is_single = num_chunks == 1
     counts_CE = sorted_P if is_single else torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
+    pdl = use_pdl(ids_N)
     if not is_single:
         align_count_kernel[(num_chunks,)](ids_N, counts_CE, N, expert_start, E, CHUNK=chunk, SUB=sub, E_PAD=e_pad,
-                                          num_warps=8)
+                                          num_warps=8, **pdl)
     align_scatter_kernel[(num_chunks,)](
         ids_N, counts_CE, sorted_P, expert_B, num_padded_1, N, expert_start, E, num_chunks, num_tiles,
         BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, C_PAD=max(2, triton.next_power_of_2(num_chunks)),
-        TILE_SUB=min(64, 8192 // e_pad), IS_SINGLE=is_single, num_warps=8,
+        TILE_SUB=min(64, 8192 // e_pad), IS_SINGLE=is_single, num_warps=8, **pdl,
     )
     return BlockSchedule(sorted_P, expert_B, num_padded_1, block_m, N, p_max, expert_start, E)
 
@@ -105,9 +123,12 @@ def schedule_permute(ids_N: torch.Tensor, E: int, expert_start: int, block_m: in
                          layout.sorted_rows_P.numel(), expert_start, E)
 
 
-def auto_schedule_backend(num_rows: int, allow_inline: bool) -> str:
-    """Few rows: no launch (inline); many: the routing permutation; between: our align kernels."""
-    if allow_inline and 0 < num_rows <= MAX_INLINE_ROWS:
+def auto_schedule_backend(num_rows: int, num_experts: int, allow_inline: bool) -> str:
+    """Few rows and experts: no launch (inline; measured slower than a launch once each program's
+    [N_PAD, N_PAD + E_PAD] work grows, e.g. qwen3 T=8 196 vs 178 us); many rows: the routing
+    permutation; between: our align kernels."""
+    n_pad, e_pad = max(16, triton.next_power_of_2(num_rows)), max(16, triton.next_power_of_2(num_experts))
+    if allow_inline and 0 < num_rows <= MAX_INLINE_ROWS and n_pad * (n_pad + e_pad) <= MAX_INLINE_WORK:
         return "inline"
     return "permute" if num_rows >= PERMUTE_MIN_ROWS else "align"
 
@@ -122,7 +143,7 @@ def block_schedule(ids_N: torch.Tensor, num_local_experts: int, expert_start: in
     _check(ids_N.dim() == 1 and not ids_N.is_floating_point(), f"ids_N must be a 1-D integer tensor, got {ids_N.dtype} {tuple(ids_N.shape)}")
     _check(num_local_experts >= 1 and block_m >= 16 and block_m & (block_m - 1) == 0,
            f"bad schedule request: num_local_experts={num_local_experts} block_m={block_m}")
-    name = auto_schedule_backend(ids_N.numel(), allow_inline) if backend == "auto" else backend
+    name = auto_schedule_backend(ids_N.numel(), num_local_experts, allow_inline) if backend == "auto" else backend
     if ids_N.numel() == 0:
         name = "align"  # the align kernels handle N = 0 (no live slot); the others need rows
     return SCHEDULE_BACKENDS.get(name)(ids_N.contiguous(), num_local_experts, expert_start, block_m, weights_N)
