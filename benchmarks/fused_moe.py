@@ -161,27 +161,32 @@ def main() -> None:
     dev = device_name()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"fused_moe_{dev}.json")
     rows = []
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+
+    def save():  # after every point: a run cut short still leaves its JSON
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "git_commit": os.environ.get("GIT_COMMIT"), "timing": "CUDA-graph replay, median, bf16",
+                       "points": rows}, f, indent=1)
+
     for name in args.shapes.split(","):
         E, K, D, F_ = MODEL_SHAPES[name]
         w13, w2 = make_weights(E, D, F_)
         for T in map(int, args.tokens.split(",")):
             if args.variants:
                 rows.append(bench_variants(name, T, w13, w2))
+                save()
                 continue
             rows.append(bench_point(name, T, w13, w2))
+            save()
             r = rows[-1]
-            print(f"{name:14s} T={T:5d} ours {r['ours_us']:9.1f}  grouped {r['grouped_mm_us'] or float('nan'):9.1f}  "
-                  f"loop {r['loop_us']:9.1f}  roof {r['roofline_us']:8.1f}  err {r['ours_rel_err_vs_loop']:.1e}", flush=True)
+            print(f"{name:14s} T={T:5d} ours {r['ours_us']:9.1f}  no_pdl {r['ours_no_pdl_us']:9.1f}  grouped "
+                  f"{r['grouped_mm_us'] or float('nan'):9.1f}  loop {r['loop_us']:9.1f}  roof {r['roofline_us']:8.1f}  "
+                  f"err {r['ours_rel_err_vs_loop']:.1e}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     if args.variants:
-        with open(out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "points": rows}, f, indent=1)
         return
-    with open(out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "timing": "CUDA-graph replay, median, bf16", "points": rows}, f, indent=1)
     print(f"\n{'shape':14s} {'T':>5s} {'ours':>8s} {'no_pdl':>8s} {'grouped':>8s} {'loop':>8s} {'roof':>8s} {'%roof':>6s} {'target':>7s} pass  {'scaled':>7s} pass")
     for r in rows:
         g = r["grouped_mm_us"]
