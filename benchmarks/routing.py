@@ -43,6 +43,7 @@ from moe_infer.routing.permute import permute_rows_torch  # noqa: E402
 from moe_infer.routing.select import select_experts_torch  # noqa: E402
 from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 from moe_infer.routing.triton_permute import permute_rows_triton  # noqa: E402
+from moe_infer.routing.triton_route import route_rows_triton  # noqa: E402
 from moe_infer.routing.triton_select import select_experts_triton  # noqa: E402
 
 TOKENS = (1, 32, 256, 2048, 8192)
@@ -81,7 +82,10 @@ def pipelines(spec, x_TE, bias_E):
     drop = CAPACITY_POLICIES.get("drop")
     kw = dict(logits_TE=x_TE, spec=spec, capacity_factor=1.25, min_capacity=4)
 
-    def triton_route():
+    def triton_route():  # fused: gate + tile histogram, tile scan, scatter (three launches)
+        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE)[2]
+
+    def triton_two_step():  # gate, then the stand-alone permutation (four launches)
         w, ids = select_experts_triton(x_TE, spec, bias_E)
         return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
 
@@ -103,19 +107,19 @@ def pipelines(spec, x_TE, bias_E):
         ids, w = drop(ids, w, backend="torch", **kw)
         return permute_rows_torch(ids, w, E, 0, BLOCK_SIZE)
 
-    return dict(triton=triton_route, torch_ref=ref_route, torch_topk=topk_route,
+    return dict(triton=triton_route, triton_two_step=triton_two_step, torch_ref=ref_route, torch_topk=topk_route,
                 triton_gate=lambda: select_experts_triton(x_TE, spec, bias_E),
                 triton_drop=triton_drop, torch_drop=torch_drop)
 
 
-def check_equal(fns):
-    a, b = fns["triton"](), fns["torch_ref"]()
-    for f in ("order_R", "inv_N", "counts_E", "offsets_E1"):
+def check_equal(fns, name="triton"):
+    a, b = fns[name](), fns["torch_ref"]()
+    for f in ("order_R", "inv_N", "token_idx_R", "counts_E", "offsets_E1"):
         if not torch.equal(getattr(a, f), getattr(b, f)):
             raise AssertionError(f"triton and torch_ref differ in {f}")
     if not torch.allclose(a.weights_R, b.weights_R, atol=2e-6, rtol=1e-5):
         raise AssertionError("triton and torch_ref weights differ")
-    for f in ("sorted_rows_P", "block_expert_B", "padded_offsets_E1"):
+    for f in ("sorted_rows_P", "block_expert_B", "padded_offsets_E1", "num_padded"):
         if not torch.equal(getattr(a.layout, f), getattr(b.layout, f)):
             raise AssertionError(f"triton and torch_ref differ in layout.{f}")
 
@@ -175,13 +179,14 @@ def ptxas_main() -> None:
         consts = dict(K=spec.top_k, G=G, TOPK_GROUP=spec.topk_group, IS_SIGMOID=spec.scoring == "sigmoid",
                       HAS_BIAS=spec.has_score_bias, RENORMALIZE=spec.renormalize,
                       GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=bt, BLOCK_E=be,
-                      BLOCK_K=triton.next_power_of_2(spec.top_k), BLOCK_G=triton.next_power_of_2(G))
+                      BLOCK_K=triton.next_power_of_2(spec.top_k), BLOCK_G=triton.next_power_of_2(G),
+                      TILE_COUNTS=False, FILL=1)
         ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"gate {name} BT{bt}")
         bn, bb = _blocks(be)
         consts = dict(HAS_ORDER=False, BLOCK_N=bn, BLOCK_E=be, FILL=FILL)
         ptxas_report(tile_hist_kernel, consts, _warps(be), None, f"permute hist {name} BN{bn}")
         consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=bn,
-                      BLOCK_E=be, BLOCK_B=bb)
+                      BLOCK_E=be, BLOCK_B=bb, HAS_WITHIN=False)
         ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BB{bb}")
 
 
@@ -202,6 +207,7 @@ def main() -> None:
             fns = pipelines(spec, x_TE, bias_E)
             try:
                 check_equal(fns)
+                check_equal(fns, "triton_two_step")
                 check_drop_equal(spec, x_TE, bias_E)
                 error = None
             except AssertionError as err:  # keep timing, but the row says it is wrong
@@ -213,7 +219,8 @@ def main() -> None:
                              outputs_equal=error is None, error=error,
                              speedup=base / us["triton"], drop_speedup=us["torch_drop"] / us["triton_drop"]))
             r = rows[-1]
-            print(f"{name:16s} T={T:5d} triton {r['triton_us']:7.1f}us  gate {r['triton_gate_us']:6.1f}  "
+            print(f"{name:16s} T={T:5d} triton {r['triton_us']:7.1f}us  two-step {r['triton_two_step_us']:7.1f}  "
+                  f"gate {r['triton_gate_us']:6.1f}  "
                   f"ref {r['torch_ref_us']:7.1f}  topk {r['torch_topk_us']:7.1f}  x{r['speedup']:.1f}  "
                   f"drop {r['triton_drop_us']:6.1f} vs {r['torch_drop_us']:6.1f}", flush=True)
     big = [r for r in rows if r["T"] == 8192 and r["E"] == 256]

@@ -20,9 +20,9 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.routing import BLOCK_SIZE, MODELS  # noqa: E402
-from moe_infer.kernels.routing_gate import routing_gate_kernel  # noqa: E402
 from moe_infer.routing.triton_permute import permute_rows_triton  # noqa: E402
-from moe_infer.routing.triton_select import select_experts_triton  # noqa: E402
+from moe_infer.routing.triton_route import route_rows_triton  # noqa: E402
+from moe_infer.routing.triton_select import launch_gate, select_experts_triton  # noqa: E402
 
 
 def kernel_times(fn, iters=20):
@@ -42,20 +42,10 @@ def kernel_times(fn, iters=20):
 
 
 def gate_variant(x_TE, spec, bias_E, block_t, num_warps):
-    T, E = x_TE.shape
-    K, G = spec.top_k, spec.num_expert_group
+    T, K = x_TE.shape[0], spec.top_k
     w = torch.empty(T, K, dtype=torch.float32, device=x_TE.device)
     ids = torch.empty(T, K, dtype=torch.int32, device=x_TE.device)
-    be = triton.next_power_of_2(E)
-
-    def fn():
-        routing_gate_kernel[(triton.cdiv(T, block_t),)](
-            x_TE, bias_E if bias_E is not None else w, w, ids, T, E, x_TE.stride(0), x_TE.stride(1),
-            float(spec.routed_scaling_factor), K=K, G=G, TOPK_GROUP=spec.topk_group,
-            IS_SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias_E is not None, RENORMALIZE=spec.renormalize,
-            GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=block_t, BLOCK_E=be,
-            BLOCK_K=triton.next_power_of_2(K), BLOCK_G=triton.next_power_of_2(G), num_warps=num_warps)
-    return fn
+    return lambda: launch_gate(x_TE, spec, bias_E, w, ids, block_t, num_warps)
 
 
 def main() -> None:
@@ -71,17 +61,19 @@ def main() -> None:
             x_TE = torch.randn(T, E, device="cuda", generator=gen).to(torch.bfloat16)
             bias_E = torch.randn(E, device="cuda", generator=gen) * 0.05 if spec.has_score_bias else None
 
-            def pipe():
+            def two_step():
                 w, ids = select_experts_triton(x_TE, spec, bias_E)
                 return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
-            times = kernel_times(pipe)
-            total = 1000 * do_bench_cudagraph(pipe, rep=20, return_mode="median")
-            result["launches"].append(dict(model=name, T=T, graph_us=total, kernels_us=times))
-            print(f"{name:16s} T={T:5d} graph {total:6.1f}us  " + "  ".join(
-                f"{k.split('_kernel')[0][-14:]}={v:.1f}" for k, v in times.items()), flush=True)
+            for label, pipe in (("fused", lambda: route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE)),
+                                ("two_step", two_step)):
+                times = kernel_times(pipe)
+                total = 1000 * do_bench_cudagraph(pipe, rep=20, return_mode="median")
+                result["launches"].append(dict(model=name, T=T, pipeline=label, graph_us=total, kernels_us=times))
+                print(f"{name:16s} T={T:5d} {label:8s} graph {total:6.1f}us  " + "  ".join(
+                    f"{k.split('_kernel')[0][-14:]}={v:.1f}" for k, v in times.items()), flush=True)
             if T != 8192:
                 continue
-            for bt, nw in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 4), (16, 8), (8, 8), (32, 16)):
+            for bt, nw in ((2, 1), (4, 1), (8, 4), (16, 8), (32, 16)):
                 if bt * triton.next_power_of_2(E) > 16384:
                     continue
                 us = 1000 * do_bench_cudagraph(gate_variant(x_TE, spec, bias_E, bt, nw), rep=20, return_mode="median")

@@ -4,8 +4,8 @@ Legend: N routed rows, V visiting positions (v -> row n = order[v], or n = v), E
 S tiles of BLOCK_N visiting positions, P padded slots, B blocks of BLOCK_SIZE slots.
 Three launches, no host sync: (1) tile histograms [S, BLOCK_E] (and the padding sentinel fill);
 (2) an exclusive scan of them over the tiles, per expert, giving each tile's base rank and the
-expert totals; (3) per tile: rank = base + rank inside the tile (register gathers, no E-wide
-one-hot work per row); then the sorted order, the inverse map, the padded layout, the block map.
+expert totals; (3) per tile: rank = base + rank inside the tile (a [BLOCK_N, BLOCK_N] compare, or
+`within` from the fused gate; no E-wide one-hot work per row); then the sorted order, the inverse map, the padded layout, the block map.
 A row's key is its local expert (id - expert_start in [0, E)) or -1 (dropped / not local).
 Wrappers: `moe_infer.routing.triton_permute`.
 """
@@ -64,13 +64,15 @@ def tile_scan_kernel(
 
 @triton.jit
 def tile_scatter_kernel(
-    ids_ptr, order_ptr, weights_ptr, tile_counts_ptr, counts_ptr,
+    ids_ptr, order_ptr, weights_ptr, tile_counts_ptr, counts_ptr, within_ptr,
     rank_ptr, order_out_ptr, inv_ptr, token_ptr, w_out_ptr, offsets_ptr,
     sorted_rows_ptr, block_expert_ptr, padded_offsets_ptr, num_padded_ptr,
     N, E, expert_start, K, num_tiles, num_blocks,
     HAS_ORDER: tl.constexpr, WRITE_RANK: tl.constexpr, WRITE_PERMUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, HAS_WITHIN: tl.constexpr,
 ):
+    """HAS_WITHIN: the rows come from the fused gate (`routing_gate_kernel` with TILE_COUNTS): every row is
+    local and within[n] already holds its rank inside the tile."""
     pid = tl.program_id(0)
     cols_E = tl.arange(0, BLOCK_E)
     is_e_E = cols_E < E
@@ -87,17 +89,23 @@ def tile_scatter_kernel(
         n_B, key_B, is_row_B = _visit_keys(ids_ptr, order_ptr, v_B, N, E, expert_start, HAS_ORDER)
         is_local_B = key_B >= 0
         keyc_B = tl.where(is_local_B, key_B, 0)
-        base_E = tl.load(tile_counts_ptr + pid * BLOCK_E + cols_E)  # rows of each key in earlier tiles
-        i_B = tl.arange(0, BLOCK_N)
-        before_BB = (key_B[:, None] == key_B[None, :]) & (i_B[None, :] < i_B[:, None])
-        within_B = tl.sum(tl.where(before_BB, 1, 0), axis=1)  # same key earlier in this tile
-        rank_B = tl.gather(base_E, keyc_B, 0) + within_B
+        if HAS_WITHIN:
+            within_B = tl.load(within_ptr + n_B, mask=is_row_B, other=0)
+        else:
+            i_B = tl.arange(0, BLOCK_N)
+            before_BB = (key_B[:, None] == key_B[None, :]) & (i_B[None, :] < i_B[:, None])
+            within_B = tl.sum(tl.where(before_BB, 1, 0), axis=1)  # same key earlier in this tile
+        # rows of each key in earlier tiles (launch 2), read back through L1 rather than gathered in registers
+        rank_B = tl.load(tile_counts_ptr + pid * BLOCK_E + keyc_B) + within_B
         if WRITE_RANK:
             tl.store(rank_ptr + n_B, tl.where(is_local_B, rank_B, -1).to(tl.int64), mask=is_row_B)
         if WRITE_PERMUTE:
-            local_before_tile = tl.sum(base_E, axis=0)  # local rows in earlier tiles
-            other_rank_B = pid * BLOCK_N - local_before_tile + within_B
-            dest_B = tl.where(is_local_B, tl.gather(offsets_E, keyc_B, 0) + rank_B, num_local + other_rank_B)
+            if HAS_WITHIN:
+                dest_B = tl.gather(offsets_E, keyc_B, 0) + rank_B
+            else:
+                local_before_tile = tl.sum(tl.load(tile_counts_ptr + pid * BLOCK_E + cols_E), axis=0)
+                other_rank_B = pid * BLOCK_N - local_before_tile + within_B
+                dest_B = tl.where(is_local_B, tl.gather(offsets_E, keyc_B, 0) + rank_B, num_local + other_rank_B)
             w_B = tl.load(weights_ptr + n_B, mask=is_row_B, other=0.0).to(tl.float32)
             tl.store(order_out_ptr + dest_B, n_B.to(tl.int64), mask=is_row_B)
             tl.store(inv_ptr + n_B, dest_B.to(tl.int64), mask=is_row_B)

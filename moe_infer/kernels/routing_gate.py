@@ -71,12 +71,16 @@ def _group_scores_reshape(key_BE, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
 
 @triton.jit
 def routing_gate_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    T, E, stride_lt, stride_le, routed_scaling_factor,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, tile_counts_ptr, within_ptr, sorted_rows_ptr,
+    T, E, stride_lt, stride_le, routed_scaling_factor, num_slots,
     K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
     IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    TILE_COUNTS: tl.constexpr, FILL: tl.constexpr,
 ):
+    """TILE_COUNTS: also the permutation's launch 1 for this program's BLOCK_T*K routed rows (one tile):
+    tile_counts[pid, e] <- rows of expert e, within[n] <- rows of n's expert before n in the tile, and FILL
+    padded slots of sorted_rows <- the sentinel T*K."""
     pid = tl.program_id(0)
     t_B = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols_E = tl.arange(0, BLOCK_E)
@@ -135,10 +139,10 @@ def routing_gate_kernel(
     ids_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     w_BK = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     key_BE = _ordered_key(choice_BE)
-    for k in tl.static_range(K):  # a taken expert drops to INT_MIN, below every real (or group-masked) choice
+    for k in tl.static_range(K):  # the k-th pick drops to INT_MIN + k, below every real (or group-masked) choice
         m_B = tl.max(key_BE, axis=1)
         idx_B = tl.min(tl.where(key_BE == m_B[:, None], colidx_E[None, :], BLOCK_E), axis=1)
-        key_BE = tl.where(cols_E[None, :] == idx_B[:, None], -2147483648, key_BE)
+        key_BE = tl.where(cols_E[None, :] == idx_B[:, None], -2147483648 + k, key_BE)
         ids_BK = tl.where(kcols_K[None, :] == k, idx_B[:, None], ids_BK)
         if not (HAS_BIAS or G > 1):  # the choice is the score itself
             w_BK = tl.where(kcols_K[None, :] == k, _key_value(m_B)[:, None], w_BK)
@@ -157,3 +161,12 @@ def routing_gate_kernel(
     offs_BK = t_B[:, None] * K + kcols_K[None, :]
     tl.store(weights_ptr + offs_BK, w_BK, mask=out_mask_BK)
     tl.store(ids_ptr + offs_BK, ids_BK, mask=out_mask_BK)
+    if TILE_COUNTS:  # the chosen experts are exactly the knocked-out keys
+        is_taken_BE = (key_BE < -2147483648 + K) & is_tok_B[:, None]  # the k-th pick holds INT_MIN + k
+        k_BE = key_BE & 0x7FFFFFFF
+        taken_BE = is_taken_BE.to(tl.int32)
+        tl.store(tile_counts_ptr + pid * BLOCK_E + cols_E, tl.sum(taken_BE, axis=0))
+        before_BE = tl.cumsum(taken_BE, axis=0) - taken_BE  # earlier tokens of the tile choosing each expert
+        tl.store(within_ptr + t_B[:, None] * K + k_BE, before_BE, mask=is_taken_BE)  # row t*K + k
+        p_F = pid * FILL + tl.arange(0, FILL)
+        tl.store(sorted_rows_ptr + p_F, tl.full((FILL,), 0, tl.int32) + T * K, mask=p_F < num_slots)

@@ -43,6 +43,19 @@ def _warps(block_e: int) -> int:
     return 8 if block_e >= 128 else 4  # [BLOCK_N, BLOCK_E] compare tiles: keep them out of local memory
 
 
+def scan_tiles(tile_counts_SE: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Launch 2, in place: tile_counts_SE [S, BLOCK_E] (int32) -> rows of each expert in earlier tiles.
+    Returns counts_E (int64)."""
+    num_tiles, block_e = tile_counts_SE.shape
+    counts_E = torch.empty(num_experts, dtype=torch.int64, device=tile_counts_SE.device)
+    chunk_e = min(block_e, 8)  # a [BLOCK_S, CHUNK_E] scan of <= 4096 counts: no spills on sm_90 (ptxas -v)
+    block_s = min(triton.next_power_of_2(num_tiles), 4096 // chunk_e)
+    tile_scan_kernel[(block_e // chunk_e,)](
+        tile_counts_SE, counts_E, num_tiles, num_experts, BLOCK_E=block_e, BLOCK_S=block_s, CHUNK_E=chunk_e,
+    )
+    return counts_E
+
+
 def _tile_counts(
     ids_N: torch.Tensor, order_N: Optional[torch.Tensor], num_experts: int, expert_start: int,
     sorted_rows_P: Optional[torch.Tensor] = None,
@@ -54,7 +67,6 @@ def _tile_counts(
     block_n = _blocks(block_e)[0]
     num_tiles = triton.cdiv(N, block_n)
     tile_counts_SE = torch.empty(num_tiles, block_e, dtype=torch.int32, device=device)
-    counts_E = torch.empty(num_experts, dtype=torch.int64, device=device)
     order = order_N if order_N is not None else ids_N
     P = 0 if sorted_rows_P is None else sorted_rows_P.numel()
     tile_hist_kernel[(max(num_tiles, triton.cdiv(P, FILL)),)](
@@ -62,12 +74,7 @@ def _tile_counts(
         num_tiles, P, HAS_ORDER=order_N is not None, BLOCK_N=block_n, BLOCK_E=block_e, FILL=FILL,
         num_warps=_warps(block_e),
     )
-    chunk_e = min(block_e, 8)  # a [BLOCK_S, CHUNK_E] scan of <= 4096 counts: no spills on sm_90 (ptxas -v)
-    block_s = min(triton.next_power_of_2(num_tiles), 4096 // chunk_e)
-    tile_scan_kernel[(block_e // chunk_e,)](
-        tile_counts_SE, counts_E, num_tiles, num_experts, BLOCK_E=block_e, BLOCK_S=block_s, CHUNK_E=chunk_e,
-    )
-    return tile_counts_SE, counts_E, num_tiles, block_e
+    return tile_counts_SE, scan_tiles(tile_counts_SE, num_experts), num_tiles, block_e
 
 
 def expert_ranks_triton(
@@ -84,11 +91,11 @@ def expert_ranks_triton(
     block_n, block_b = _blocks(block_e)
     d = rank_N  # unused pointer arguments
     tile_scatter_kernel[(num_tiles,)](
-        ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E,
+        ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E, d,
         rank_N, d, d, d, d, d, d, d, d, d,
         N, num_experts, 0, 1, num_tiles, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=False, num_warps=_warps(block_e),
     )
     return rank_N, counts_E
 
@@ -107,31 +114,51 @@ def permute_rows_triton(
         return permute_rows_torch(topk_ids_TK, topk_weights_TK, E, expert_start, block_size)
     ids_N = topk_ids_TK.reshape(-1).contiguous()
     w_N = topk_weights_TK.reshape(-1).contiguous()
-    i64 = dict(dtype=torch.int64, device=device)
-    layout, num_blocks = None, 0
-    if block_size is not None:
-        P = max_padded_rows(N, E, block_size)
-        num_blocks = P // block_size
-        layout = BlockLayout(
-            block_size=block_size, sorted_rows_P=torch.empty(P, dtype=torch.int32, device=device),
-            block_expert_B=torch.empty(num_blocks, dtype=torch.int32, device=device),
-            padded_offsets_E1=torch.empty(E + 1, **i64), num_padded=torch.empty(1, dtype=torch.int32, device=device),
-        )
+    layout = new_block_layout(N, E, block_size, device)
     tiles_SE, counts_E, num_tiles, block_e = _tile_counts(
         ids_N, None, E, expert_start, layout.sorted_rows_P if layout else None
     )
-    block_n, block_b = _blocks(block_e)
+    return scatter_rows(ids_N, w_N, K, tiles_SE, counts_E, E, expert_start, _blocks(block_e)[0], layout)
+
+
+def new_block_layout(N: int, num_experts: int, block_size: Optional[int], device: torch.device) -> Optional[BlockLayout]:
+    """Uninitialised BlockLayout buffers for N routed rows (None without a block size)."""
+    if block_size is None:
+        return None
+    P = max_padded_rows(N, num_experts, block_size)
+    return BlockLayout(
+        block_size=block_size, sorted_rows_P=torch.empty(P, dtype=torch.int32, device=device),
+        block_expert_B=torch.empty(P // block_size, dtype=torch.int32, device=device),
+        padded_offsets_E1=torch.empty(num_experts + 1, dtype=torch.int64, device=device),
+        num_padded=torch.empty(1, dtype=torch.int32, device=device),
+    )
+
+
+def scatter_rows(
+    ids_N: torch.Tensor, w_N: torch.Tensor, K: int, tiles_SE: torch.Tensor, counts_E: torch.Tensor,
+    num_experts: int, expert_start: int, block_n: int, layout: Optional[BlockLayout],
+    within_N: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
+) -> RowPermutation:
+    """Launch 3: rows of tile s = [s*block_n, (s+1)*block_n) to their sorted / padded places, given the
+    scanned tile counts (launch 2). layout.sorted_rows_P must already hold the sentinel N. within_N (int32,
+    from the fused gate) holds each row's rank inside its tile; every row is then local (expert_start 0)."""
+    N, E, device = ids_N.numel(), num_experts, ids_N.device
+    num_tiles, block_e = tiles_SE.shape
+    block_b = _blocks(block_e)[1]
+    i64 = dict(dtype=torch.int64, device=device)
     order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
     weights_R = torch.empty(N, dtype=torch.float32, device=device)
     offsets_E1 = torch.empty(E + 1, **i64)
+    num_blocks = layout.block_expert_B.numel() if layout else 0
     lay = (layout.sorted_rows_P, layout.block_expert_B, layout.padded_offsets_E1, layout.num_padded) if layout else (
         order_R,) * 4
     tile_scatter_kernel[(max(num_tiles, triton.cdiv(num_blocks, block_b)),)](
-        ids_N, ids_N, w_N, tiles_SE, counts_E,
+        ids_N, ids_N, w_N, tiles_SE, counts_E, within_N if within_N is not None else ids_N,
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
         N, E, expert_start, K, num_tiles, num_blocks,
-        HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=block_size or 0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=_warps(block_e),
+        HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=layout.block_size if layout else 0,
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=within_N is not None,
+        num_warps=num_warps or _warps(block_e),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,

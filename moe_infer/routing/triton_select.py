@@ -31,11 +31,8 @@ def gate_launch_config(num_tokens: int, num_experts: int) -> Tuple[int, int, int
     return block_t, block_e, max(1, min(8, block_t * block_e // 512))
 
 
-@ROUTING_BACKENDS.register("triton")
-def select_experts_triton(
-    logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `select_experts_torch`: returns topk_weights_TK (float32), topk_ids_TK (int32)."""
+def check_gate_inputs(logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Validates the gate's inputs (clear errors); returns the bias made contiguous (or None)."""
     if logits_TE.dim() != 2:
         raise ValueError(f"router logits must be [T, E], got shape {tuple(logits_TE.shape)}")
     T, E = logits_TE.shape
@@ -52,20 +49,48 @@ def select_experts_triton(
         if bias_E.device != logits_TE.device:
             raise ValueError(f"score bias is on {bias_E.device}, router logits on {logits_TE.device}")
         bias_E = bias_E.contiguous()
+    return bias_E
+
+
+def launch_gate(
+    logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor], weights_TK: torch.Tensor,
+    ids_TK: torch.Tensor, block_t: int, num_warps: int, tile_counts_SE: Optional[torch.Tensor] = None,
+    within_N: Optional[torch.Tensor] = None, sorted_rows_P: Optional[torch.Tensor] = None,
+) -> None:
+    """One launch of `routing_gate_kernel` over T tokens, BLOCK_T a program (inputs already checked).
+    With tile_counts_SE [S = cdiv(T, block_t), BLOCK_E] and within_N [N] (int32) it also writes each program's
+    expert histogram and each row's rank inside its program, and fills sorted_rows_P (if given) with the
+    sentinel T*K: the permutation's launch 1, fused."""
+    T, E = logits_TE.shape
     K, G = spec.top_k, spec.num_expert_group
-    weights_TK = torch.empty(T, K, dtype=torch.float32, device=logits_TE.device)
-    ids_TK = torch.empty(T, K, dtype=torch.int32, device=logits_TE.device)
-    if T == 0:
-        return weights_TK, ids_TK
-    block_t, block_e, num_warps = gate_launch_config(T, E)
+    block_e = triton.next_power_of_2(E)
     grid = (triton.cdiv(T, block_t),)
+    P = sorted_rows_P.numel() if sorted_rows_P is not None else 0
     routing_gate_kernel[grid](
         logits_TE, bias_E if bias_E is not None else weights_TK, weights_TK, ids_TK,
-        T, E, logits_TE.stride(0), logits_TE.stride(1), float(spec.routed_scaling_factor),
+        tile_counts_SE if tile_counts_SE is not None else ids_TK, within_N if within_N is not None else ids_TK,
+        sorted_rows_P if P else ids_TK,
+        T, E, logits_TE.stride(0), logits_TE.stride(1), float(spec.routed_scaling_factor), P,
         K=K, G=G, TOPK_GROUP=spec.topk_group,
         IS_SIGMOID=spec.scoring == "sigmoid", HAS_BIAS=bias_E is not None, RENORMALIZE=spec.renormalize,
         GROUP_RESHAPE=E == block_e and G == triton.next_power_of_2(G),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_G=triton.next_power_of_2(G), num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K), BLOCK_G=triton.next_power_of_2(G),
+        TILE_COUNTS=tile_counts_SE is not None, FILL=triton.next_power_of_2(max(1, triton.cdiv(P, grid[0]))),
+        num_warps=num_warps,
     )
+
+
+@ROUTING_BACKENDS.register("triton")
+def select_experts_triton(
+    logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `select_experts_torch`: returns topk_weights_TK (float32), topk_ids_TK (int32)."""
+    bias_E = check_gate_inputs(logits_TE, spec, bias_E)
+    T, E = logits_TE.shape
+    weights_TK = torch.empty(T, spec.top_k, dtype=torch.float32, device=logits_TE.device)
+    ids_TK = torch.empty(T, spec.top_k, dtype=torch.int32, device=logits_TE.device)
+    if T == 0:
+        return weights_TK, ids_TK
+    block_t, _, num_warps = gate_launch_config(T, E)
+    launch_gate(logits_TE, spec, bias_E, weights_TK, ids_TK, block_t, num_warps)
     return weights_TK, ids_TK
