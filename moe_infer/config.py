@@ -92,10 +92,11 @@ class ParallelConfig:
     ep: int = 1
     dispatcher: str = "exact"  # all-to-all backend when ep > 1: exact | capacity
     overlap: bool = True
-    # two micro-batches only when a rank's dispatch payload (T*K*D elements) reaches this many MB: on
-    # 4 H200s overlap gained 6-12% at DeepSeek-V3 shapes with 4096 tokens (470 MB) and lost below
-    # (benchmarks/results/expert_parallel_h200_ep*.json); 0 = always
-    overlap_min_mb: float = 256.0
+    # micro-batches only when a rank's dispatch payload (T*K*D elements) reaches this many MB: on 2
+    # H200s (CUDA graphs, capacity backend) overlap gained 5-7% from 134 MB (Qwen3 / DeepSeek-V3 at 4096
+    # tokens) and lost at 59 MB and below (benchmarks/results/expert_parallel_2xh200_ep2.json); 0 = always
+    overlap_min_mb: float = 128.0
+    overlap_micro_batches: int = 2  # micro-batches (expert-slot groups) of an overlapped layer, >= 2
     placement_file: Optional[str] = None
     timeout_s: float = 300.0
 
@@ -105,6 +106,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be positive, got {getattr(self, name)}")
         if self.dispatcher not in ("exact", "capacity"):
             raise ValueError(f"parallel.dispatcher must be 'exact' or 'capacity', got {self.dispatcher!r}")
+        if self.overlap_micro_batches < 2:
+            raise ValueError(f"parallel.overlap_micro_batches must be >= 2, got {self.overlap_micro_batches}")
         if self.overlap_min_mb < 0:
             raise ValueError(f"parallel.overlap_min_mb must be >= 0, got {self.overlap_min_mb}")
         if self.timeout_s <= 0:

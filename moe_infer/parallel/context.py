@@ -80,7 +80,8 @@ class ParallelContext:
                                             capacity_factor=routing.capacity_factor, min_capacity=routing.min_capacity)
         return DISPATCHERS.get(self.cfg.dispatcher)(
             self.placement(num_experts), self.ep_group, self.ep_rank, top_k, overlap=self.cfg.overlap,
-            overlap_min_mb=self.cfg.overlap_min_mb, tokens_replicated=tokens_replicated, **kwargs,
+            overlap_min_mb=self.cfg.overlap_min_mb, overlap_micro_batches=self.cfg.overlap_micro_batches,
+            tokens_replicated=tokens_replicated, **kwargs,
         )
 
     def broadcast_object(self, obj: Any) -> Any:

@@ -35,13 +35,14 @@ Two backends (registry `DISPATCHERS`):
             per-expert capacity, so rows the policy (drop/reroute) kept always fit; T must be the
             same on every rank (true for the engine, which pads its batch). Padding rows are zeros.
 
-Overlap. With `overlap` (and a payload of at least `overlap_min_mb`) the layer runs as two
-micro-batches split by expert slot (slots [0, S/2) and [S/2, S) of every rank), not by token:
+Overlap. With `overlap` (and a payload of at least `overlap_min_mb`) the layer runs as M =
+`overlap_micro_batches` (default 2) micro-batches split by expert slot (M contiguous groups of
+every rank's slots, e.g. [0, S/2) and [S/2, S)), not by token:
 each routed row belongs to exactly one micro-batch, so the capacity buffers do not double and the
-K-sum stays in one place. Both dispatch all-to-alls are issued asynchronously (they run on the
+K-sum stays in one place. All dispatch all-to-alls are issued asynchronously (they run on the
 process group's communication stream: NCCL's own stream on GPU, gloo's worker thread on CPU)
-while the experts of micro-batch 0 run on the compute stream; the combine of micro-batch 0 then
-runs under the experts of micro-batch 1.
+while the experts of micro-batch 0 run on the compute stream; the combine of micro-batch m then
+runs under the experts of micro-batch m+1.
 
 Replicated tokens. When attention is replicated (every EP rank holds the same T tokens), a
 dispatcher built with `tokens_replicated=True` lets rank r route only tokens [r*T/ep, (r+1)*T/ep)
@@ -131,22 +132,24 @@ class A2ADispatcher(LocalDispatcher):
         overlap: bool = False,
         overlap_min_mb: float = 0.0,
         tokens_replicated: bool = False,
+        overlap_micro_batches: int = 2,
     ) -> None:
         if dist.get_world_size(group) != placement.ep:
             raise ValueError(f"EP group has {dist.get_world_size(group)} ranks, placement expects {placement.ep}")
         super().__init__(placement.num_experts, placement.slots_per_rank, rank * placement.slots_per_rank)
         self.placement, self.group, self.rank, self.ep = placement, group, rank, placement.ep
         self.top_k, self.overlap, self.overlap_min_mb = top_k, overlap, overlap_min_mb
-        self.tokens_replicated = tokens_replicated
+        self.tokens_replicated, self.overlap_micro_batches = tokens_replicated, overlap_micro_batches
         self.local_expert_ids = placement.local_experts(rank)
         self.slots = SlotTables(placement, rank)
 
     def _slot_ranges(self, num_micro_batches: int) -> Tuple[Tuple[int, int], ...]:
+        """min(M, S) contiguous groups of local slots, near-equal, the larger first."""
         S = self.num_local_experts
-        if num_micro_batches == 1 or S < 2:
-            return ((0, S),)
-        half = (S + 1) // 2
-        return ((0, half), (half, S))
+        M = max(1, min(num_micro_batches, S))
+        size, extra = divmod(S, M)
+        starts = [m * size + min(m, extra) for m in range(M + 1)]
+        return tuple((starts[m], starts[m + 1]) for m in range(M))
 
     # ---- subclass hooks ------------------------------------------------------------------------
     def _plan(self, x_TD, ids_TK, weights_TK, ranges, layer_tokens: int) -> RoutePlan:
@@ -271,7 +274,8 @@ class A2ADispatcher(LocalDispatcher):
     def _run(self, x_TD, ids_TK, weights_TK, experts_fn, fused_fn, layer_tokens: int) -> torch.Tensor:
         payload_mb = layer_tokens * self.top_k * x_TD.shape[1] * x_TD.element_size() / 1e6
         use_overlap = self.overlap and payload_mb >= self.overlap_min_mb
-        plan = self._plan(x_TD, ids_TK, weights_TK, self._slot_ranges(2 if use_overlap else 1), layer_tokens)
+        num_micro_batches = self.overlap_micro_batches if use_overlap else 1
+        plan = self._plan(x_TD, ids_TK, weights_TK, self._slot_ranges(num_micro_batches), layer_tokens)
         y_back_XD = x_TD.new_empty(plan.num_send_rows, x_TD.shape[1])
         if len(plan.slot_ranges) == 1:
             y_XD = self._experts(plan, 0, self._start_dispatch(plan, x_TD, 0, async_op=False), experts_fn, fused_fn)

@@ -7,7 +7,7 @@ only its slots' experts, feeds both its own tokens and compares. Cases: dispatch
 overlap x replicas (placement file) x replicated tokens x dtype, with the dropless policy (exact)
 and the drop / reroute policies (both backends). For non-replicated cases the dispatcher's dropped
 rows must be exactly the rows the routing policy dropped. Also checked: the plain dispatch() /
-combine() API, and that ranks disagreeing on micro-batches raise instead of hanging.
+combine() API, three micro-batches, and that ranks disagreeing on micro-batches raise instead of hanging.
 Prints `EP LAYER OK <cases>` on rank 0 and exits 0 only if every case passed on every rank.
 """
 from __future__ import annotations
@@ -215,6 +215,28 @@ def check_capacity_no_host_sync(ctx):
     return [] if len(outside) == 5 else [f"expected 5 expert calls, saw {len(outside)}"]
 
 
+def check_many_micro_batches(ctx, experts):
+    """overlap_micro_batches=3: min(3, S) slot groups, output equal to the single-rank layer."""
+    problems = []
+    for backend, policy in (("exact", "dropless"), ("capacity", "drop")):
+        kw = {} if policy == "dropless" else dict(capacity_factor=1.0, min_capacity=2)
+        ref = build_reference(torch.float32, ctx.device, policy, kw, experts)
+        pcfg = dataclasses.replace(ctx.base_cfg, dispatcher=backend, overlap=True, overlap_min_mb=0,
+                                   overlap_micro_batches=3)
+        layer, disp = build_ep_layer(ref, ctx, pcfg, policy, kw, experts, False)
+        plans = []
+        make_plan = disp._plan
+        disp._plan = lambda *args: (plans.append(make_plan(*args)), plans[-1])[1]
+        x_TD = torch.randn(19, D, generator=torch.Generator().manual_seed(5 + ctx.rank)).to(ctx.device)
+        with torch.no_grad():
+            out_TD, ref_TD = layer(x_TD), ref(x_TD)
+        if not torch.allclose(out_TD, ref_TD, atol=1e-5, rtol=1e-5):
+            problems.append(f"{backend} {experts}: 3 micro-batches differ from one rank")
+        if len(plans[0].slot_ranges) != min(3, disp.num_local_experts):
+            problems.append(f"{backend}: {len(plans[0].slot_ranges)} micro-batches for {disp.num_local_experts} slots")
+    return problems
+
+
 def check_mismatch_raises(ctx):
     """Rank 0 runs two micro-batches, the others one: every rank must raise, none may hang."""
     ref = build_reference(torch.float32, ctx.device, "dropless", {}, ctx.experts)
@@ -259,6 +281,8 @@ def main() -> int:
         failures += [f"rank {ctx.rank} {case}: {p}" for p in problems]
     for backend in ("exact", "capacity"):
         failures += [f"rank {ctx.rank} plain {backend}: {p}" for p in check_plain_api(ctx, backend)]
+    for name in experts:
+        failures += [f"rank {ctx.rank} micro-batches: {p}" for p in check_many_micro_batches(ctx, name)]
     failures += [f"rank {ctx.rank} mismatch: {p}" for p in check_mismatch_raises(ctx)]
     failures += [f"rank {ctx.rank} capacity sync: {p}" for p in check_capacity_no_host_sync(ctx)]
     all_failures: list = [None] * world
