@@ -27,7 +27,7 @@ if [ "$NG" -ge 4 ]; then
   bench 4 0,1,2,3 "${TAG}_ep4"
 else
   bench 2 0,1 "${TAG}_ep2"
-  BENCH_TIMEOUT=${EP1_TIMEOUT:-90} bench 1 0 "${TAG}_ep1"
+  [ "${SKIP_EP1:-0}" = 1 ] || BENCH_TIMEOUT=${EP1_TIMEOUT:-90} bench 1 0 "${TAG}_ep1"
 fi
 echo "benchmarks in $(( $(date +%s) - start )) s"
 for f in "$OUT"/expert_parallel_*.log; do echo "== $f"; grep -v "^{" "$f" | grep -v "^\[W\|Warning\|warn" | tail -n 45; done

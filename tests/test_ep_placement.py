@@ -85,3 +85,5 @@ def test_parallel_config_names_bad_fields():
         ParallelConfig(timeout_s=0)
     with pytest.raises(ValueError, match="parallel.overlap_min_mb"):
         ParallelConfig(overlap_min_mb=-1)
+    with pytest.raises(ValueError, match="parallel.overlap_micro_batches"):
+        ParallelConfig(overlap_micro_batches=1)
