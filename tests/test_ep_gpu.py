@@ -1,6 +1,6 @@
 """On CUDA GPUs with NCCL: the EP layer and engine equality tests, in bf16 (and fp32 for the layer).
 
-Needs as many GPUs as ranks (run on the lent nvidia-h200-x4); skipped elsewhere.
+Needs as many GPUs as ranks (nvidia-h200-x2 for 2 ranks, -x4 for 4); skipped elsewhere.
 """
 import json
 import os
