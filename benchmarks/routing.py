@@ -77,13 +77,14 @@ def select_topk_torch(logits_TE, spec, bias_E):
     return w_TK * spec.routed_scaling_factor, ids_TK.int()
 
 
-def pipelines(spec, x_TE, bias_E):
+def pipelines(spec, x_TE, bias_E, scatter_rows=None):
     E = spec.num_experts
     drop = CAPACITY_POLICIES.get("drop")
     kw = dict(logits_TE=x_TE, spec=spec, capacity_factor=1.25, min_capacity=4)
 
     def triton_route():  # fused: gate + tile histogram, tile scan, scatter (three launches)
-        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE)[2]
+        kw = dict(scatter_rows=scatter_rows) if scatter_rows else {}
+        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **kw)[2]
 
     def triton_two_step():  # gate, then the stand-alone permutation (four launches)
         w, ids = select_experts_triton(x_TE, spec, bias_E)
@@ -196,6 +197,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--quick", action="store_true", help="two token counts only")
+    ap.add_argument("--scatter-rows", type=int, default=None, help="rows a fused scatter program places (tuning)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     rows = []
@@ -204,7 +206,7 @@ def main() -> None:
             gen = torch.Generator(device="cuda").manual_seed(T)
             x_TE = torch.randn(T, spec.num_experts, device="cuda", generator=gen).to(torch.bfloat16)
             bias_E = torch.randn(spec.num_experts, device="cuda", generator=gen) * 0.05 if spec.has_score_bias else None
-            fns = pipelines(spec, x_TE, bias_E)
+            fns = pipelines(spec, x_TE, bias_E, args.scatter_rows)
             try:
                 check_equal(fns)
                 check_equal(fns, "triton_two_step")
@@ -232,9 +234,11 @@ def main() -> None:
         t8192_e256_under_25us=bool(big) and big[0]["triton_us"] < TARGET_US_8192_E256,
     )
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, block_size=BLOCK_SIZE,
+                  scatter_rows=args.scatter_rows,
                   timing="triton.testing.do_bench_cudagraph median, bf16 logits", rows=rows, summary=summary)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}.json")
+    suffix = f"_scatter{args.scatter_rows}" if args.scatter_rows else ""
+    path = os.path.join(args.out, f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{'model':16s} {'T':>5s} {'triton us':>9s} {'torch us':>9s} {'speedup':>7s}")

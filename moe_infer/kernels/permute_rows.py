@@ -70,9 +70,11 @@ def tile_scatter_kernel(
     N, E, expert_start, K, num_tiles, num_blocks,
     HAS_ORDER: tl.constexpr, WRITE_RANK: tl.constexpr, WRITE_PERMUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, HAS_WITHIN: tl.constexpr,
+    TILE_N: tl.constexpr,
 ):
     """HAS_WITHIN: the rows come from the fused gate (`routing_gate_kernel` with TILE_COUNTS): every row is
-    local and within[n] already holds its rank inside the tile."""
+    local, within[n] already holds its rank inside its tile of TILE_N rows, and one program places the
+    BLOCK_N rows of BLOCK_N / TILE_N tiles (num_tiles then counts programs). Otherwise TILE_N == BLOCK_N."""
     pid = tl.program_id(0)
     cols_E = tl.arange(0, BLOCK_E)
     is_e_E = cols_E < E
@@ -96,7 +98,7 @@ def tile_scatter_kernel(
             before_BB = (key_B[:, None] == key_B[None, :]) & (i_B[None, :] < i_B[:, None])
             within_B = tl.sum(tl.where(before_BB, 1, 0), axis=1)  # same key earlier in this tile
         # rows of each key in earlier tiles (launch 2), read back through L1 rather than gathered in registers
-        rank_B = tl.load(tile_counts_ptr + pid * BLOCK_E + keyc_B) + within_B
+        rank_B = tl.load(tile_counts_ptr + (v_B // TILE_N) * BLOCK_E + keyc_B, mask=is_row_B, other=0) + within_B
         if WRITE_RANK:
             tl.store(rank_ptr + n_B, tl.where(is_local_B, rank_B, -1).to(tl.int64), mask=is_row_B)
         if WRITE_PERMUTE:

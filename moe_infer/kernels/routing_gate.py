@@ -164,9 +164,17 @@ def routing_gate_kernel(
     if TILE_COUNTS:  # the chosen experts are exactly the knocked-out keys
         is_taken_BE = (key_BE < -2147483648 + K) & is_tok_B[:, None]  # the k-th pick holds INT_MIN + k
         k_BE = key_BE & 0x7FFFFFFF
-        taken_BE = is_taken_BE.to(tl.int32)
-        tl.store(tile_counts_ptr + pid * BLOCK_E + cols_E, tl.sum(taken_BE, axis=0))
-        before_BE = tl.cumsum(taken_BE, axis=0) - taken_BE  # earlier tokens of the tile choosing each expert
+        # counts <= BLOCK_T < 256: PACK neighbouring experts share an int64 (8 bits each), so the cross-warp
+        # sum and scan over the tile's tokens move PACK times fewer words
+        PACK: tl.constexpr = 8 if BLOCK_E >= 8 else BLOCK_E
+        shift_j = tl.arange(0, PACK).to(tl.int64) * 8
+        taken_BCj = tl.reshape(is_taken_BE.to(tl.int64), (BLOCK_T, BLOCK_E // PACK, PACK))
+        taken_BC = tl.sum(taken_BCj << shift_j[None, None, :], axis=2)
+        total_C = tl.sum(taken_BC, axis=0)
+        before_BC = tl.cumsum(taken_BC, axis=0) - taken_BC  # earlier tokens of the tile choosing each expert
+        counts_E = tl.reshape((total_C[:, None] >> shift_j[None, :]) & 255, (BLOCK_E,)).to(tl.int32)
+        tl.store(tile_counts_ptr + pid * BLOCK_E + cols_E, counts_E)
+        before_BE = tl.reshape((before_BC[:, :, None] >> shift_j[None, None, :]) & 255, (BLOCK_T, BLOCK_E)).to(tl.int32)
         tl.store(within_ptr + t_B[:, None] * K + k_BE, before_BE, mask=is_taken_BE)  # row t*K + k
         p_F = pid * FILL + tl.arange(0, FILL)
         tl.store(sorted_rows_ptr + p_F, tl.full((FILL,), 0, tl.int32) + T * K, mask=p_F < num_slots)

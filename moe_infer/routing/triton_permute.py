@@ -95,7 +95,7 @@ def expert_ranks_triton(
         rank_N, d, d, d, d, d, d, d, d, d,
         N, num_experts, 0, 1, num_tiles, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=False, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=False, TILE_N=block_n, num_warps=_warps(block_e),
     )
     return rank_N, counts_E
 
@@ -137,14 +137,19 @@ def new_block_layout(N: int, num_experts: int, block_size: Optional[int], device
 def scatter_rows(
     ids_N: torch.Tensor, w_N: torch.Tensor, K: int, tiles_SE: torch.Tensor, counts_E: torch.Tensor,
     num_experts: int, expert_start: int, block_n: int, layout: Optional[BlockLayout],
-    within_N: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
+    within_N: Optional[torch.Tensor] = None, rows_per_program: Optional[int] = None,
 ) -> RowPermutation:
     """Launch 3: rows of tile s = [s*block_n, (s+1)*block_n) to their sorted / padded places, given the
     scanned tile counts (launch 2). layout.sorted_rows_P must already hold the sentinel N. within_N (int32,
-    from the fused gate) holds each row's rank inside its tile; every row is then local (expert_start 0)."""
+    from the fused gate) holds each row's rank inside its tile; every row is then local (expert_start 0), and
+    a program may place several tiles: rows_per_program, a multiple of block_n (default block_n)."""
     N, E, device = ids_N.numel(), num_experts, ids_N.device
-    num_tiles, block_e = tiles_SE.shape
+    block_e = tiles_SE.shape[1]
     block_b = _blocks(block_e)[1]
+    rows_per_program = rows_per_program or block_n
+    if rows_per_program % block_n or (within_N is None and rows_per_program != block_n):
+        raise ValueError(f"rows_per_program={rows_per_program} must be block_n={block_n} (or a multiple, with within_N)")
+    num_programs = triton.cdiv(N, rows_per_program)
     i64 = dict(dtype=torch.int64, device=device)
     order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
     weights_R = torch.empty(N, dtype=torch.float32, device=device)
@@ -152,13 +157,13 @@ def scatter_rows(
     num_blocks = layout.block_expert_B.numel() if layout else 0
     lay = (layout.sorted_rows_P, layout.block_expert_B, layout.padded_offsets_E1, layout.num_padded) if layout else (
         order_R,) * 4
-    tile_scatter_kernel[(max(num_tiles, triton.cdiv(num_blocks, block_b)),)](
+    tile_scatter_kernel[(max(num_programs, triton.cdiv(num_blocks, block_b)),)](
         ids_N, ids_N, w_N, tiles_SE, counts_E, within_N if within_N is not None else ids_N,
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
-        N, E, expert_start, K, num_tiles, num_blocks,
+        N, E, expert_start, K, num_programs, num_blocks,
         HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=layout.block_size if layout else 0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=within_N is not None,
-        num_warps=num_warps or _warps(block_e),
+        BLOCK_N=rows_per_program, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=within_N is not None,
+        TILE_N=block_n, num_warps=4 if within_N is not None else _warps(block_e),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,

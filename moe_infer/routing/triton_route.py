@@ -18,7 +18,8 @@ from moe_infer.routing.spec import RoutingSpec
 from moe_infer.routing.triton_permute import new_block_layout, permute_rows_triton, scan_tiles, scatter_rows
 from moe_infer.routing.triton_select import check_gate_inputs, gate_launch_config, launch_gate, select_experts_triton
 
-TILE_ROWS = 128  # routed rows per gate program (tile) when T allows: fewer tiles to scan, [128, 128] rank compares
+TILE_ROWS = 128  # routed rows per gate program (tile) when T allows: fewer tiles to scan
+SCATTER_ROWS = 512  # routed rows per scatter program (several tiles): its fixed E-wide prefix sums amortised
 
 
 def fused_launch_config(num_tokens: int, num_experts: int, top_k: int) -> Tuple[int, int]:
@@ -33,9 +34,11 @@ def fused_launch_config(num_tokens: int, num_experts: int, top_k: int) -> Tuple[
 
 def route_rows_triton(
     logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
+    scatter_rows: int = SCATTER_ROWS,
 ) -> Tuple[torch.Tensor, torch.Tensor, RowPermutation]:
     """(topk_weights_TK float32, topk_ids_TK int32, RowPermutation over all E experts): the results of
-    `select_experts_triton` then `permute_rows_triton(ids, weights, E, 0, block_size)`, without a host sync."""
+    `select_experts_triton` then `permute_rows_triton(ids, weights, E, 0, block_size)`, without a host sync.
+    scatter_rows (a power of 2): rows a scatter program places at most (tuning only; results do not change)."""
     bias_E = check_gate_inputs(logits_TE, spec, bias_E)
     T, E = logits_TE.shape
     K, device = spec.top_k, logits_TE.device
@@ -51,6 +54,7 @@ def route_rows_triton(
     launch_gate(logits_TE, spec, bias_E, weights_TK, ids_TK, block_t, num_warps, tile_counts_SE, within_N,
                 layout.sorted_rows_P if layout else None)
     counts_E = scan_tiles(tile_counts_SE, E)
-    perm = scatter_rows(ids_TK.view(-1), weights_TK.view(-1), K, tile_counts_SE, counts_E, E, 0, block_t * K, layout,
-                        within_N)
+    tile_n = block_t * K
+    perm = scatter_rows(ids_TK.view(-1), weights_TK.view(-1), K, tile_counts_SE, counts_E, E, 0, tile_n, layout,
+                        within_N, max(tile_n, min(scatter_rows, triton.next_power_of_2(T * K))))
     return weights_TK, ids_TK, perm
