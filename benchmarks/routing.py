@@ -83,7 +83,7 @@ def pipelines(spec, x_TE, bias_E, scatter_rows=None):
     kw = dict(logits_TE=x_TE, spec=spec, capacity_factor=1.25, min_capacity=4)
 
     def triton_route():  # fused: gate + tile histogram, tile scan, scatter (three launches)
-        kw = dict(scatter_rows=scatter_rows) if scatter_rows else {}
+        kw = dict(rows_per_scatter=scatter_rows) if scatter_rows else {}
         return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **kw)[2]
 
     def triton_two_step():  # gate, then the stand-alone permutation (four launches)

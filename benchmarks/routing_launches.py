@@ -65,7 +65,7 @@ def main() -> None:
             def two_step():
                 w, ids = select_experts_triton(x_TE, spec, bias_E)
                 return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
-            pipes = [(f"fused{r}", lambda r=r: route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, scatter_rows=r))
+            pipes = [(f"fused{r}", lambda r=r: route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, rows_per_scatter=r))
                      for r in (128, 512)] + [("two_step", two_step)]
             for label, pipe in pipes:
                 times = kernel_times(pipe)

@@ -34,11 +34,11 @@ def fused_launch_config(num_tokens: int, num_experts: int, top_k: int) -> Tuple[
 
 def route_rows_triton(
     logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
-    scatter_rows: int = SCATTER_ROWS,
+    rows_per_scatter: int = SCATTER_ROWS,
 ) -> Tuple[torch.Tensor, torch.Tensor, RowPermutation]:
     """(topk_weights_TK float32, topk_ids_TK int32, RowPermutation over all E experts): the results of
     `select_experts_triton` then `permute_rows_triton(ids, weights, E, 0, block_size)`, without a host sync.
-    scatter_rows (a power of 2): rows a scatter program places at most (tuning only; results do not change)."""
+    rows_per_scatter (a power of 2): rows a scatter program places at most (tuning only; results do not change)."""
     bias_E = check_gate_inputs(logits_TE, spec, bias_E)
     T, E = logits_TE.shape
     K, device = spec.top_k, logits_TE.device
@@ -56,5 +56,5 @@ def route_rows_triton(
     counts_E = scan_tiles(tile_counts_SE, E)
     tile_n = block_t * K
     perm = scatter_rows(ids_TK.view(-1), weights_TK.view(-1), K, tile_counts_SE, counts_E, E, 0, tile_n, layout,
-                        within_N, max(tile_n, min(scatter_rows, triton.next_power_of_2(T * K))))
+                        within_N, max(tile_n, min(rows_per_scatter, triton.next_power_of_2(T * K))))
     return weights_TK, ids_TK, perm
