@@ -2,8 +2,7 @@
 
   ours      fused_experts: (x_TD, topk_ids, topk_weights) -> out_TD, everything included
             (device-built schedule, gate_up+SiLU GEMM, weighted down GEMM, top-k combine);
-            ours_no_pdl / ours_no_prefetch: the same without programmatic dependent launch
-            (MOE_FUSED_PDL=0) / without the down GEMM's L2 weight prefetch (MOE_FUSED_PREFETCH=0)
+            ours_no_pdl: the same without programmatic dependent launch (MOE_FUSED_PDL=0)
   grouped   torch._grouped_mm on rows already sorted by expert (offsets), SiLU*up, weight
             (the permutation and the combine are NOT timed: a lower bound for that path)
   loop      a PyTorch per-expert loop on the same sorted rows (host offsets taken before capture)
@@ -126,11 +125,10 @@ def bench_point(name, T, w13, w2):
            "config": get_config(T, E, F_, D, K, "bf16").to_dict(), "ours_rel_err_vs_loop": rel_err(ours(), ref_TD)}
     n = replays_for(roof)
     row["ours_us"] = graph_time_us(ours, n)
-    for var, key in (("MOE_FUSED_PDL", "ours_no_pdl_us"), ("MOE_FUSED_PREFETCH", "ours_no_prefetch_us")):
-        before = os.environ.get(var, "1")
-        os.environ[var] = "0"  # the same path without programmatic dependent launch / the L2 prefetch
-        row[key] = graph_time_us(ours, n)
-        os.environ[var] = before
+    pdl = os.environ.get("MOE_FUSED_PDL", "1")
+    os.environ["MOE_FUSED_PDL"] = "0"  # the same path launched without programmatic dependent launch
+    row["ours_no_pdl_us"] = graph_time_us(ours, n)
+    os.environ["MOE_FUSED_PDL"] = pdl
     # Breakdown of ours: the schedule and the combine alone (the GEMMs are the rest).
     ids_N, block_m = ids_TK.reshape(-1), row["config"]["block_m"]
     row["schedule_us"] = graph_time_us(lambda: block_schedule(ids_N, E, 0, block_m), n)
@@ -189,10 +187,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.variants:
         return
-    print(f"\n{'shape':14s} {'T':>5s} {'ours':>8s} {'no_pdl':>8s} {'no_pf':>8s} {'grouped':>8s} {'loop':>8s} {'roof':>8s} {'%roof':>6s} {'target':>7s} pass  {'scaled':>7s} pass")
+    print(f"\n{'shape':14s} {'T':>5s} {'ours':>8s} {'no_pdl':>8s} {'grouped':>8s} {'loop':>8s} {'roof':>8s} {'%roof':>6s} {'target':>7s} pass  {'scaled':>7s} pass")
     for r in rows:
         g = r["grouped_mm_us"]
-        print(f"{r['shape']:14s} {r['tokens']:5d} {r['ours_us']:8.1f} {r['ours_no_pdl_us']:8.1f} {r['ours_no_prefetch_us']:8.1f} {g if g else float('nan'):8.1f} {r['loop_us']:8.1f} "
+        print(f"{r['shape']:14s} {r['tokens']:5d} {r['ours_us']:8.1f} {r['ours_no_pdl_us']:8.1f} {g if g else float('nan'):8.1f} {r['loop_us']:8.1f} "
               f"{r['roofline_us']:8.1f} {r['pct_of_roofline']:6.1f} {r['target_us'] or 0:7d} {r['passed']!s:5s} "
               f"{r['target_scaled_us'] or 0:7.0f} {r['passed_scaled']}")
     print(f"passed {sum(bool(r['passed']) for r in rows)}/{len(rows)} "

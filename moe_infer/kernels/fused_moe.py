@@ -91,20 +91,6 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     return act_PF
 
 
-PREFETCH_MAX_BLOCK_M = 32  # decode-shaped tiles only: prefill slabs would not fit in L2
-
-
-def _prefetch_bytes(w2_EDF: torch.Tensor, sched: BlockSchedule, pdl: dict) -> int:
-    """Bytes of one weight row the down GEMM prefetches into L2 before its PDL wait (0: none).
-    Needs PDL, a launched schedule (expert_B in memory), decode tiles, 16-byte rows; MOE_FUSED_PREFETCH=0
-    turns it off."""
-    row_bytes = w2_EDF.shape[2] * w2_EDF.element_size()
-    on = (pdl.get("USE_PDL", False) and not sched.is_inline and sched.block_m <= PREFETCH_MAX_BLOCK_M
-          and w2_EDF.is_contiguous() and row_bytes % 16 == 0 and w2_EDF.data_ptr() % 16 == 0
-          and os.environ.get("MOE_FUSED_PREFETCH", "1") == "1")
-    return row_bytes if on else 0
-
-
 @dataclass(frozen=True)
 class TailCombine:
     """The down GEMM also combines: out_TD[t] = sum of t's local y_ND rows (see `_combine_tail`)."""
@@ -129,7 +115,6 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
     grid = (num_tiles_m * triton.cdiv(D, cfg.block_n),)
     use_tma = _can_use_tma(cfg, w2_EDF, act_PF)
     act, w2 = act_PF, w2_EDF
-    pdl = use_pdl(act_PF)
     top_k = sched.num_rows // tail.ids_TK.shape[0] if tail is not None else 1
     if tail is not None:
         T = tail.ids_TK.shape[0]
@@ -145,15 +130,13 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
     down_kernel[grid](
         act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
         *((tail.out_TD, tail.ids_TK, tail.counts_TC) if tail is not None else (y_ND,) * 3),
-        w2_EDF,
         sched.num_rows, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
         tail.out_TD.stride(0) if tail is not None else 0,
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
         COMBINE_TAIL=tail is not None, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        PREFETCH_BYTES=_prefetch_bytes(w2_EDF, sched, pdl), **sched.kernel_args(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl,
+        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(act_PF),
     )
     return y_ND
 

@@ -89,40 +89,22 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
 
 
 @triton.jit
-def _prefetch_l2(ptrs, num_bytes):
-    """A hint (sm_90 bulk copy engine): pull [ptr, ptr + num_bytes) of each pointer into L2; nothing returns."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",  # address (int64), bytes
-                              [ptrs, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
-                out_ptr, ids_ptr, count_ptr, w2_raw_ptr,
+                out_ptr, ids_ptr, count_ptr,
                 num_rows, D, F, num_tiles_m, expert_start, E,
                 stride_am, stride_we, stride_wn, stride_wk, stride_ym, stride_ot,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
                 E_PAD: tl.constexpr, COMBINE_TAIL: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                USE_PDL: tl.constexpr, PREFETCH_BYTES: tl.constexpr):
+                USE_PDL: tl.constexpr):
     """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
     and w2 viewed [E*D, F] (block [BLOCK_N, BLOCK_K]).
     COMBINE_TAIL: also the top-k combine (`_combine_tail`); out_ptr [T, D] must hold zeros for tokens
     without a local row and count_ptr [T, cdiv(D, BLOCK_N)] zeros.
-    PREFETCH_BYTES > 0 (decode tiles under PDL, launched schedule): before waiting for gate_up, the
-    program asks L2 for its weight rows w2_raw_ptr[e, n-tile, :] (PREFETCH_BYTES each), so they stream
-    in while gate_up's last wave runs. expert_B was written two kernels back (complete once every
-    gate_up program has passed its own wait); a stale id would only prefetch other valid rows.
     """
-    if PREFETCH_BYTES > 0:
-        pf_m, pf_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
-        pf_e = tl.load(expert_ptr + pf_m)
-        if (pf_e >= 0) & (pf_e < E):
-            pf_rows = tl.minimum(pf_n * BLOCK_N + tl.arange(0, BLOCK_N), D - 1).to(tl.int64)
-            _prefetch_l2((w2_raw_ptr + pf_e.to(tl.int64) * stride_we + pf_rows * stride_wn).to(tl.int64),
-                         tl.full([BLOCK_N], PREFETCH_BYTES, tl.int32))
     pdl_enter(USE_PDL)
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
