@@ -77,14 +77,13 @@ def select_topk_torch(logits_TE, spec, bias_E):
     return w_TK * spec.routed_scaling_factor, ids_TK.int()
 
 
-def pipelines(spec, x_TE, bias_E, scatter_rows=None):
+def pipelines(spec, x_TE, bias_E, tuning=None):
     E = spec.num_experts
     drop = CAPACITY_POLICIES.get("drop")
     kw = dict(logits_TE=x_TE, spec=spec, capacity_factor=1.25, min_capacity=4)
 
     def triton_route():  # fused: gate + tile histogram, tile scan, scatter (three launches)
-        kw = dict(rows_per_scatter=scatter_rows) if scatter_rows else {}
-        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **kw)[2]
+        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **(tuning or {}))[2]
 
     def triton_two_step():  # gate, then the stand-alone permutation (four launches)
         w, ids = select_experts_triton(x_TE, spec, bias_E)
@@ -136,7 +135,7 @@ def check_drop_equal(spec, x_TE, bias_E):
 
 
 PTR_TYPES = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "bias_ptr": "*fp32", "w_out_ptr": "*fp32",
-             "ids_ptr": "*i32", "tile_counts_ptr": "*i32", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
+             "ids_ptr": "*i32", "tile_counts_ptr": "*i32", "hist_ptr": "*i8", "within_ptr": "*i8", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_padded_ptr": "*i32"}  # every other pointer: int64
 
 
@@ -181,13 +180,13 @@ def ptxas_main() -> None:
                       HAS_BIAS=spec.has_score_bias, RENORMALIZE=spec.renormalize,
                       GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=bt, BLOCK_E=be,
                       BLOCK_K=triton.next_power_of_2(spec.top_k), BLOCK_G=triton.next_power_of_2(G),
-                      TILE_COUNTS=False, FILL=1)
+                      TILE_COUNTS=False, FILL=1, GROUP_TILES=1)
         ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"gate {name} BT{bt}")
         bn, bb = _blocks(be)
         consts = dict(HAS_ORDER=False, BLOCK_N=bn, BLOCK_E=be, FILL=FILL)
         ptxas_report(tile_hist_kernel, consts, _warps(be), None, f"permute hist {name} BN{bn}")
         consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=bn,
-                      BLOCK_E=be, BLOCK_B=bb, HAS_WITHIN=False)
+                      BLOCK_E=be, BLOCK_B=bb, HAS_WITHIN=False, TILE_N=bn, GROUP_TILES=1)
         ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BB{bb}")
 
 
@@ -198,15 +197,19 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--quick", action="store_true", help="two token counts only")
     ap.add_argument("--scatter-rows", type=int, default=None, help="rows a fused scatter program places (tuning)")
+    ap.add_argument("--wide-gate", action="store_true", help="fused gate programs over several warps (tuning)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
+    tuning = dict(rows_per_scatter=args.scatter_rows) if args.scatter_rows else {}
+    if args.wide_gate:
+        tuning["wide_gate"] = True
     rows = []
     for name, spec in MODELS.items():
         for T in TOKENS[1::3] if args.quick else TOKENS:
             gen = torch.Generator(device="cuda").manual_seed(T)
             x_TE = torch.randn(T, spec.num_experts, device="cuda", generator=gen).to(torch.bfloat16)
             bias_E = torch.randn(spec.num_experts, device="cuda", generator=gen) * 0.05 if spec.has_score_bias else None
-            fns = pipelines(spec, x_TE, bias_E, args.scatter_rows)
+            fns = pipelines(spec, x_TE, bias_E, tuning)
             try:
                 check_equal(fns)
                 check_equal(fns, "triton_two_step")
@@ -234,10 +237,10 @@ def main() -> None:
         t8192_e256_under_25us=bool(big) and big[0]["triton_us"] < TARGET_US_8192_E256,
     )
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, block_size=BLOCK_SIZE,
-                  scatter_rows=args.scatter_rows,
+                  fused_tuning=tuning or "defaults",
                   timing="triton.testing.do_bench_cudagraph median, bf16 logits", rows=rows, summary=summary)
     os.makedirs(args.out, exist_ok=True)
-    suffix = f"_scatter{args.scatter_rows}" if args.scatter_rows else ""
+    suffix = "".join(f"_{k}{'' if v is True else v}" for k, v in tuning.items())
     path = os.path.join(args.out, f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -65,8 +65,9 @@ def main() -> None:
             def two_step():
                 w, ids = select_experts_triton(x_TE, spec, bias_E)
                 return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
-            pipes = [(f"fused{r}", lambda r=r: route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, rows_per_scatter=r))
-                     for r in (128, 512)] + [("two_step", two_step)]
+            tunings = {"fused": {}, "fused_scatter128": dict(rows_per_scatter=128), "fused_wide": dict(wide_gate=True)}
+            pipes = [(label, lambda kw=kw: route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **kw))
+                     for label, kw in tunings.items()] + [("two_step", two_step)]
             for label, pipe in pipes:
                 times = kernel_times(pipe)
                 total = 1000 * do_bench_cudagraph(pipe, rep=20, return_mode="median")

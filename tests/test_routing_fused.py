@@ -22,7 +22,7 @@ SPECS = {
 }
 
 
-def _check(spec, T, block_size, dtype, ties, seed):
+def _check(spec, T, block_size, dtype, ties, seed, **tuning):
     gen = torch.Generator().manual_seed(seed)
     E = spec.num_experts
     x = torch.randint(-3, 4, (T, E), generator=gen).float() / 2 if ties else torch.randn(T, E, generator=gen)
@@ -30,7 +30,7 @@ def _check(spec, T, block_size, dtype, ties, seed):
     bias_E = None
     if spec.has_score_bias:  # zero with ties: see test_routing_gate._check
         bias_E = (torch.zeros(E) if ties else torch.randn(E, generator=gen) * 0.05).to(DEVICE)
-    w, ids, perm = route_rows_triton(x_TE, spec, bias_E, block_size)
+    w, ids, perm = route_rows_triton(x_TE, spec, bias_E, block_size, **tuning)
     w_ref, ids_ref = select_experts_torch(x_TE, spec, bias_E)
     ref = permute_rows_torch(ids_ref, w_ref, E, 0, block_size)
     assert torch.equal(ids, ids_ref)
@@ -44,12 +44,19 @@ def _check(spec, T, block_size, dtype, ties, seed):
             assert torch.equal(getattr(perm.layout, f), getattr(ref.layout, f)), f
 
 
+TUNINGS = {  # one-warp gate tiles summed per group (default; small groups: several groups and tiles), wide tiles
+    "grouped": dict(group_rows=32, rows_per_scatter=64), "wide": dict(wide_gate=True, rows_per_scatter=256),
+}
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("ties", [False, True])
-def test_fused_route_matches_references_interpreter(name, ties):
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+def test_fused_route_matches_references_interpreter(name, ties, tuning):
     spec = SPECS[name]
     for i, T in enumerate((1, 7, 40)):  # 40 tokens: several tiles for every spec
-        _check(spec, T, (None, 16, 4)[i], torch.bfloat16 if i == 2 else torch.float32, ties, seed=i + 10 * ties)
+        _check(spec, T, (None, 16, 4)[i], torch.bfloat16 if i == 2 else torch.float32, ties, seed=i + 10 * ties,
+               **TUNINGS[tuning])
 
 
 def test_fused_tiles_are_powers_of_two():
@@ -61,7 +68,8 @@ def test_fused_tiles_are_powers_of_two():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SPECS))
-def test_fused_route_full_shapes_gpu(name):
+@pytest.mark.parametrize("tuning", [{}, dict(wide_gate=True)])
+def test_fused_route_full_shapes_gpu(name, tuning):
     for i, T in enumerate((1, 33, 1000, 8192)):
         for block_size in (None, 64):
-            _check(SPECS[name], T, block_size, (torch.float32, torch.bfloat16)[i % 2], ties=i == 2, seed=i)
+            _check(SPECS[name], T, block_size, (torch.float32, torch.bfloat16)[i % 2], ties=i == 2, seed=i, **tuning)

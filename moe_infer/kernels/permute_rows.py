@@ -64,17 +64,19 @@ def tile_scan_kernel(
 
 @triton.jit
 def tile_scatter_kernel(
-    ids_ptr, order_ptr, weights_ptr, tile_counts_ptr, counts_ptr, within_ptr,
+    ids_ptr, order_ptr, weights_ptr, tile_counts_ptr, counts_ptr, within_ptr, hist_ptr,
     rank_ptr, order_out_ptr, inv_ptr, token_ptr, w_out_ptr, offsets_ptr,
     sorted_rows_ptr, block_expert_ptr, padded_offsets_ptr, num_padded_ptr,
     N, E, expert_start, K, num_tiles, num_blocks,
     HAS_ORDER: tl.constexpr, WRITE_RANK: tl.constexpr, WRITE_PERMUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, HAS_WITHIN: tl.constexpr,
-    TILE_N: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_TILES: tl.constexpr,
 ):
     """HAS_WITHIN: the rows come from the fused gate (`routing_gate_kernel` with TILE_COUNTS): every row is
-    local, within[n] already holds its rank inside its tile of TILE_N rows, and one program places the
-    BLOCK_N rows of BLOCK_N / TILE_N tiles (num_tiles then counts programs). Otherwise TILE_N == BLOCK_N."""
+    local, within[t, e] (int8 [T, BLOCK_E]) already holds row n = t*K + k's rank inside its tile of TILE_N rows, and one program places the
+    BLOCK_N rows of BLOCK_N / TILE_N tiles (num_tiles then counts programs). Otherwise TILE_N == BLOCK_N.
+    GROUP_TILES > 1 (fused only): tile_counts has one scanned row per group of tiles, and hist (int8) each
+    tile's own counts: a row's base adds the counts of the earlier tiles of its group."""
     pid = tl.program_id(0)
     cols_E = tl.arange(0, BLOCK_E)
     is_e_E = cols_E < E
@@ -92,13 +94,17 @@ def tile_scatter_kernel(
         is_local_B = key_B >= 0
         keyc_B = tl.where(is_local_B, key_B, 0)
         if HAS_WITHIN:
-            within_B = tl.load(within_ptr + n_B, mask=is_row_B, other=0)
+            within_B = tl.load(within_ptr + (n_B // K) * BLOCK_E + keyc_B, mask=is_row_B, other=0).to(tl.int32)
         else:
             i_B = tl.arange(0, BLOCK_N)
             before_BB = (key_B[:, None] == key_B[None, :]) & (i_B[None, :] < i_B[:, None])
             within_B = tl.sum(tl.where(before_BB, 1, 0), axis=1)  # same key earlier in this tile
         # rows of each key in earlier tiles (launch 2), read back through L1 rather than gathered in registers
-        rank_B = tl.load(tile_counts_ptr + (v_B // TILE_N) * BLOCK_E + keyc_B, mask=is_row_B, other=0) + within_B
+        s_B = v_B // TILE_N
+        rank_B = tl.load(tile_counts_ptr + (s_B // GROUP_TILES) * BLOCK_E + keyc_B, mask=is_row_B, other=0) + within_B
+        for j in tl.static_range(GROUP_TILES - 1):  # earlier tiles of the group (read through L1)
+            sj_B = s_B // GROUP_TILES * GROUP_TILES + j
+            rank_B += tl.load(hist_ptr + sj_B * BLOCK_E + keyc_B, mask=is_row_B & (sj_B < s_B), other=0).to(tl.int32)
         if WRITE_RANK:
             tl.store(rank_ptr + n_B, tl.where(is_local_B, rank_B, -1).to(tl.int64), mask=is_row_B)
         if WRITE_PERMUTE:

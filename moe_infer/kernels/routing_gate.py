@@ -71,16 +71,18 @@ def _group_scores_reshape(key_BE, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
 
 @triton.jit
 def routing_gate_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, tile_counts_ptr, within_ptr, sorted_rows_ptr,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, tile_counts_ptr, hist_ptr, within_ptr, sorted_rows_ptr,
     T, E, stride_lt, stride_le, routed_scaling_factor, num_slots,
     K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
     IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    TILE_COUNTS: tl.constexpr, FILL: tl.constexpr,
+    TILE_COUNTS: tl.constexpr, FILL: tl.constexpr, GROUP_TILES: tl.constexpr,
 ):
     """TILE_COUNTS: also the permutation's launch 1 for this program's BLOCK_T*K routed rows (one tile):
-    tile_counts[pid, e] <- rows of expert e, within[n] <- rows of n's expert before n in the tile, and FILL
-    padded slots of sorted_rows <- the sentinel T*K."""
+    within[t, e] (int8 [T, BLOCK_E]) <- the tile's tokens before t that chose e, FILL padded slots of sorted_rows <- the sentinel
+    T*K, and the tile's expert histogram: GROUP_TILES == 1: tile_counts[pid, e] <- rows of expert e;
+    else hist[pid, e] (int8) <- rows of expert e, and tile_counts[pid // GROUP_TILES, e] += the same
+    (atomics into a zeroed buffer: integer sums, deterministic), so the scan sees one row per group."""
     pid = tl.program_id(0)
     t_B = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols_E = tl.arange(0, BLOCK_E)
@@ -162,19 +164,28 @@ def routing_gate_kernel(
     tl.store(weights_ptr + offs_BK, w_BK, mask=out_mask_BK)
     tl.store(ids_ptr + offs_BK, ids_BK, mask=out_mask_BK)
     if TILE_COUNTS:  # the chosen experts are exactly the knocked-out keys
-        is_taken_BE = (key_BE < -2147483648 + K) & is_tok_B[:, None]  # the k-th pick holds INT_MIN + k
-        k_BE = key_BE & 0x7FFFFFFF
-        # counts <= BLOCK_T < 256: PACK neighbouring experts share an int64 (8 bits each), so the cross-warp
-        # sum and scan over the tile's tokens move PACK times fewer words
-        PACK: tl.constexpr = 8 if BLOCK_E >= 8 else BLOCK_E
-        shift_j = tl.arange(0, PACK).to(tl.int64) * 8
-        taken_BCj = tl.reshape(is_taken_BE.to(tl.int64), (BLOCK_T, BLOCK_E // PACK, PACK))
-        taken_BC = tl.sum(taken_BCj << shift_j[None, None, :], axis=2)
-        total_C = tl.sum(taken_BC, axis=0)
-        before_BC = tl.cumsum(taken_BC, axis=0) - taken_BC  # earlier tokens of the tile choosing each expert
-        counts_E = tl.reshape((total_C[:, None] >> shift_j[None, :]) & 255, (BLOCK_E,)).to(tl.int32)
-        tl.store(tile_counts_ptr + pid * BLOCK_E + cols_E, counts_E)
-        before_BE = tl.reshape((before_BC[:, :, None] >> shift_j[None, None, :]) & 255, (BLOCK_T, BLOCK_E)).to(tl.int32)
-        tl.store(within_ptr + t_B[:, None] * K + k_BE, before_BE, mask=is_taken_BE)  # row t*K + k
+        is_taken_BE = (key_BE < -2147483648 + K) & is_tok_B[:, None]  # the k-th pick holds INT_MIN + k (k < K)
+        if BLOCK_T * BLOCK_E > 1024:  # counts <= BLOCK_T < 256: PACK neighbouring experts share an int64
+            # (8 bits each), so the cross-warp sum and scan over the tile's tokens move PACK times fewer words
+            PACK: tl.constexpr = 8 if BLOCK_E >= 8 else BLOCK_E
+            shift_j = tl.arange(0, PACK).to(tl.int64) * 8
+            taken_BCj = tl.reshape(is_taken_BE.to(tl.int64), (BLOCK_T, BLOCK_E // PACK, PACK))
+            taken_BC = tl.sum(taken_BCj << shift_j[None, None, :], axis=2)
+            total_C = tl.sum(taken_BC, axis=0)
+            before_BC = tl.cumsum(taken_BC, axis=0) - taken_BC  # earlier tokens of the tile choosing each expert
+            counts_E = tl.reshape((total_C[:, None] >> shift_j[None, :]) & 255, (BLOCK_E,)).to(tl.int32)
+            before_BE = tl.reshape((before_BC[:, :, None] >> shift_j[None, None, :]) & 255, (BLOCK_T, BLOCK_E))
+        else:  # a few rows in one warp: plain counts
+            taken_BE = is_taken_BE.to(tl.int32)
+            counts_E = tl.sum(taken_BE, axis=0)
+            before_BE = tl.cumsum(taken_BE, axis=0) - taken_BE
+        if GROUP_TILES == 1:
+            tl.store(tile_counts_ptr + pid * BLOCK_E + cols_E, counts_E)
+        else:
+            tl.store(hist_ptr + pid * BLOCK_E + cols_E, counts_E.to(tl.int8))
+            tl.atomic_add(tile_counts_ptr + (pid // GROUP_TILES) * BLOCK_E + ids_BK, 1, mask=out_mask_BK, sem="relaxed")
+        # dense int8 [T, BLOCK_E] (a masked store of the K taken columns costs more): the scatter reads
+        # within[t, e] for its rows
+        tl.store(within_ptr + t_B[:, None] * BLOCK_E + cols_E[None, :], before_BE.to(tl.int8), mask=is_tok_B[:, None])
         p_F = pid * FILL + tl.arange(0, FILL)
         tl.store(sorted_rows_ptr + p_F, tl.full((FILL,), 0, tl.int32) + T * K, mask=p_F < num_slots)

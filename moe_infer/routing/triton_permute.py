@@ -91,11 +91,12 @@ def expert_ranks_triton(
     block_n, block_b = _blocks(block_e)
     d = rank_N  # unused pointer arguments
     tile_scatter_kernel[(num_tiles,)](
-        ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E, d,
+        ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E, d, d,
         rank_N, d, d, d, d, d, d, d, d, d,
         N, num_experts, 0, 1, num_tiles, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
-        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=False, TILE_N=block_n, num_warps=_warps(block_e),
+        BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=False, TILE_N=block_n, GROUP_TILES=1,
+        num_warps=_warps(block_e),
     )
     return rank_N, counts_E
 
@@ -137,18 +138,20 @@ def new_block_layout(N: int, num_experts: int, block_size: Optional[int], device
 def scatter_rows(
     ids_N: torch.Tensor, w_N: torch.Tensor, K: int, tiles_SE: torch.Tensor, counts_E: torch.Tensor,
     num_experts: int, expert_start: int, block_n: int, layout: Optional[BlockLayout],
-    within_N: Optional[torch.Tensor] = None, rows_per_program: Optional[int] = None,
+    within_TE: Optional[torch.Tensor] = None, rows_per_program: Optional[int] = None,
+    hist_SE: Optional[torch.Tensor] = None, group_tiles: int = 1,
 ) -> RowPermutation:
     """Launch 3: rows of tile s = [s*block_n, (s+1)*block_n) to their sorted / padded places, given the
-    scanned tile counts (launch 2). layout.sorted_rows_P must already hold the sentinel N. within_N (int32,
-    from the fused gate) holds each row's rank inside its tile; every row is then local (expert_start 0), and
-    a program may place several tiles: rows_per_program, a multiple of block_n (default block_n)."""
+    scanned tile counts (launch 2). layout.sorted_rows_P must already hold the sentinel N. within_TE (int8
+    [T, BLOCK_E], from the fused gate) holds each row's rank inside its tile (at its token and expert); every row is then local (expert_start 0), and
+    a program may place several tiles: rows_per_program, a multiple of block_n (default block_n). With
+    group_tiles > 1, tiles_SE has a row per group of tiles and hist_SE (int8) a row per tile."""
     N, E, device = ids_N.numel(), num_experts, ids_N.device
     block_e = tiles_SE.shape[1]
     block_b = _blocks(block_e)[1]
     rows_per_program = rows_per_program or block_n
-    if rows_per_program % block_n or (within_N is None and rows_per_program != block_n):
-        raise ValueError(f"rows_per_program={rows_per_program} must be block_n={block_n} (or a multiple, with within_N)")
+    if rows_per_program % block_n or (within_TE is None and rows_per_program != block_n):
+        raise ValueError(f"rows_per_program={rows_per_program} must be block_n={block_n} (or a multiple, with within_TE)")
     num_programs = triton.cdiv(N, rows_per_program)
     i64 = dict(dtype=torch.int64, device=device)
     order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
@@ -158,12 +161,13 @@ def scatter_rows(
     lay = (layout.sorted_rows_P, layout.block_expert_B, layout.padded_offsets_E1, layout.num_padded) if layout else (
         order_R,) * 4
     tile_scatter_kernel[(max(num_programs, triton.cdiv(num_blocks, block_b)),)](
-        ids_N, ids_N, w_N, tiles_SE, counts_E, within_N if within_N is not None else ids_N,
+        ids_N, ids_N, w_N, tiles_SE, counts_E, within_TE if within_TE is not None else ids_N,
+        hist_SE if hist_SE is not None else ids_N,
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
         N, E, expert_start, K, num_programs, num_blocks,
         HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=layout.block_size if layout else 0,
-        BLOCK_N=rows_per_program, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=within_N is not None,
-        TILE_N=block_n, num_warps=4 if within_N is not None else _warps(block_e),
+        BLOCK_N=rows_per_program, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=within_TE is not None,
+        TILE_N=block_n, GROUP_TILES=group_tiles, num_warps=4 if within_TE is not None else _warps(block_e),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,

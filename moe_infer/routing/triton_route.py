@@ -20,6 +20,8 @@ from moe_infer.routing.triton_select import check_gate_inputs, gate_launch_confi
 
 TILE_ROWS = 128  # routed rows per gate program (tile) when T allows: fewer tiles to scan
 SCATTER_ROWS = 512  # routed rows per scatter program (several tiles): its fixed E-wide prefix sums amortised
+GROUP_ROWS = 128  # routed rows per scanned group of one-warp gate tiles
+WIDE_GATE = False  # see route_rows_triton; measured on H100: benchmarks/results/routing_launches_*.json
 
 
 def fused_launch_config(num_tokens: int, num_experts: int, top_k: int) -> Tuple[int, int]:
@@ -34,27 +36,42 @@ def fused_launch_config(num_tokens: int, num_experts: int, top_k: int) -> Tuple[
 
 def route_rows_triton(
     logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
-    rows_per_scatter: int = SCATTER_ROWS,
+    rows_per_scatter: int = SCATTER_ROWS, group_rows: int = GROUP_ROWS, wide_gate: bool = WIDE_GATE,
 ) -> Tuple[torch.Tensor, torch.Tensor, RowPermutation]:
     """(topk_weights_TK float32, topk_ids_TK int32, RowPermutation over all E experts): the results of
     `select_experts_triton` then `permute_rows_triton(ids, weights, E, 0, block_size)`, without a host sync.
-    rows_per_scatter (a power of 2): rows a scatter program places at most (tuning only; results do not change)."""
+    Tuning only (results do not change): rows_per_scatter (a power of 2), rows a scatter program places at
+    most; wide_gate: gate programs of >= TILE_ROWS rows over several warps, each its own tile (cross-warp
+    sums and scans in the gate); else one-warp gate programs (as `select_experts_triton`), each a tile, whose
+    counts also add up atomically per group of ~group_rows rows: the scan sees one row per group."""
     bias_E = check_gate_inputs(logits_TE, spec, bias_E)
     T, E = logits_TE.shape
     K, device = spec.top_k, logits_TE.device
     if T == 0 or K & (K - 1):  # a tile of BLOCK_T*K rows must be a power of 2: the two-step path
         weights_TK, ids_TK = select_experts_triton(logits_TE, spec, bias_E)
         return weights_TK, ids_TK, permute_rows_triton(ids_TK, weights_TK, E, 0, block_size)
-    block_t, num_warps = fused_launch_config(T, E, K)
-    tile_counts_SE = torch.empty(triton.cdiv(T, block_t), triton.next_power_of_2(E), dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(E)
+    if wide_gate:
+        (block_t, num_warps), group_tiles = fused_launch_config(T, E, K), 1
+    else:
+        block_t, _, num_warps = gate_launch_config(T, E)
+        group_tiles = triton.next_power_of_2(max(1, group_rows // (block_t * K)))
+    num_tiles = triton.cdiv(T, block_t)
+    hist_SE = None
+    if group_tiles > 1:  # counts per group of tiles accumulate atomically: a zeroed buffer
+        tile_counts_SE = torch.zeros(triton.cdiv(num_tiles, group_tiles), block_e, dtype=torch.int32, device=device)
+        hist_SE = torch.empty(num_tiles, block_e, dtype=torch.int8, device=device)
+    else:
+        tile_counts_SE = torch.empty(num_tiles, block_e, dtype=torch.int32, device=device)
     layout = new_block_layout(T * K, E, block_size, device)
     weights_TK = torch.empty(T, K, dtype=torch.float32, device=device)
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=device)
-    within_N = torch.empty(T * K, dtype=torch.int32, device=device)
-    launch_gate(logits_TE, spec, bias_E, weights_TK, ids_TK, block_t, num_warps, tile_counts_SE, within_N,
-                layout.sorted_rows_P if layout else None)
+    within_TE = torch.empty(T, block_e, dtype=torch.int8, device=device)
+    launch_gate(logits_TE, spec, bias_E, weights_TK, ids_TK, block_t, num_warps, tile_counts_SE, within_TE,
+                layout.sorted_rows_P if layout else None, hist_SE, group_tiles)
     counts_E = scan_tiles(tile_counts_SE, E)
     tile_n = block_t * K
     perm = scatter_rows(ids_TK.view(-1), weights_TK.view(-1), K, tile_counts_SE, counts_E, E, 0, tile_n, layout,
-                        within_N, max(tile_n, min(rows_per_scatter, triton.next_power_of_2(T * K))))
+                        within_TE, max(tile_n, min(rows_per_scatter, triton.next_power_of_2(T * K))), hist_SE,
+                        group_tiles)
     return weights_TK, ids_TK, perm

@@ -55,12 +55,14 @@ def check_gate_inputs(logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Option
 def launch_gate(
     logits_TE: torch.Tensor, spec: RoutingSpec, bias_E: Optional[torch.Tensor], weights_TK: torch.Tensor,
     ids_TK: torch.Tensor, block_t: int, num_warps: int, tile_counts_SE: Optional[torch.Tensor] = None,
-    within_N: Optional[torch.Tensor] = None, sorted_rows_P: Optional[torch.Tensor] = None,
+    within_TE: Optional[torch.Tensor] = None, sorted_rows_P: Optional[torch.Tensor] = None,
+    hist_SE: Optional[torch.Tensor] = None, group_tiles: int = 1,
 ) -> None:
     """One launch of `routing_gate_kernel` over T tokens, BLOCK_T a program (inputs already checked).
-    With tile_counts_SE [S = cdiv(T, block_t), BLOCK_E] and within_N [N] (int32) it also writes each program's
-    expert histogram and each row's rank inside its program, and fills sorted_rows_P (if given) with the
-    sentinel T*K: the permutation's launch 1, fused."""
+    With tile_counts_SE [S = cdiv(T, block_t), BLOCK_E] and within_TE [T, BLOCK_E] (int8) it also writes each
+    program's expert histogram and, per token and expert, the program's earlier tokens choosing it, and fills sorted_rows_P (if given) with the
+    sentinel T*K: the permutation's launch 1, fused. With group_tiles > 1, tile_counts_SE (zeroed) has one
+    row per group_tiles programs, accumulated with atomics, and hist_SE [S, BLOCK_E] (int8) a row per program."""
     T, E = logits_TE.shape
     K, G = spec.top_k, spec.num_expert_group
     block_e = triton.next_power_of_2(E)
@@ -68,7 +70,8 @@ def launch_gate(
     P = sorted_rows_P.numel() if sorted_rows_P is not None else 0
     routing_gate_kernel[grid](
         logits_TE, bias_E if bias_E is not None else weights_TK, weights_TK, ids_TK,
-        tile_counts_SE if tile_counts_SE is not None else ids_TK, within_N if within_N is not None else ids_TK,
+        tile_counts_SE if tile_counts_SE is not None else ids_TK, hist_SE if hist_SE is not None else ids_TK,
+        within_TE if within_TE is not None else ids_TK,
         sorted_rows_P if P else ids_TK,
         T, E, logits_TE.stride(0), logits_TE.stride(1), float(spec.routed_scaling_factor), P,
         K=K, G=G, TOPK_GROUP=spec.topk_group,
@@ -76,6 +79,7 @@ def launch_gate(
         GROUP_RESHAPE=E == block_e and G == triton.next_power_of_2(G),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K), BLOCK_G=triton.next_power_of_2(G),
         TILE_COUNTS=tile_counts_SE is not None, FILL=triton.next_power_of_2(max(1, triton.cdiv(P, grid[0]))),
+        GROUP_TILES=group_tiles,
         num_warps=num_warps,
     )
 
