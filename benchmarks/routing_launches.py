@@ -65,7 +65,8 @@ def main() -> None:
             def two_step():
                 w, ids = select_experts_triton(x_TE, spec, bias_E)
                 return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
-            tunings = {"fused": {}, "fused_scatter128": dict(rows_per_scatter=128), "fused_wide": dict(wide_gate=True)}
+            tunings = {"fused": {}, "fused_scatter128": dict(rows_per_scatter=128), "fused_group256": dict(group_rows=256),
+                       "fused_wide": dict(wide_gate=True)}
             pipes = [(label, lambda kw=kw: route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **kw))
                      for label, kw in tunings.items()] + [("two_step", two_step)]
             for label, pipe in pipes:
