@@ -192,7 +192,7 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, D, expert_start, E, stride_ym, strid
     for k in tl.static_range(K):  # masks, not branches: the K row loads are in flight together
         expert = tl.load(ids_ptr + t * K + k).to(tl.int32)
         key = expert - expert_start
-        is_local = (expert >= 0) & (key >= 0) & (key < E)
-        y = tl.load(y_ptr + (t * K + k) * stride_ym + offs_d, mask=is_d & is_local, other=0.0)
+        num_d = tl.where((expert >= 0) & (key >= 0) & (key < E), D, 0)  # no columns for a row that is not local
+        y = tl.load(y_ptr + (t * K + k) * stride_ym + offs_d, mask=offs_d < num_d, other=0.0)
         acc += y.to(tl.float32)  # + 0.0 for a row that is not local: the same bits as skipping it
     tl.store(out_ptr + t * stride_ot + offs_d, acc.to(out_ptr.dtype.element_ty), mask=is_d)
