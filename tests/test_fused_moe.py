@@ -306,3 +306,25 @@ def test_pdl_gives_the_same_bits(T, monkeypatch):
     with_pdl = fused_experts(x_TD, ids_TK, w_TK, w13, w2)
     monkeypatch.setenv("MOE_FUSED_PDL", "0")
     assert torch.equal(with_pdl, fused_experts(x_TD, ids_TK, w_TK, w13, w2))
+
+
+def test_down_tail_matches_its_reference():
+    """down(..., tail=...) against down_ref with the same arguments: y_ND and the combined out_TD."""
+    from moe_infer.kernels.fused_moe import TailCombine, down, gate_up
+    from moe_infer.kernels.fused_moe_ref import down_ref
+
+    torch.manual_seed(4)
+    T, K, E, D, F, start = 11, 2, 4, 32, 24, 1
+    ids_TK, w_TK = _routing(T, E + 2, K)
+    x_TD = torch.randn(T, D, device=DEV)
+    w13, w2 = _weights(E, D, F, torch.float32)
+    sched = block_schedule(ids_TK.reshape(-1), E, start, 16)
+    act_PF = gate_up(x_TD, w13, sched, K, SMALL.gate_up)
+    outs = []
+    for fn in (down, down_ref):
+        tail = TailCombine(torch.zeros(T, D, device=DEV), ids_TK.contiguous(),
+                           torch.zeros(T, -(-D // SMALL.down.block_n), dtype=torch.int32, device=DEV))
+        y_ND = fn(act_PF, w2, w_TK.reshape(-1), sched, SMALL.down, torch.zeros(T * K, D, device=DEV), tail)
+        outs.append((y_ND, tail.out_TD))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from moe_infer.kernels.fused_moe import BlockSchedule
+from moe_infer.kernels.fused_moe import BlockSchedule, TailCombine
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig
 
 
@@ -49,7 +49,7 @@ def gate_up_ref(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule
 
 
 def down_ref(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sched: BlockSchedule,
-             cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None) -> torch.Tensor:
+             cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None, tail: Optional[TailCombine] = None) -> torch.Tensor:
     if y_ND is None:
         y_ND = torch.zeros(sched.num_rows, w2_EDF.shape[1], dtype=act_PF.dtype, device=act_PF.device)
     for p in range(int(sched.num_padded_1)):
@@ -57,6 +57,8 @@ def down_ref(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor
         if r < sched.num_rows:
             y = w2_EDF[int(sched.expert_B[p // sched.block_m])].float() @ act_PF[p].float()
             y_ND[r] = (y * weights_N.reshape(-1)[r].float()).to(y_ND.dtype)
+    if tail is not None:  # the combine in the epilogue: tokens without a local row keep their zeros
+        tail.out_TD.copy_(combine_topk_ref(y_ND, tail.ids_TK, sched.num_experts, sched.expert_start))
     return y_ND
 
 
