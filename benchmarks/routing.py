@@ -8,18 +8,10 @@ Speedup is against the faster of the two PyTorch compositions. Also timed: the d
 (capacity_factor 1.25, by position) on top of both pipelines. Each time is the median of
 triton.testing.do_bench_cudagraph (several calls captured in one graph; inputs stay in L2).
 Usage: python benchmarks/routing.py [--out DIR] [--quick]. Prints a table, writes routing_<device>.json.
-Measured (H100, commit d7c14ce, results/routing_nvidia_h100_80gb_hbm3.json): 2.7x-27x faster than
-the faster PyTorch composition; misses the 4x target at E=256 (2.7-3.7x) and E=128 T=1 / T=8192
-(3.5x, 3.7x); T=8192 E=256 K=8 took 238 us (gate 56 us), far over the 25 us target. ptxas -v showed
-why: the gate (16 tokens x 4 warps) used 255 registers and spilled, the permute scatter spilled
-252 B per thread at E=256 and the tile scan 5.6 KB; the scatter also ran 5120 programs of E-wide
-one-hot selects. Since then (NOT measured on a GPU): gate with 1 warp per <= 512 scores, grouped
-scores in one [T, G, E/G] pass (sm_90 SASS per token at E=256 grouped: 4512 -> 1784 warp-instr;
-E=128: 1848 -> 550); permutation with tl.gather instead of one-hot selects, sentinel fill in
-launch 1, 1024 instead of 5120 scatter programs at T=8192 E=256, no spills anywhere.
-Prediction at T=8192 E=256 (issue-bound estimate): gate ~16 us, histogram ~9 us, scatter ~8 us,
-plus ~4 launch gaps: ~40 us, still over the 25 us target. Next steps: fold the tile histogram
-into the gate (it already has the one-hot of each choice) and a top-k over the kept groups only.
+The "triton" pipeline is `route_rows_triton` (gate + tile counts fused, tile scan, scatter);
+"triton_two_step" is select_experts_triton + permute_rows_triton. Measured on H100 (final JSON,
+results/routing_nvidia_h100_80gb_hbm3.json): all 20 points >= 14.4x; T=8192 E=256 K=8 grouped 26.3 us
+(target 25 us missed by 1.3 us; previous session 44.4 us). History and breakdown: docs/routing_notes.md.
 `--ptxas` needs no GPU: it compiles the gate and permutation kernels for sm_90 at the launch
 configurations the wrappers pick and prints ptxas' registers / spills and the SASS size per token.
 """
