@@ -1,7 +1,8 @@
 """Routing benchmark: Triton gating + permutation vs the PyTorch composition, CUDA-graph timing.
 
 For T in {1, 32, 256, 2048, 8192} and (E, K) in {(8, 2), (64, 8), (128, 8), (256, 8 grouped)}:
-  triton      select_experts_triton + permute_rows_triton (sorted rows, inverse map, block-padded layout)
+  triton      route_rows_triton: gate + tile counts in one launch, tile scan, scatter (sorted rows, inverse map,
+              block-padded layout); triton_two_step: select_experts_triton + permute_rows_triton
   torch_ref   select_experts_torch (stable sort) + permute_rows_torch: the same outputs, bit for bit
   torch_topk  softmax/sigmoid + torch.topk (+ grouped masking) + permute_rows_torch: the usual composition
 Speedup is against the faster of the two PyTorch compositions. Also timed: the drop policy
