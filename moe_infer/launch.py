@@ -53,7 +53,7 @@ def run(job: JobConfig) -> list:
         if job.show_expert_load:
             print("per-layer expert load (rows routed to each expert over this run):")
             print(format_expert_load(llm.get_expert_load()))
-    llm.shutdown() if hasattr(llm, "shutdown") else None
+    llm.shutdown()
     return outputs
 
 

@@ -161,3 +161,11 @@ class LLM:
     def reset_expert_load(self) -> None:
         if self.engine.runner.stats is not None:
             self.engine.runner.stats.reset()
+
+    def shutdown(self) -> None:
+        """Under torchrun: wait for every rank, then tear the process groups down (no-op on one rank).
+
+        Call once, after the last `generate` of the process; the process group is shared by every
+        LLM of the process, so no LLM can run collectives afterwards.
+        """
+        self.engine.parallel.shutdown()

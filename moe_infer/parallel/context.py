@@ -111,7 +111,10 @@ class ParallelContext:
         return self.device if self.device.type == "cuda" else None
 
     def shutdown(self) -> None:
+        """Barrier, then destroy every process group. Leaving gloo groups alive until interpreter exit
+        can abort a rank ("terminate called without an active exception") while its peers are gone."""
         if self.is_distributed and dist.is_initialized():
+            dist.barrier(group=self.world_group)
             dist.destroy_process_group()
             self.world_group = None
 

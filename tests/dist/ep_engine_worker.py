@@ -56,6 +56,7 @@ def main() -> int:
     placement_path = args.placement
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     results = []
+    llm = None
     for dispatcher, overlap, replicas, policy in CASES:
         llm = LLM(model=args.checkpoint, **engine_kwargs(args.device, args.dtype), ep=world, dispatcher=dispatcher,
                   overlap=overlap, overlap_min_mb=0, placement_file=placement_path if replicas else None,
@@ -71,6 +72,7 @@ def main() -> int:
         print(f"EP ENGINE DONE {len(results)}")
     else:
         print(f"rank {rank} returned the driver's outputs for {len(results)} cases")
+    llm.shutdown()
     return 0
 
 
