@@ -49,6 +49,11 @@ def test_static_buffer_decode_equals_eager_cpu(family):
     runner = llm.engine.runner
     assert runner.graphs is None  # CPU: graphs are never on by themselves
     runner.graphs = DecodeGraphs(runner.model, 8, -(-runner.max_model_len // 4), 4, runner.device, capture=False)
+    kv_before = [t.clone() for kv in runner.kv_caches for t in kv]
+    with torch.inference_mode():
+        runner.graphs.warmup()  # all rows padding: writes no KV slot, counts no load
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, (t for kv in runner.kv_caches for t in kv)))
+    assert runner.stats.routed_LE.sum() == 0
     got = _generate(llm)
     assert got == want
     assert runner.graphs.runs >= PARAMS.max_tokens - 1  # every decode step went through the buffers

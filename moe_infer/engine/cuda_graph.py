@@ -9,8 +9,8 @@ come out of a static output tensor. The sampler stays eager (it reads per-reques
 
 Buckets: the batch is padded up to a capture size (1, 2, 4, then multiples of 8); the context
 (keys gathered per sequence by the paged attention) up to a power-of-two number of blocks. A graph
-is captured the first time its bucket is seen, after one eager warm-up run on the same buffers
-(compiles Triton kernels outside the capture). Padded rows are harmless: they write no KV slot
+is captured the first time its bucket is seen, after one eager warm-up run on the same buffers;
+`warmup` (at engine start) has already compiled the Triton kernels for every capture size. Padded rows are harmless: they write no KV slot
 (slot -1), attend over one key of block 0, and are masked out of the expert-load statistics
 through the forward context's `valid_T`; their outputs are never read.
 
@@ -114,13 +114,26 @@ class DecodeGraphs:
         self.block_tables_BM[:B, :m].copy_(meta.block_tables_BM)
         self.seq_lens_B[:B].copy_(meta.seq_lens_B)
         self.valid_B[:B].fill_(True)
-        if Bp > B:  # padding: token 0 at position 0, writes nothing, reads key 0 of block 0
-            self.input_ids_B[B:Bp].zero_()
-            self.positions_B[B:Bp].zero_()
-            self.slot_mapping_B[B:Bp].fill_(-1)
-            self.block_tables_BM[B:Bp].zero_()
-            self.seq_lens_B[B:Bp].fill_(1)
-            self.valid_B[B:Bp].fill_(False)
+        if Bp > B:
+            self._pad(B, Bp)
+
+    def _pad(self, B: int, Bp: int) -> None:
+        """Rows B..Bp-1 become padding: token 0 at position 0, writes nothing, reads key 0 of block 0."""
+        self.input_ids_B[B:Bp].zero_()
+        self.positions_B[B:Bp].zero_()
+        self.slot_mapping_B[B:Bp].fill_(-1)
+        self.block_tables_BM[B:Bp].zero_()
+        self.seq_lens_B[B:Bp].fill_(1)
+        self.valid_B[B:Bp].fill_(False)
+
+    def warmup(self) -> None:
+        """One padded forward per capture size, every row padding (no KV slot written, nothing counted in
+        the load statistics), at start-up: the Triton kernels compile for every batch a decode step can
+        be padded to, so the first step of a new batch size costs a capture, not a JIT compile (H100,
+        e2e batch 64: the first 64-sequence step took 570 ms, 457 ms of it compiling one schedule kernel)."""
+        self._pad(0, self.max_batch)
+        for Bp in self.sizes:
+            self._run_static(Bp, 1)
 
     def _meta(self, Bp: int, Mp: int) -> AttentionMetadata:
         return AttentionMetadata(

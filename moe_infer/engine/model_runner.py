@@ -11,6 +11,7 @@ sequence, V vocabulary, D hidden.
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -64,8 +65,13 @@ class ModelRunner:
             logger.info("decode steps run eagerly: %s", why_not)
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
-                            max_blocks, self.block_size, self.device)
+        graphs = DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
+                              max_blocks, self.block_size, self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():  # as the steps run (execute)
+            graphs.warmup()
+        logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
+        return graphs
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
