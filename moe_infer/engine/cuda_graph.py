@@ -10,9 +10,10 @@ come out of a static output tensor. The sampler stays eager (it reads per-reques
 Buckets: the batch is padded up to a capture size (1, 2, 4, then multiples of 8); the context
 (keys gathered per sequence by the paged attention) up to a power-of-two number of blocks. A graph
 is captured the first time its bucket is seen, after one eager warm-up run on the same buffers;
-`warmup` (at engine start) has already compiled the Triton kernels for every capture size. Padded rows are harmless: they write no KV slot
-(slot -1), attend over one key of block 0, and are masked out of the expert-load statistics
-through the forward context's `valid_T`; their outputs are never read.
+`warmup` (at engine start) has already compiled the Triton kernels for every capture size. Padded
+rows are harmless: they write no KV slot (slot -1), attend over one key of block 0, and are masked
+out of the expert-load statistics through the forward context's `valid_T`; their outputs are
+never read.
 
 Used only where the step is capturable and padding cannot change the result: CUDA, a local
 dispatcher (no expert parallelism), the dropless policy (a capacity would grow with padding) and

@@ -130,8 +130,8 @@ class ModelRunner:
             pos, end = start, start + n
             while pos < end:  # the KV slots, one block at a time
                 i = pos // bs
-                stop = min(end, (i + 1) * bs)
-                slots += range(table[i] * bs - i * bs + pos, table[i] * bs - i * bs + stop)
+                stop, base = min(end, (i + 1) * bs), (table[i] - i) * bs
+                slots += range(base + pos, base + stop)
                 pos = stop
             tables += table
             tables += [-1] * (max_blocks - len(table))
