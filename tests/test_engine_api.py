@@ -172,3 +172,16 @@ def test_streamed_text_never_shows_a_stop_string(text_llm):
     final = chunks[-1].outputs[0]
     assert final.finish_reason == "stop" and final.text == base[:first]
     assert all(final.text.startswith(c.outputs[0].text) for c in chunks)  # no stop-string prefix ever shown
+
+
+def test_step_final_only_returns_finished_requests_only(llm):
+    eng = llm.engine
+    short = eng.add_request(ids(5, 6, 7), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    long = eng.add_request(ids(8, 9), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    progressed = eng.step()  # prefill: both sample their first token
+    assert {o.request_id for o in progressed} == {short, long} and not any(o.finished for o in progressed)
+    seen = []
+    while eng.has_unfinished_requests():
+        seen += eng.step(final_only=True)
+    assert [o.request_id for o in seen] == [short, long] and all(o.finished for o in seen)
+    assert [len(o.outputs[0].token_ids) for o in seen] == [2, 6]

@@ -92,7 +92,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished:
                         final[out.request_id] = out
                         if bar is not None:

@@ -117,8 +117,10 @@ class LLMEngine:
         return bool(self._pending) or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> List[RequestOutput]:
-        """One step; returns the outputs of requests that progressed or finished in it."""
+    def step(self, final_only: bool = False) -> List[RequestOutput]:
+        """One step; returns the outputs of requests that progressed or finished in it (final_only: of the
+        finished ones only, as vLLM's offline generate does: an output copies the request's token lists,
+        and building one per request per step is wasted work when only the final one is read)."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -154,7 +156,8 @@ class LLMEngine:
                 _, stop = req.detok.add_token(token)
                 if stop is not None and not seq.is_finished:
                     self.scheduler.finish(seq, "stop", stop)
-            outputs.append(self._output(req))
+            if seq.is_finished or not final_only:
+                outputs.append(self._output(req))
             if seq.is_finished:
                 self._drop(req)
         return outputs
