@@ -2,7 +2,10 @@
 
 For T in {1, 32, 256, 2048, 8192} and (E, K) in {(8, 2), (64, 8), (128, 8), (256, 8 grouped)}:
   triton      route_rows_triton: gate + tile counts in one launch, tile scan, scatter (sorted rows, inverse map,
-              block-padded layout); triton_two_step: select_experts_triton + permute_rows_triton
+              block-padded layout), launched with PDL, group counts in the kept-zero buffer (no memset);
+              triton_no_pdl: the same without PDL; triton_memset: without PDL and with a memset of the group
+              counts per call (the path measured at 26.3 us); triton_two_step: select_experts_triton +
+              permute_rows_triton
   torch_ref   select_experts_torch (stable sort) + permute_rows_torch: the same outputs, bit for bit
   torch_topk  softmax/sigmoid + torch.topk (+ grouped masking) + permute_rows_torch: the usual composition
 Speedup is against the faster of the two PyTorch compositions. Also timed: the drop policy
@@ -35,7 +38,7 @@ from moe_infer.routing.capacity import CAPACITY_POLICIES  # noqa: E402
 from moe_infer.routing.permute import permute_rows_torch  # noqa: E402
 from moe_infer.routing.select import select_experts_torch  # noqa: E402
 from moe_infer.routing.spec import RoutingSpec  # noqa: E402
-from moe_infer.routing.triton_permute import permute_rows_triton  # noqa: E402
+from moe_infer.routing.triton_permute import PDL_ENV, permute_rows_triton  # noqa: E402
 from moe_infer.routing.triton_route import route_rows_triton  # noqa: E402
 from moe_infer.routing.triton_select import select_experts_triton  # noqa: E402
 
@@ -78,6 +81,20 @@ def pipelines(spec, x_TE, bias_E, tuning=None):
     def triton_route():  # fused: gate + tile histogram, tile scan, scatter (three launches)
         return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **(tuning or {}))[2]
 
+    def triton_no_pdl():  # the same launches without programmatic dependent launch
+        os.environ[PDL_ENV] = "0"
+        try:
+            return triton_route()
+        finally:
+            os.environ.pop(PDL_ENV)
+
+    def triton_memset():  # the previous session's path: a memset of the group counts per call, no PDL
+        os.environ[PDL_ENV] = "0"
+        try:
+            return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **{**(tuning or {}), "keep_zeroed": False})[2]
+        finally:
+            os.environ.pop(PDL_ENV)
+
     def triton_two_step():  # gate, then the stand-alone permutation (four launches)
         w, ids = select_experts_triton(x_TE, spec, bias_E)
         return permute_rows_triton(ids, w, E, 0, BLOCK_SIZE)
@@ -100,7 +117,8 @@ def pipelines(spec, x_TE, bias_E, tuning=None):
         ids, w = drop(ids, w, backend="torch", **kw)
         return permute_rows_torch(ids, w, E, 0, BLOCK_SIZE)
 
-    return dict(triton=triton_route, triton_two_step=triton_two_step, torch_ref=ref_route, torch_topk=topk_route,
+    return dict(triton=triton_route, triton_no_pdl=triton_no_pdl, triton_memset=triton_memset,
+                triton_two_step=triton_two_step, torch_ref=ref_route, torch_topk=topk_route,
                 triton_gate=lambda: select_experts_triton(x_TE, spec, bias_E),
                 triton_drop=triton_drop, torch_drop=torch_drop)
 
@@ -160,9 +178,10 @@ def ptxas_report(fn, consts, num_warps, tokens_per_warp, label):
 
 
 def ptxas_main() -> None:
-    from moe_infer.kernels.permute_rows import tile_hist_kernel, tile_scatter_kernel
+    from moe_infer.kernels.permute_rows import tile_hist_kernel, tile_scan_kernel, tile_scatter_kernel
     from moe_infer.kernels.routing_gate import routing_gate_kernel
     from moe_infer.routing.triton_permute import FILL, _blocks, _warps
+    from moe_infer.routing.triton_route import GROUP_ROWS, SCATTER_ROWS
     from moe_infer.routing.triton_select import gate_launch_config
 
     T = 8192
@@ -181,6 +200,20 @@ def ptxas_main() -> None:
         consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=bn,
                       BLOCK_E=be, BLOCK_B=bb, HAS_WITHIN=False, TILE_N=bn, GROUP_TILES=1)
         ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BB{bb}")
+    # the fused path at the target point (route_rows_triton's defaults at T=8192, E=256), with PDL
+    spec = MODELS["E256_K8_grouped"]
+    bt, be, warps = gate_launch_config(T, 256)
+    group_tiles = triton.next_power_of_2(max(1, GROUP_ROWS // (bt * 8)))
+    consts = dict(K=8, G=8, TOPK_GROUP=4, IS_SIGMOID=True, HAS_BIAS=True, RENORMALIZE=spec.renormalize,
+                  GROUP_RESHAPE=True, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=8, BLOCK_G=8, TILE_COUNTS=True,
+                  FILL=triton.next_power_of_2(triton.cdiv(T * 8 + 256 * 63, T // bt)), GROUP_TILES=group_tiles,
+                  USE_PDL=True)
+    ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"fused gate E256 BT{bt} PDL")
+    ptxas_report(tile_scan_kernel, dict(BLOCK_E=be, BLOCK_S=512, CHUNK_E=8, USE_PDL=True), 4, None, "fused scan E256 PDL")
+    consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=SCATTER_ROWS,
+                  BLOCK_E=be, BLOCK_B=_blocks(be)[1], HAS_WITHIN=True, TILE_N=bt * 8, GROUP_TILES=group_tiles,
+                  ZERO_GROUPS=True, USE_PDL=True)
+    ptxas_report(tile_scatter_kernel, consts, 4, None, f"fused scatter E256 BN{SCATTER_ROWS} zero-groups PDL")
 
 
 def main() -> None:
@@ -206,6 +239,7 @@ def main() -> None:
             try:
                 check_equal(fns)
                 check_equal(fns, "triton_two_step")
+                check_equal(fns, "triton_memset")
                 check_drop_equal(spec, x_TE, bias_E)
                 error = None
             except AssertionError as err:  # keep timing, but the row says it is wrong
@@ -217,7 +251,8 @@ def main() -> None:
                              outputs_equal=error is None, error=error,
                              speedup=base / us["triton"], drop_speedup=us["torch_drop"] / us["triton_drop"]))
             r = rows[-1]
-            print(f"{name:16s} T={T:5d} triton {r['triton_us']:7.1f}us  two-step {r['triton_two_step_us']:7.1f}  "
+            print(f"{name:16s} T={T:5d} triton {r['triton_us']:7.1f}us  no-pdl {r['triton_no_pdl_us']:7.1f}  "
+                  f"memset {r['triton_memset_us']:7.1f}  two-step {r['triton_two_step_us']:7.1f}  "
                   f"gate {r['triton_gate_us']:6.1f}  "
                   f"ref {r['torch_ref_us']:7.1f}  topk {r['torch_topk_us']:7.1f}  x{r['speedup']:.1f}  "
                   f"drop {r['triton_drop_us']:6.1f} vs {r['torch_drop_us']:6.1f}", flush=True)

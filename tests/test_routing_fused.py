@@ -73,3 +73,39 @@ def test_fused_route_full_shapes_gpu(name, tuning):
     for i, T in enumerate((1, 33, 1000, 8192)):
         for block_size in (None, 64):
             _check(SPECS[name], T, block_size, (torch.float32, torch.bfloat16)[i % 2], ties=i == 2, seed=i, **tuning)
+
+
+
+def _zeroed_buffers():
+    from moe_infer.routing.triton_route import _ZEROED
+
+    dev = torch.device(DEVICE)
+    return _ZEROED.setdefault((dev.type, dev.index if dev.type != "cuda" else torch.cuda.current_device()), [])
+
+
+def test_group_counts_buffer_is_zero_between_calls():
+    """The fused path's group counts live in a kept buffer that its scatter re-zeroes (no memset launch):
+    after calls of growing and shrinking sizes the buffer is all zero and every result is still right."""
+    from moe_infer.routing.triton_route import zeroed_group_counts
+
+    bufs = _zeroed_buffers()
+    bufs.clear()
+    for i, T in enumerate((40, 9, 70, 40)):  # 32-row groups (2 tiles of 16), 2 groups per scatter program
+        _check(SPECS["deepseek"], T, 16, torch.float32, ties=i % 2 == 1, seed=30 + i, group_rows=32,
+               rows_per_scatter=64)
+        assert bufs and all(int(b.abs().sum()) == 0 for b in bufs)
+    assert bufs[-1].numel() >= triton_cdiv(70 * 8, 32) * 256  # the kept buffer was used, and grew
+    flat, is_shared = zeroed_group_counts(8, DEVICE)
+    assert is_shared and flat.numel() == 8 and int(flat.abs().sum()) == 0
+
+
+def test_fused_route_scatter_smaller_than_a_group_zeroes_a_fresh_buffer():
+    # 64-row groups read by several 32-row scatter programs: none may re-zero them (a memset per call)
+    bufs = _zeroed_buffers()
+    bufs.clear()
+    _check(SPECS["deepseek"], 40, 16, torch.float32, ties=False, seed=3, group_rows=64, rows_per_scatter=32)
+    assert not bufs
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)

@@ -19,19 +19,7 @@ B tiles of BLOCK_M slots.
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (sm_90+): the next kernel's programs are placed before this one ends
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover  (older Triton: wrappers then launch without PDL)
-    gdc_launch_dependents = gdc_wait = None
-
-
-@triton.jit
-def pdl_enter(USE_PDL: tl.constexpr):
-    """Kernels launched with PDL: wait until the previous kernel's writes are visible (before any load
-    of its outputs), then allow the next kernel to be launched; no-op otherwise."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+from moe_infer.kernels.pdl import pdl_enter
 
 
 @triton.jit

@@ -17,7 +17,8 @@ P padded slots, B tiles.
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.fused_moe_align import pdl_enter, tile_rows
+from moe_infer.kernels.fused_moe_align import tile_rows
+from moe_infer.kernels.pdl import pdl_enter
 
 
 @triton.jit

@@ -17,34 +17,19 @@ Legend: N routed rows, E local experts, P padded slots, B tiles of block_m slots
 """
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import triton
 
-from moe_infer.kernels import fused_moe_align
 from moe_infer.kernels.fused_moe_align import align_count_kernel, align_scatter_kernel
+from moe_infer.kernels.pdl import use_pdl
 from moe_infer.registry import Registry
 
 MAX_INLINE_ROWS = 64  # up to this many routed rows, the GEMMs can build the schedule in registers
 MAX_INLINE_WORK = 2560  # "auto" inlines while N_PAD * (N_PAD + E_PAD) stays under this (H100: qwen3/olmoe T=1)
 PERMUTE_MIN_ROWS = 4096  # from this many routed rows on, "auto" takes the routing permutation
-
-
-@functools.lru_cache(maxsize=None)
-def _device_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9 and fused_moe_align.gdc_wait is not None
-
-
-def use_pdl(t: torch.Tensor) -> dict:
-    """Launch options: programmatic dependent launch on sm_90+ CUDA devices (every kernel of this path
-    calls `pdl_enter` first), unless MOE_FUSED_PDL=0. Returns the kernel keyword arguments."""
-    on = (t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("MOE_FUSED_PDL", "1") == "1"
-          and _device_has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()))
-    return dict(USE_PDL=True, launch_pdl=True) if on else dict(USE_PDL=False)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ Wrappers: `moe_infer.routing.triton_permute`.
 import triton
 import triton.language as tl
 
+from moe_infer.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _visit_keys(ids_ptr, order_ptr, v_B, N, E, expert_start, HAS_ORDER: tl.constexpr):
@@ -30,9 +32,11 @@ def _visit_keys(ids_ptr, order_ptr, v_B, N, E, expert_start, HAS_ORDER: tl.const
 def tile_hist_kernel(
     ids_ptr, order_ptr, tile_counts_ptr, sorted_rows_ptr, N, E, expert_start, num_tiles, num_slots,
     HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """tile_counts[s, e] <- rows of key e in tile s; also pre-fills the padded slots with the sentinel N
     (launch 3 overwrites the slots that hold rows)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     if pid < num_tiles:
         v_B = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,8 +51,10 @@ def tile_hist_kernel(
 @triton.jit
 def tile_scan_kernel(
     tile_counts_ptr, counts_ptr, num_tiles, E, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_E: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """In place: tile_counts[s, e] <- rows of expert e in tiles < s. counts[e] <- all rows of e."""
+    pdl_enter(USE_PDL)
     cols_C = tl.program_id(0) * CHUNK_E + tl.arange(0, CHUNK_E)
     carry_C = tl.zeros((CHUNK_E,), tl.int32)
     for s0 in range(0, num_tiles, BLOCK_S):
@@ -67,16 +73,20 @@ def tile_scatter_kernel(
     ids_ptr, order_ptr, weights_ptr, tile_counts_ptr, counts_ptr, within_ptr, hist_ptr,
     rank_ptr, order_out_ptr, inv_ptr, token_ptr, w_out_ptr, offsets_ptr,
     sorted_rows_ptr, block_expert_ptr, padded_offsets_ptr, num_padded_ptr,
-    N, E, expert_start, K, num_tiles, num_blocks,
+    N, E, expert_start, K, num_tiles, num_blocks, num_groups,
     HAS_ORDER: tl.constexpr, WRITE_RANK: tl.constexpr, WRITE_PERMUTE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, HAS_WITHIN: tl.constexpr,
-    TILE_N: tl.constexpr, GROUP_TILES: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_TILES: tl.constexpr, ZERO_GROUPS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """HAS_WITHIN: the rows come from the fused gate (`routing_gate_kernel` with TILE_COUNTS): every row is
     local, within[t, e] (int8 [T, BLOCK_E]) already holds row n = t*K + k's rank inside its tile of TILE_N rows, and one program places the
     BLOCK_N rows of BLOCK_N / TILE_N tiles (num_tiles then counts programs). Otherwise TILE_N == BLOCK_N.
     GROUP_TILES > 1 (fused only): tile_counts has one scanned row per group of tiles, and hist (int8) each
-    tile's own counts: a row's base adds the counts of the earlier tiles of its group."""
+    tile's own counts: a row's base adds the counts of the earlier tiles of its group.
+    ZERO_GROUPS (fused only, BLOCK_N a multiple of TILE_N * GROUP_TILES): each group row of tile_counts is read
+    by exactly one program, which sets it back to zero after its loads, so the next call's gate finds the
+    buffer zeroed (no memset launch); num_groups bounds the rows."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     cols_E = tl.arange(0, BLOCK_E)
     is_e_E = cols_E < E
@@ -105,6 +115,12 @@ def tile_scatter_kernel(
         for j in tl.static_range(GROUP_TILES - 1):  # earlier tiles of the group (read through L1)
             sj_B = s_B // GROUP_TILES * GROUP_TILES + j
             rank_B += tl.load(hist_ptr + sj_B * BLOCK_E + keyc_B, mask=is_row_B & (sj_B < s_B), other=0).to(tl.int32)
+        if ZERO_GROUPS:  # this program's group rows, read above and by no other program
+            GROUPS: tl.constexpr = BLOCK_N // (TILE_N * GROUP_TILES)
+            tl.debug_barrier()  # every thread's loads of tile_counts come first
+            g_G = pid * GROUPS + tl.arange(0, GROUPS)
+            tl.store(tile_counts_ptr + g_G[:, None] * BLOCK_E + cols_E[None, :], tl.zeros((GROUPS, BLOCK_E), tl.int32),
+                     mask=(g_G < num_groups)[:, None])
         if WRITE_RANK:
             tl.store(rank_ptr + n_B, tl.where(is_local_B, rank_B, -1).to(tl.int64), mask=is_row_B)
         if WRITE_PERMUTE:

@@ -9,6 +9,8 @@ Launch wrapper: `moe_infer.routing.triton_select.select_experts_triton`.
 import triton
 import triton.language as tl
 
+from moe_infer.kernels.pdl import pdl_enter
+
 MASKED = tl.constexpr(-3.0e38)  # choice of an expert outside the kept groups: below any score (+ bias), above a taken one
 
 
@@ -76,13 +78,15 @@ def routing_gate_kernel(
     K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
     IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    TILE_COUNTS: tl.constexpr, FILL: tl.constexpr, GROUP_TILES: tl.constexpr,
+    TILE_COUNTS: tl.constexpr, FILL: tl.constexpr, GROUP_TILES: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """TILE_COUNTS: also the permutation's launch 1 for this program's BLOCK_T*K routed rows (one tile):
     within[t, e] (int8 [T, BLOCK_E]) <- the tile's tokens before t that chose e, FILL padded slots of sorted_rows <- the sentinel
     T*K, and the tile's expert histogram: GROUP_TILES == 1: tile_counts[pid, e] <- rows of expert e;
     else hist[pid, e] (int8) <- rows of expert e, and tile_counts[pid // GROUP_TILES, e] += the same
-    (atomics into a zeroed buffer: integer sums, deterministic), so the scan sees one row per group."""
+    (atomics into a zeroed buffer: integer sums, deterministic), so the scan sees one row per group.
+    USE_PDL: launched with programmatic dependent launch (`moe_infer.kernels.pdl`)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     t_B = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols_E = tl.arange(0, BLOCK_E)

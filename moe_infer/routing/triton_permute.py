@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from moe_infer.kernels.pdl import use_pdl
 from moe_infer.kernels.permute_rows import tile_hist_kernel, tile_scan_kernel, tile_scatter_kernel
 from moe_infer.routing.permute import (
     PERMUTE_BACKENDS, BlockLayout, RowPermutation, max_padded_rows, permute_rows_torch,
@@ -19,6 +20,7 @@ from moe_infer.routing.permute import (
 from moe_infer.routing.triton_common import check_int_ids, check_triton_device
 
 MAX_EXPERTS = 1024
+PDL_ENV = "MOE_ROUTING_PDL"  # "0": the routing kernels launch without programmatic dependent launch
 
 
 FILL = 1024  # padded slots pre-filled with the sentinel per program of launch 1
@@ -52,6 +54,7 @@ def scan_tiles(tile_counts_SE: torch.Tensor, num_experts: int) -> torch.Tensor:
     block_s = min(triton.next_power_of_2(num_tiles), 4096 // chunk_e)
     tile_scan_kernel[(block_e // chunk_e,)](
         tile_counts_SE, counts_E, num_tiles, num_experts, BLOCK_E=block_e, BLOCK_S=block_s, CHUNK_E=chunk_e,
+        **use_pdl(tile_counts_SE, PDL_ENV),
     )
     return counts_E
 
@@ -72,7 +75,7 @@ def _tile_counts(
     tile_hist_kernel[(max(num_tiles, triton.cdiv(P, FILL)),)](
         ids_N, order, tile_counts_SE, sorted_rows_P if P else tile_counts_SE, N, num_experts, expert_start,
         num_tiles, P, HAS_ORDER=order_N is not None, BLOCK_N=block_n, BLOCK_E=block_e, FILL=FILL,
-        num_warps=_warps(block_e),
+        num_warps=_warps(block_e), **use_pdl(ids_N, PDL_ENV),
     )
     return tile_counts_SE, scan_tiles(tile_counts_SE, num_experts), num_tiles, block_e
 
@@ -93,10 +96,10 @@ def expert_ranks_triton(
     tile_scatter_kernel[(num_tiles,)](
         ids_N, order_N if order_N is not None else ids_N, d, tiles_SE, counts_E, d, d,
         rank_N, d, d, d, d, d, d, d, d, d,
-        N, num_experts, 0, 1, num_tiles, 0,
+        N, num_experts, 0, 1, num_tiles, 0, 0,
         HAS_ORDER=order_N is not None, WRITE_RANK=True, WRITE_PERMUTE=False, BLOCK_SIZE=0,
         BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=False, TILE_N=block_n, GROUP_TILES=1,
-        num_warps=_warps(block_e),
+        num_warps=_warps(block_e), **use_pdl(ids_N, PDL_ENV),
     )
     return rank_N, counts_E
 
@@ -139,19 +142,23 @@ def scatter_rows(
     ids_N: torch.Tensor, w_N: torch.Tensor, K: int, tiles_SE: torch.Tensor, counts_E: torch.Tensor,
     num_experts: int, expert_start: int, block_n: int, layout: Optional[BlockLayout],
     within_TE: Optional[torch.Tensor] = None, rows_per_program: Optional[int] = None,
-    hist_SE: Optional[torch.Tensor] = None, group_tiles: int = 1,
+    hist_SE: Optional[torch.Tensor] = None, group_tiles: int = 1, zero_groups: bool = False,
 ) -> RowPermutation:
     """Launch 3: rows of tile s = [s*block_n, (s+1)*block_n) to their sorted / padded places, given the
     scanned tile counts (launch 2). layout.sorted_rows_P must already hold the sentinel N. within_TE (int8
     [T, BLOCK_E], from the fused gate) holds each row's rank inside its tile (at its token and expert); every row is then local (expert_start 0), and
     a program may place several tiles: rows_per_program, a multiple of block_n (default block_n). With
-    group_tiles > 1, tiles_SE has a row per group of tiles and hist_SE (int8) a row per tile."""
+    group_tiles > 1, tiles_SE has a row per group of tiles and hist_SE (int8) a row per tile; zero_groups
+    (then rows_per_program must be a multiple of block_n * group_tiles) sets those rows back to zero once read."""
     N, E, device = ids_N.numel(), num_experts, ids_N.device
     block_e = tiles_SE.shape[1]
     block_b = _blocks(block_e)[1]
     rows_per_program = rows_per_program or block_n
     if rows_per_program % block_n or (within_TE is None and rows_per_program != block_n):
         raise ValueError(f"rows_per_program={rows_per_program} must be block_n={block_n} (or a multiple, with within_TE)")
+    if zero_groups and (group_tiles < 2 or rows_per_program % (block_n * group_tiles)):
+        raise ValueError(f"zero_groups needs groups of tiles (group_tiles={group_tiles}) that each lie in one "
+                         f"program of {rows_per_program} rows (tiles of {block_n})")
     num_programs = triton.cdiv(N, rows_per_program)
     i64 = dict(dtype=torch.int64, device=device)
     order_R, inv_N, token_R = torch.empty(N, **i64), torch.empty(N, **i64), torch.empty(N, **i64)
@@ -164,10 +171,11 @@ def scatter_rows(
         ids_N, ids_N, w_N, tiles_SE, counts_E, within_TE if within_TE is not None else ids_N,
         hist_SE if hist_SE is not None else ids_N,
         order_R, order_R, inv_N, token_R, weights_R, offsets_E1, *lay,
-        N, E, expert_start, K, num_programs, num_blocks,
+        N, E, expert_start, K, num_programs, num_blocks, tiles_SE.shape[0],
         HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=layout.block_size if layout else 0,
         BLOCK_N=rows_per_program, BLOCK_E=block_e, BLOCK_B=block_b, HAS_WITHIN=within_TE is not None,
-        TILE_N=block_n, GROUP_TILES=group_tiles, num_warps=4 if within_TE is not None else _warps(block_e),
+        TILE_N=block_n, GROUP_TILES=group_tiles, ZERO_GROUPS=zero_groups,
+        num_warps=4 if within_TE is not None else _warps(block_e), **use_pdl(ids_N, PDL_ENV),
     )
     return RowPermutation(
         order_R=order_R, inv_N=inv_N, token_idx_R=token_R, weights_R=weights_R,

@@ -11,11 +11,13 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from moe_infer.kernels.pdl import use_pdl
 from moe_infer.kernels.routing_gate import routing_gate_kernel
 from moe_infer.routing import triton_capacity, triton_permute  # noqa: F401  (register on import)
 from moe_infer.routing.select import ROUTING_BACKENDS
 from moe_infer.routing.spec import RoutingSpec
 from moe_infer.routing.triton_common import check_triton_device
+from moe_infer.routing.triton_permute import PDL_ENV
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
@@ -80,7 +82,7 @@ def launch_gate(
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K), BLOCK_G=triton.next_power_of_2(G),
         TILE_COUNTS=tile_counts_SE is not None, FILL=triton.next_power_of_2(max(1, triton.cdiv(P, grid[0]))),
         GROUP_TILES=group_tiles,
-        num_warps=num_warps,
+        num_warps=num_warps, **use_pdl(logits_TE, PDL_ENV),
     )
 
 
