@@ -9,6 +9,8 @@ capacity factor 1.0). The experts run as the layer runs them: the fused backend 
 on the received buffer as it lies (no regroup). Timed, each alone:
   route      gate GEMM + top-k (+ drop policy)
   dispatch   plan, send-buffer pack, count exchange (exact), payload all-to-all, received ids
+             (capacity: one `slot_pack` launch up to SLOT_PACK_MAX_ROWS routed rows, the separate steps above)
+  dispatch_steps  capacity only: the same through the separate steps (ranks, slot rows, pack) at every T
   experts    the fused experts on the received rows (EP=1: the whole fused path on x_TD)
   combine    all-to-all back, top-k sum
   layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches)
@@ -50,7 +52,8 @@ from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
           "tiny": (8, 2, 64, 32)}  # E, K, D, F; tiny: a CPU smoke run
-STAGES = ("route", "dispatch", "experts", "combine", "layer", "layer_overlap", "layer_overlap4", "raw_a2a")
+STAGES = ("route", "dispatch", "dispatch_steps", "experts", "combine", "layer", "layer_overlap", "layer_overlap4",
+          "raw_a2a")
 OVERLAP = {"layer_overlap": 2, "layer_overlap4": 4}  # micro-batches of each overlap stage
 
 
@@ -80,7 +83,17 @@ def stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep: int) -> dict:
     def layer():
         return disp.forward_experts(x_TD, ids_TK, w_TK, None, fused_fn)
 
-    return {"dispatch": dispatch, "experts": experts, "combine": combine, "layer": layer, "plan": plan}
+    def dispatch_steps():  # the capacity backend without its one-launch slot_pack
+        disp.slot_pack_max_rows = -1
+        try:
+            return dispatch()
+        finally:
+            del disp.slot_pack_max_rows
+
+    fns = {"dispatch": dispatch, "experts": experts, "combine": combine, "layer": layer, "plan": plan}
+    if hasattr(disp, "slot_pack_max_rows"):
+        fns["dispatch_steps"] = dispatch_steps
+    return fns
 
 
 def raw_a2a_fn(group, ep: int, rows: int, cols: int, dtype, device):

@@ -108,3 +108,55 @@ def test_bad_input_names_the_problem():
         TRITON.recv_rows(torch.empty(3, 7, dtype=torch.bfloat16, device=DEV), torch.zeros(3, dtype=torch.int64,
                                                                                            device=DEV), 5)
     assert row_ops(torch.device("cpu")) is TORCH
+
+
+def _placement(E, ep, replicas):
+    from moe_infer.parallel.placement import contiguous_placement, replicate_hot_experts
+
+    if not replicas:
+        return contiguous_placement(E, ep)
+    return replicate_hot_experts([float((e * 7) % 5 + 1) for e in range(E)], ep, replicas)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K,E,ep,replicas,C,drop,ranges", [
+    (9, 2, 8, 2, 0, 3, 0.2, ((0, 4),)), (21, 4, 8, 2, 2, 2, 0.1, ((0, 3), (3, 5))), (0, 2, 4, 2, 0, 1, 0.0, ((0, 2),)),
+    (40, 8, 16, 4, 4, 5, 0.3, ((0, 3), (3, 5))), (3, 1, 6, 3, 0, 4, 0.0, ((0, 1), (1, 2))),
+])
+def test_slot_pack_equals_the_separate_steps(dtype, T, K, E, ep, replicas, C, drop, ranges):
+    """slot_pack (one launch) == slot_keys -> expert_ranks -> slot_rows -> pack_rows (the path above
+    SLOT_PACK_MAX_ROWS), for the Triton kernel and the reference, on every rank of a placement."""
+    from moe_infer.parallel.slots import SlotTables
+
+    gen = torch.Generator().manual_seed(T * 13 + E + replicas)
+    D = 24
+    W = weight_columns(dtype)
+    placement = _placement(E, ep, replicas)
+    ids_TK = _routing(T, K, E, drop, gen)
+    x_TD = torch.randn(T, D, generator=gen).to(DEV, dtype)
+    w_N = torch.rand(T * K, generator=gen).to(DEV)
+    for rank in range(ep):
+        slots = SlotTables(placement, rank)
+        X = placement.num_physical * C
+        keys_N, table_V, num_keys = slots.slot_keys(ids_TK, ranges)
+        rank_N, _ = expert_ranks_torch(keys_N.view(T, K), num_keys)
+        dest_ref, src_X = TORCH.slot_rows(keys_N, rank_N, table_V, C, X)
+        send_ref = TORCH.pack_rows(x_TD, w_N, src_X, K, torch.empty(X, D + W, dtype=dtype, device=DEV))
+        table_V3 = slots.slot_table(torch.device(DEV), ranges)
+        for ops in (TRITON, TORCH):
+            send = torch.full((X, D + W), float("nan"), dtype=dtype, device=DEV)
+            dest = ops.slot_pack(x_TD, ids_TK.reshape(-1).contiguous(), w_N, table_V3, rank, C, K, send)
+            assert torch.equal(dest, dest_ref), (ops, rank)
+            assert torch.equal(send.view(torch.uint8), send_ref.view(torch.uint8)), (ops, rank)
+
+
+def test_slot_pack_bad_input_names_the_problem():
+    x_TD = torch.randn(4, 6, device=DEV)
+    ids_N = torch.zeros(8, dtype=torch.int32, device=DEV)
+    table = torch.tensor([[0, 0, 1], [1, 0, 1]], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="slots_V3"):
+        TRITON.slot_pack(x_TD, ids_N, torch.rand(8, device=DEV), table.long(), 0, 2, 2, torch.empty(4, 7, device=DEV))
+    with pytest.raises(ValueError, match="out_XC"):
+        TRITON.slot_pack(x_TD, ids_N, torch.rand(8, device=DEV), table, 0, 2, 2, torch.empty(3, 7, device=DEV))
+    with pytest.raises(ValueError, match="routed rows"):
+        TRITON.slot_pack(x_TD, ids_N[:6], torch.rand(6, device=DEV), table, 0, 2, 2, torch.empty(4, 7, device=DEV))

@@ -5,6 +5,10 @@
     EP_ROW_OPS["torch"]   the PyTorch references (`ep_ops_ref`), the CPU / gloo path
     row_ops(device)       "triton" on CUDA, "torch" elsewhere
 
+`slot_pack` is ranks + `slot_rows` + `pack_rows` (and the replica choice) in one launch; each of its
+programs scans all N routed rows, so callers use it up to SLOT_PACK_MAX_ROWS rows and the separate
+steps above that.
+
 Each op has the signature of its reference. The wrappers check dtypes, shapes, strides and devices
 and raise ValueError naming the problem. No op synchronizes with the host.
 
@@ -21,12 +25,17 @@ import torch
 import triton
 
 from moe_infer.kernels.ep_ops_ref import (
-    combine_rows_ref, pack_rows_ref, recv_rows_ref, slot_rows_ref, weight_columns,
+    combine_rows_ref, pack_rows_ref, recv_rows_ref, slot_pack_ref, slot_rows_ref, weight_columns,
 )
-from moe_infer.kernels.ep_rows import combine_rows_kernel, pack_rows_kernel, recv_rows_kernel, slot_rows_kernel
+from moe_infer.kernels.ep_rows import (
+    combine_rows_kernel, pack_rows_kernel, recv_rows_kernel, slot_pack_kernel, slot_rows_kernel,
+)
+from moe_infer.kernels.pdl import use_pdl
 from moe_infer.registry import Registry
 
 _INT = (torch.int32, torch.int64)
+SLOT_PACK_MAX_ROWS = 8192  # routed rows up to which `slot_pack` (every program scans them all) is used
+PDL_ENV = "MOE_EP_PDL"  # "0": slot_pack launches without programmatic dependent launch
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class RowOps:
     pack_rows: Callable[..., torch.Tensor]
     recv_rows: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
     combine_rows: Callable[..., torch.Tensor]
+    slot_pack: Callable[..., torch.Tensor]
 
 
 EP_ROW_OPS: Registry[RowOps] = Registry("EP row ops")
@@ -133,8 +143,43 @@ def combine_rows_triton(y_XD, dest_N, num_tokens: int, top_k: int):
     return out_TD
 
 
-EP_ROW_OPS.register("torch")(RowOps(slot_rows_ref, pack_rows_ref, recv_rows_ref, combine_rows_ref))
-EP_ROW_OPS.register("triton")(RowOps(slot_rows_triton, pack_rows_triton, recv_rows_triton, combine_rows_triton))
+def slot_pack_triton(x_TD, ids_N, weights_N, slots_V3, ep_rank: int, capacity: int, top_k: int, out_XC):
+    T, D = x_TD.shape
+    N, V = ids_N.numel(), slots_V3.shape[0]
+    W = weight_columns(x_TD.dtype)
+    _check(capacity > 0 and top_k > 0, f"capacity ({capacity}) and top_k ({top_k}) must be positive")
+    _check(N == T * top_k, f"ids_N has {N} routed rows, x_TD {T} tokens x top_k {top_k}")
+    _check_index(ids_N, "ids_N", N, x_TD)
+    _check(slots_V3.dtype == torch.int32 and slots_V3.dim() == 2 and slots_V3.shape[1] == 3 and slots_V3.is_contiguous(),
+           f"slots_V3 must be contiguous int32 [V, 3], got {slots_V3.dtype} {tuple(slots_V3.shape)}")
+    _check_device(slots_V3, "slots_V3", x_TD)
+    _check(x_TD.stride(1) == 1, f"x_TD needs a unit last stride, got strides {x_TD.stride()}")
+    _check(weights_N.dtype == torch.float32 and weights_N.is_contiguous() and weights_N.numel() == N,
+           f"weights_N must be contiguous float32 [{N}], got {weights_N.dtype} {tuple(weights_N.shape)}")
+    _check_device(weights_N, "weights_N", x_TD)
+    X = V * capacity
+    _check(out_XC.shape == (X, D + W) and out_XC.dtype == x_TD.dtype,
+           f"out_XC must be [{X}, {D + W}] {x_TD.dtype}, got {tuple(out_XC.shape)} {out_XC.dtype}")
+    _check_device(out_XC, "out_XC", x_TD)
+    out_w, stride_ow, w_col = _float32_view(out_XC, D)
+    dest_N = torch.empty(N, dtype=torch.int64, device=x_TD.device)
+    src_X = torch.empty(max(X, 1), dtype=torch.int32, device=x_TD.device)  # scratch: each program's own rows
+    block_d = min(1024, triton.next_power_of_2(max(D, 16)))
+    block_c = max(1, min(triton.next_power_of_2(capacity), 8192 // block_d))
+    if V:
+        slot_pack_kernel[(V,)](
+            ids_N, slots_V3, x_TD, weights_N, dest_N, src_X, out_XC, out_w, N, capacity, X, D, top_k, ep_rank,
+            x_TD.stride(0), out_XC.stride(0), stride_ow, w_col,
+            BLOCK_N=min(1024, max(16, triton.next_power_of_2(N))), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4,
+            **use_pdl(x_TD, PDL_ENV))
+    else:
+        dest_N.fill_(0)
+    return dest_N
+
+
+EP_ROW_OPS.register("torch")(RowOps(slot_rows_ref, pack_rows_ref, recv_rows_ref, combine_rows_ref, slot_pack_ref))
+EP_ROW_OPS.register("triton")(RowOps(slot_rows_triton, pack_rows_triton, recv_rows_triton, combine_rows_triton,
+                                     slot_pack_triton))
 
 
 def row_ops(device: torch.device) -> RowOps:

@@ -11,6 +11,8 @@ from typing import Tuple
 
 import torch
 
+from moe_infer.routing.capacity_ops import expert_ranks_torch
+
 
 def weight_columns(dtype: torch.dtype) -> int:
     """Payload columns that carry a row's float32 routing weight."""
@@ -64,3 +66,24 @@ def combine_rows_ref(y_XD: torch.Tensor, dest_N: torch.Tensor, num_tokens: int, 
     y_X1D = torch.cat([y_XD, y_XD.new_zeros(1, D)])
     y_TKD = y_X1D.index_select(0, dest_N.long().clamp_max(X)).view(num_tokens, top_k, D)
     return y_TKD.sum(dim=1, dtype=torch.float32).to(y_XD.dtype)
+
+
+def slot_pack_ref(x_TD: torch.Tensor, ids_N: torch.Tensor, weights_N: torch.Tensor, slots_V3: torch.Tensor,
+                  ep_rank: int, capacity: int, top_k: int, out_XC: torch.Tensor) -> torch.Tensor:
+    """Replica choice, rank within the slot, send row and pack in one op; returns dest_N (int64).
+
+    slots_V3 (int [V, 3]): per virtual slot v its logical expert e, replica index j and e's replica count M.
+    Routed row n with id e >= 0 goes to the v of e with j == (n + ep_rank) % M; its rank among v's rows
+    (row order) r gives dest_N[n] = v * capacity + r if r < capacity, else X = V * capacity (not sent, as
+    for id < 0). out_XC ([X, D + W]) gets the rows as `pack_rows_ref` writes them (zeros where empty)."""
+    N, V, C = ids_N.numel(), slots_V3.shape[0], capacity
+    ids = ids_N.reshape(-1).long()
+    s_V3 = slots_V3.long()
+    pick_NV = (torch.arange(N, device=ids.device)[:, None] + ep_rank) % s_V3[None, :, 2].clamp_min(1)
+    match_NV = (ids[:, None] == s_V3[None, :, 0]) & (pick_NV == s_V3[None, :, 1])
+    v_N = torch.where(match_NV.any(1), match_NV.int().argmax(1), torch.full_like(ids, -1))
+    rank_N, _ = expert_ranks_torch(v_N.view(N, 1), V)  # rank among the rows of the same slot, row order
+    ident_V = torch.arange(V, dtype=torch.int64, device=ids.device)
+    dest_N, src_X = slot_rows_ref(v_N, rank_N, ident_V, C, V * C)
+    pack_rows_ref(x_TD, weights_N, src_X, top_k, out_XC)
+    return dest_N

@@ -4,6 +4,9 @@ PyTorch references of the same signatures: `moe_infer.kernels.ep_ops_ref`).
     slot_rows_kernel     routed row n -> send row dest_N[n] = slot(n) * C + rank(n) (X if not sent)
                          and the inverse map src_X[dest] = n (prefilled with -1)
     pack_rows_kernel     send_XC[x] = [x_TD[src_X[x] // K], bits of weights_N[src_X[x]]] (zeros if src < 0)
+    slot_pack_kernel     the three steps before the all-to-all in one launch (replica choice, rank in the
+                         slot, dest_N, the packed send rows): one program per virtual slot, which scans
+                         all N routed rows (for few rows: `moe_infer.kernels.ep_ops.SLOT_PACK_MAX_ROWS`)
     recv_rows_kernel     received row x -> (local slot if its weight != 0 else -1, its float32 weight)
     combine_rows_kernel  out_TD[t] = sum_k y_XD[dest_N[t*K + k]] in float32 (rows dest >= X add nothing)
 
@@ -13,6 +16,8 @@ Rows are only moved here, never computed on: the interpreter's bf16 arithmetic i
 """
 import triton
 import triton.language as tl
+
+from moe_infer.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -70,3 +75,52 @@ def combine_rows_kernel(y_ptr, dest_ptr, out_ptr, D, X, stride_y, stride_o, K: t
         if dest < X:
             acc_B += tl.load(y_ptr + dest * stride_y + d_B, mask=is_d_B, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + d_B, acc_B.to(out_ptr.dtype.element_ty), mask=is_d_B)
+
+
+@triton.jit
+def slot_pack_kernel(ids_ptr, slots_ptr, x_ptr, w_ptr, dest_ptr, src_ptr, out_ptr, out_w_ptr,
+                     N, C, X, D, K, ep_rank, stride_x, stride_o, stride_ow, w_col,
+                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    """grid (V,): program v fills send rows [v*C, (v+1)*C). slots_ptr (int32 [V, 3]): v's logical expert e,
+    its replica index j and e's number of replicas M; routed row n (id e) goes to v when (n + ep_rank) % M == j,
+    ranked among v's rows in row order. Program 0 also gives dropped rows (id < 0) dest X. src_ptr: int32
+    scratch [X], each program's rows written, then read back after a barrier (same program only)."""
+    pdl_enter(USE_PDL)
+    v = tl.program_id(0)
+    e_v = tl.load(slots_ptr + v * 3)
+    j_v = tl.load(slots_ptr + v * 3 + 1)
+    m_v = tl.load(slots_ptr + v * 3 + 2)
+    row0 = v.to(tl.int64) * C
+    i_B = tl.arange(0, BLOCK_N)
+    is_first_B = (i_B * 0 + v) == 0  # a tensor: the interpreter rejects scalar-and-vector bool masks
+    count = v * 0  # rows of v so far (an int32 scalar)
+    for n0 in range(0, N, BLOCK_N):
+        n_B = n0 + i_B
+        is_row_B = n_B < N
+        id_B = tl.load(ids_ptr + n_B, mask=is_row_B, other=-1).to(tl.int32)
+        is_match_B = is_row_B & (id_B == e_v)
+        if m_v > 1:  # a replicated expert: its rows go round-robin over the replicas (no modulo otherwise)
+            is_match_B = is_match_B & ((n_B + ep_rank) % m_v == j_v)
+        m_B = is_match_B.to(tl.int32)
+        rank_B = count + tl.cumsum(m_B, axis=0) - m_B
+        is_kept_B = is_match_B & (rank_B < C)
+        dest_B = tl.where(is_kept_B, row0 + rank_B, X)
+        tl.store(dest_ptr + n_B, dest_B, mask=is_match_B | (is_row_B & (id_B < 0) & is_first_B))
+        tl.store(src_ptr + dest_B, n_B, mask=is_kept_B)
+        count += tl.sum(m_B, axis=0)
+    tl.debug_barrier()  # the src entries above, from every thread of the program, are read back below
+    for c0 in range(0, C, BLOCK_C):
+        i_C = c0 + tl.arange(0, BLOCK_C)
+        is_c_C = i_C < C
+        has_C = is_c_C & (i_C < count)  # an empty capacity row gets zeros
+        src_C = tl.load(src_ptr + row0 + i_C, mask=has_C, other=0, volatile=True).to(tl.int64)
+        tok_C = src_C // K
+        out_C = row0 + i_C
+        for d0 in range(0, D, BLOCK_D):
+            d_D = d0 + tl.arange(0, BLOCK_D)
+            is_d_D = d_D < D
+            vals_CD = tl.load(x_ptr + tok_C[:, None] * stride_x + d_D[None, :], mask=has_C[:, None] & is_d_D[None, :],
+                              other=0.0)
+            tl.store(out_ptr + out_C[:, None] * stride_o + d_D[None, :], vals_CD, mask=is_c_C[:, None] & is_d_D[None, :])
+        w_C = tl.load(w_ptr + src_C, mask=has_C, other=0.0)
+        tl.store(out_w_ptr + out_C * stride_ow + w_col, w_C, mask=is_c_C)

@@ -7,11 +7,13 @@ tokens, and `capacity_fn` is that same capacity, so every kept row has a slot; a
 not fit (only with a policy that does not enforce capacity) is dropped here and flagged in
 `RoutePlan.overflow_N`. Within a slot rows keep token order (DeepSpeed's position order).
 
-Dispatch, per layer call: the rank of each routed row within its slot (`expert_ranks`, the
-routing package's kernel: 3 launches on CUDA), its send row and the inverse map (`slot_rows`, 1
-launch), the send buffer of all micro-batches written once, padding rows zeroed (`pack_rows`, 1
-launch), then one all-to-all per micro-batch. Received rows need no regroup on the fused path
-(their slot is a function of the row: `SlotTables.capacity_layout`).
+Dispatch, per layer call, up to SLOT_PACK_MAX_ROWS routed rows: one launch (`slot_pack`: one program
+per virtual slot picks its rows, replicas included, ranks them in row order, writes their send rows
+and packs the slot's C rows, padding zeroed). Above that, the steps run apart: the rank of each
+routed row within its slot (`expert_ranks`, the routing package's kernel: 3 launches on CUDA), its
+send row and the inverse map (`slot_rows`, 1 launch + a fill), the send buffer of all micro-batches
+written once (`pack_rows`, 1 launch). Then one all-to-all per micro-batch. Received rows need no
+regroup on the fused path (their slot is a function of the row: `SlotTables.capacity_layout`).
 
 Legend: T tokens, D hidden, S local slots, P = ep*S physical slots, K top-k, N = T*K routed rows,
 C capacity rows per (rank, slot), X = P*C send rows, R = ep*S_m*C received rows of micro-batch m.
@@ -22,7 +24,7 @@ from typing import Callable, Sequence, Tuple
 
 import torch
 
-from moe_infer.kernels.ep_ops import row_ops
+from moe_infer.kernels.ep_ops import SLOT_PACK_MAX_ROWS, row_ops
 from moe_infer.kernels.ep_ops_ref import weight_columns
 from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
 from moe_infer.parallel.slots import sections
@@ -40,6 +42,8 @@ def expert_ranks(keys_TK: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 @DISPATCHERS.register("capacity")
 class CapacityDispatcher(A2ADispatcher):
+    slot_pack_max_rows = SLOT_PACK_MAX_ROWS  # routed rows up to which dispatch is the one `slot_pack` launch
+
     def __init__(self, *args, capacity_fn: Callable[[int], int], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.capacity_fn = capacity_fn
@@ -54,12 +58,18 @@ class CapacityDispatcher(A2ADispatcher):
             raise ValueError(f"x_TD {tuple(x_TD.shape)}, ids {tuple(ids_TK.shape)} and weights "
                              f"{tuple(weights_TK.shape)} disagree")
         X = ep * self.num_local_experts * C
-        keys_N, table_V, num_keys = self.slots.slot_keys(ids_TK, tuple(ranges))
-        rank_N = expert_ranks(keys_N.view(T, K), num_keys)
         ops = row_ops(dev)
-        dest_N, src_X = ops.slot_rows(keys_N, rank_N, table_V, C, X)
         send_XC = x_TD.new_empty(X, D + weight_columns(x_TD.dtype))
-        ops.pack_rows(x_TD, weights_TK.reshape(-1).float().contiguous(), src_X, K, send_XC)
+        w_N = weights_TK.reshape(-1).float().contiguous()
+        if T * K <= self.slot_pack_max_rows:  # one launch
+            keys_N = ids_TK.reshape(-1).contiguous()
+            dest_N = ops.slot_pack(x_TD, keys_N, w_N, self.slots.slot_table(dev, tuple(ranges)), self.rank, C, K,
+                                   send_XC)
+        else:
+            keys_N, table_V, num_keys = self.slots.slot_keys(ids_TK, tuple(ranges))
+            rank_N = expert_ranks(keys_N.view(T, K), num_keys)
+            dest_N, src_X = ops.slot_rows(keys_N, rank_N, table_V, C, X)
+            ops.pack_rows(x_TD, w_N, src_X, K, send_XC)
         secs = sections(ranges, C, ep)
         M = len(ranges)
         return RoutePlan(

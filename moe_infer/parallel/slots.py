@@ -28,23 +28,47 @@ class SlotTables:
         self.has_replicas = placement.num_redundant > 0
         self._virtual: Dict[tuple, tuple] = {}
         self._capacity: Dict[tuple, tuple] = {}
+        self._slot_table: Dict[tuple, torch.Tensor] = {}
+
+    def _virtual_of_physical(self, ranges: Ranges) -> torch.Tensor:
+        """v_P (int64, CPU): the virtual slot of each physical slot p = r * S + s."""
+        S, ep = self.num_local_slots, self.ep
+        v_P = torch.empty(ep * S, dtype=torch.int64)
+        for a, b in ranges:
+            for r in range(ep):
+                for s in range(a, b):
+                    v_P[r * S + s] = a * ep + r * (b - a) + (s - a)
+        return v_P
 
     def _tables(self, device: torch.device, ranges: Ranges) -> tuple:
         """(v_E or None, v_EM, num_rep_E, identity_P) on `device`."""
         key = (device, tuple(ranges))
         if key not in self._virtual:
             S, ep = self.num_local_slots, self.ep
-            v_P = torch.empty(ep * S, dtype=torch.int64)
-            for a, b in ranges:
-                for r in range(ep):
-                    for s in range(a, b):
-                        v_P[r * S + s] = a * ep + r * (b - a) + (s - a)
+            v_P = self._virtual_of_physical(ranges)
             replicas_EM, num_rep_E = self.placement.replica_table()
             v_EM = v_P[replicas_EM]  # virtual slots of each logical expert's replicas
             v_E = None if self.has_replicas else v_EM[:, 0].contiguous()
             tables = (v_E, v_EM, num_rep_E, torch.arange(ep * S, dtype=torch.int64))
             self._virtual[key] = tuple(t if t is None else t.to(device) for t in tables)
         return self._virtual[key]
+
+    def slot_table(self, device: torch.device, ranges: Ranges) -> torch.Tensor:
+        """slots_V3 (int32 [P, 3]) for `slot_pack`: per virtual slot its logical expert, its replica index
+        (replicas in physical-slot order, as `virtual_slots` picks them) and the expert's replica count."""
+        key = (device, tuple(ranges))
+        if key not in self._slot_table:
+            v_P = self._virtual_of_physical(ranges)
+            logical_P = self.placement.phys_to_logical()
+            replicas = {}
+            table_V3 = torch.empty(v_P.numel(), 3, dtype=torch.int32)
+            for p, e in enumerate(logical_P):
+                table_V3[v_P[p], 0] = e
+                table_V3[v_P[p], 1] = replicas.setdefault(e, 0)
+                replicas[e] += 1
+            table_V3[:, 2] = torch.tensor([replicas[int(e)] for e in table_V3[:, 0]], dtype=torch.int32)
+            self._slot_table[key] = table_V3.to(device)
+        return self._slot_table[key]
 
     def slot_keys(self, ids_TK: torch.Tensor, ranges: Ranges) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(keys_N, table_V, V): rows with equal key go to the same virtual slot table_V[key]; -1 = dropped.

@@ -8,7 +8,8 @@ overlap x replicas (placement file) x replicated tokens x dtype, with the drople
 and the drop / reroute policies (both backends). For non-replicated cases the dispatcher's dropped
 rows must be exactly the rows the routing policy dropped. Also checked: the plain dispatch() /
 combine() API, three micro-batches, and that ranks disagreeing on micro-batches raise instead of hanging.
-Prints `EP LAYER OK <cases>` on rank 0 and exits 0 only if every case passed on every rank.
+The capacity cases run again (first dtype) through the backend's separate steps, which it takes above
+`slot_pack_max_rows` routed rows. Prints `EP LAYER OK <cases>` on rank 0 and exits 0 only if every case passed on every rank.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch  # noqa: E402
+from moe_infer.kernels.ep_ops import SLOT_PACK_MAX_ROWS  # noqa: E402
 from moe_infer.kernels.fused_moe_ref import fused_experts_ref  # noqa: E402
 from moe_infer.layers.moe import MoEBackends, MoELayer  # noqa: E402
 from moe_infer.parallel import init, replicate_hot_experts  # noqa: E402
+from moe_infer.parallel.capacity_dispatch import CapacityDispatcher  # noqa: E402
 from moe_infer.plugins import load_plugins  # noqa: E402
 from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
@@ -279,6 +282,12 @@ def main() -> int:
         err, problems = check_case(ctx, case, path)
         rows.append((case, err))
         failures += [f"rank {ctx.rank} {case}: {p}" for p in problems]
+    # the capacity backend's separate steps (ranks, slot rows, pack), which it takes above slot_pack_max_rows
+    CapacityDispatcher.slot_pack_max_rows = -1
+    for case in cases:
+        if case[0] == "capacity" and case[4] == args.dtypes.split(",")[0]:
+            failures += [f"rank {ctx.rank} separate steps {case}: {p}" for p in check_case(ctx, case, path)[1]]
+    CapacityDispatcher.slot_pack_max_rows = SLOT_PACK_MAX_ROWS
     for backend in ("exact", "capacity"):
         failures += [f"rank {ctx.rank} plain {backend}: {p}" for p in check_plain_api(ctx, backend)]
     for name in experts:
