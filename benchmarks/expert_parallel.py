@@ -11,6 +11,9 @@ on the received buffer as it lies (no regroup). Timed, each alone:
   dispatch   plan, send-buffer pack, count exchange (exact), payload all-to-all, received ids
              (capacity: one `slot_pack` launch up to SLOT_PACK_MAX_ROWS routed rows, the separate steps above)
   dispatch_steps  capacity only: the same through the separate steps (ranks, slot rows, pack) at every T
+  dispatch_mb2/4  the dispatch half of the overlap path: 2 / 4 micro-batches (slot groups), each packed
+             right before its asynchronous all-to-all (so a pack runs under the previous transfer), all
+             received (a variant of `dispatch`; the targets are judged on `dispatch`)
   experts    the fused experts on the received rows (EP=1: the whole fused path on x_TD)
   combine    all-to-all back, top-k sum
   layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches)
@@ -52,8 +55,8 @@ from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
           "tiny": (8, 2, 64, 32)}  # E, K, D, F; tiny: a CPU smoke run
-STAGES = ("route", "dispatch", "dispatch_steps", "experts", "combine", "layer", "layer_overlap", "layer_overlap4",
-          "raw_a2a")
+STAGES = ("route", "dispatch", "dispatch_steps", "dispatch_mb2", "dispatch_mb4", "experts", "combine", "layer",
+          "layer_overlap", "layer_overlap4", "raw_a2a")
 OVERLAP = {"layer_overlap": 2, "layer_overlap4": 4}  # micro-batches of each overlap stage
 
 
@@ -90,7 +93,16 @@ def stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep: int) -> dict:
         finally:
             del disp.slot_pack_max_rows
 
-    fns = {"dispatch": dispatch, "experts": experts, "combine": combine, "layer": layer, "plan": plan}
+    def dispatch_mb(num_micro_batches):
+        def run():
+            mb_plan = disp._plan(x_TD, ids_TK, w_TK, disp._slot_ranges(num_micro_batches), T)
+            pending = [disp._start_dispatch(mb_plan, x_TD, m, async_op=True) for m in range(len(mb_plan.slot_ranges))]
+            return [row_ops(dev).recv_rows(disp._received(p), disp._recv_slots(mb_plan, m), D)
+                    for m, p in enumerate(pending)]
+        return run
+
+    fns = {"dispatch": dispatch, "experts": experts, "combine": combine, "layer": layer, "plan": plan,
+           "dispatch_mb2": dispatch_mb(2), "dispatch_mb4": dispatch_mb(4)}
     if hasattr(disp, "slot_pack_max_rows"):
         fns["dispatch_steps"] = dispatch_steps
     return fns

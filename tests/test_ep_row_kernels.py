@@ -143,9 +143,12 @@ def test_slot_pack_equals_the_separate_steps(dtype, T, K, E, ep, replicas, C, dr
         dest_ref, src_X = TORCH.slot_rows(keys_N, rank_N, table_V, C, X)
         send_ref = TORCH.pack_rows(x_TD, w_N, src_X, K, torch.empty(X, D + W, dtype=dtype, device=DEV))
         table_V3 = slots.slot_table(torch.device(DEV), ranges)
-        for ops in (TRITON, TORCH):
+        for ops in (TRITON, TORCH):  # one launch per micro-batch of slots [a, b): virtual slots [a*ep, b*ep)
             send = torch.full((X, D + W), float("nan"), dtype=dtype, device=DEV)
-            dest = ops.slot_pack(x_TD, ids_TK.reshape(-1).contiguous(), w_N, table_V3, rank, C, K, send)
+            dest = torch.full((T * K,), -7, dtype=torch.int64, device=DEV)
+            for a, b in ranges:
+                ops.slot_pack(x_TD, ids_TK.reshape(-1).contiguous(), w_N, table_V3, rank, C, K,
+                              send[a * ep * C:b * ep * C], dest, a * ep)
             assert torch.equal(dest, dest_ref), (ops, rank)
             assert torch.equal(send.view(torch.uint8), send_ref.view(torch.uint8)), (ops, rank)
 
@@ -153,10 +156,14 @@ def test_slot_pack_equals_the_separate_steps(dtype, T, K, E, ep, replicas, C, dr
 def test_slot_pack_bad_input_names_the_problem():
     x_TD = torch.randn(4, 6, device=DEV)
     ids_N = torch.zeros(8, dtype=torch.int32, device=DEV)
+    dest_N = torch.empty(8, dtype=torch.int64, device=DEV)
     table = torch.tensor([[0, 0, 1], [1, 0, 1]], dtype=torch.int32, device=DEV)
+    w_N = torch.rand(8, device=DEV)
     with pytest.raises(ValueError, match="slots_V3"):
-        TRITON.slot_pack(x_TD, ids_N, torch.rand(8, device=DEV), table.long(), 0, 2, 2, torch.empty(4, 7, device=DEV))
+        TRITON.slot_pack(x_TD, ids_N, w_N, table.long(), 0, 2, 2, torch.empty(4, 7, device=DEV), dest_N)
     with pytest.raises(ValueError, match="out_XC"):
-        TRITON.slot_pack(x_TD, ids_N, torch.rand(8, device=DEV), table, 0, 2, 2, torch.empty(3, 7, device=DEV))
+        TRITON.slot_pack(x_TD, ids_N, w_N, table, 0, 2, 2, torch.empty(4, 7, device=DEV), dest_N, 1)
     with pytest.raises(ValueError, match="routed rows"):
-        TRITON.slot_pack(x_TD, ids_N[:6], torch.rand(6, device=DEV), table, 0, 2, 2, torch.empty(4, 7, device=DEV))
+        TRITON.slot_pack(x_TD, ids_N[:6], w_N[:6], table, 0, 2, 2, torch.empty(4, 7, device=DEV), dest_N[:6])
+    with pytest.raises(ValueError, match="dest_N"):
+        TRITON.slot_pack(x_TD, ids_N, w_N, table, 0, 2, 2, torch.empty(4, 7, device=DEV), dest_N.int())

@@ -143,13 +143,17 @@ def combine_rows_triton(y_XD, dest_N, num_tokens: int, top_k: int):
     return out_TD
 
 
-def slot_pack_triton(x_TD, ids_N, weights_N, slots_V3, ep_rank: int, capacity: int, top_k: int, out_XC):
+def slot_pack_triton(x_TD, ids_N, weights_N, slots_V3, ep_rank: int, capacity: int, top_k: int, out_XC, dest_N,
+                     v_start: int = 0):
     T, D = x_TD.shape
     N, V = ids_N.numel(), slots_V3.shape[0]
     W = weight_columns(x_TD.dtype)
     _check(capacity > 0 and top_k > 0, f"capacity ({capacity}) and top_k ({top_k}) must be positive")
     _check(N == T * top_k, f"ids_N has {N} routed rows, x_TD {T} tokens x top_k {top_k}")
     _check_index(ids_N, "ids_N", N, x_TD)
+    _check(dest_N.dtype == torch.int64 and dest_N.shape == (N,) and dest_N.is_contiguous(),
+           f"dest_N must be contiguous int64 [{N}], got {dest_N.dtype} {tuple(dest_N.shape)}")
+    _check_device(dest_N, "dest_N", x_TD)
     _check(slots_V3.dtype == torch.int32 and slots_V3.dim() == 2 and slots_V3.shape[1] == 3 and slots_V3.is_contiguous(),
            f"slots_V3 must be contiguous int32 [V, 3], got {slots_V3.dtype} {tuple(slots_V3.shape)}")
     _check_device(slots_V3, "slots_V3", x_TD)
@@ -157,23 +161,22 @@ def slot_pack_triton(x_TD, ids_N, weights_N, slots_V3, ep_rank: int, capacity: i
     _check(weights_N.dtype == torch.float32 and weights_N.is_contiguous() and weights_N.numel() == N,
            f"weights_N must be contiguous float32 [{N}], got {weights_N.dtype} {tuple(weights_N.shape)}")
     _check_device(weights_N, "weights_N", x_TD)
-    X = V * capacity
-    _check(out_XC.shape == (X, D + W) and out_XC.dtype == x_TD.dtype,
-           f"out_XC must be [{X}, {D + W}] {x_TD.dtype}, got {tuple(out_XC.shape)} {out_XC.dtype}")
+    V_m = out_XC.shape[0] // capacity
+    _check(out_XC.dim() == 2 and out_XC.shape == (V_m * capacity, D + W) and out_XC.dtype == x_TD.dtype
+           and 0 <= v_start and v_start + V_m <= V,
+           f"out_XC must be [V_m * {capacity}, {D + W}] {x_TD.dtype} for slots [v_start, v_start + V_m) of {V} "
+           f"(v_start={v_start}), got {tuple(out_XC.shape)} {out_XC.dtype}")
     _check_device(out_XC, "out_XC", x_TD)
     out_w, stride_ow, w_col = _float32_view(out_XC, D)
-    dest_N = torch.empty(N, dtype=torch.int64, device=x_TD.device)
-    src_X = torch.empty(max(X, 1), dtype=torch.int32, device=x_TD.device)  # scratch: each program's own rows
+    src_X = torch.empty(max(V_m * capacity, 1), dtype=torch.int32, device=x_TD.device)  # scratch, per program
     block_d = min(1024, triton.next_power_of_2(max(D, 16)))
     block_c = max(1, min(triton.next_power_of_2(capacity), 8192 // block_d))
-    if V:
-        slot_pack_kernel[(V,)](
-            ids_N, slots_V3, x_TD, weights_N, dest_N, src_X, out_XC, out_w, N, capacity, X, D, top_k, ep_rank,
-            x_TD.stride(0), out_XC.stride(0), stride_ow, w_col,
+    if V_m:
+        slot_pack_kernel[(V_m,)](
+            ids_N, slots_V3, x_TD, weights_N, dest_N, src_X, out_XC, out_w, N, capacity, V * capacity, D, top_k,
+            ep_rank, v_start, x_TD.stride(0), out_XC.stride(0), stride_ow, w_col,
             BLOCK_N=min(1024, max(16, triton.next_power_of_2(N))), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4,
             **use_pdl(x_TD, PDL_ENV))
-    else:
-        dest_N.fill_(0)
     return dest_N
 
 

@@ -69,14 +69,18 @@ def combine_rows_ref(y_XD: torch.Tensor, dest_N: torch.Tensor, num_tokens: int, 
 
 
 def slot_pack_ref(x_TD: torch.Tensor, ids_N: torch.Tensor, weights_N: torch.Tensor, slots_V3: torch.Tensor,
-                  ep_rank: int, capacity: int, top_k: int, out_XC: torch.Tensor) -> torch.Tensor:
-    """Replica choice, rank within the slot, send row and pack in one op; returns dest_N (int64).
+                  ep_rank: int, capacity: int, top_k: int, out_XC: torch.Tensor, dest_N: torch.Tensor,
+                  v_start: int = 0) -> torch.Tensor:
+    """Replica choice, rank within the slot, send row and pack in one op, for the virtual slots
+    [v_start, v_start + V_m) whose rows out_XC ([V_m * capacity, D + W]) holds; returns dest_N.
 
     slots_V3 (int [V, 3]): per virtual slot v its logical expert e, replica index j and e's replica count M.
     Routed row n with id e >= 0 goes to the v of e with j == (n + ep_rank) % M; its rank among v's rows
-    (row order) r gives dest_N[n] = v * capacity + r if r < capacity, else X = V * capacity (not sent, as
-    for id < 0). out_XC ([X, D + W]) gets the rows as `pack_rows_ref` writes them (zeros where empty)."""
+    (row order) r gives dest_N[n] = v * capacity + r if r < capacity, else X = V * capacity (not sent).
+    Only the rows of these slots get their dest_N entry (int64, written in place), and rows with id < 0
+    (dest X) when v_start is 0. out_XC gets the slots' rows as `pack_rows_ref` writes them (zeros where empty)."""
     N, V, C = ids_N.numel(), slots_V3.shape[0], capacity
+    V_m = out_XC.shape[0] // C
     ids = ids_N.reshape(-1).long()
     s_V3 = slots_V3.long()
     pick_NV = (torch.arange(N, device=ids.device)[:, None] + ep_rank) % s_V3[None, :, 2].clamp_min(1)
@@ -84,6 +88,8 @@ def slot_pack_ref(x_TD: torch.Tensor, ids_N: torch.Tensor, weights_N: torch.Tens
     v_N = torch.where(match_NV.any(1), match_NV.int().argmax(1), torch.full_like(ids, -1))
     rank_N, _ = expert_ranks_torch(v_N.view(N, 1), V)  # rank among the rows of the same slot, row order
     ident_V = torch.arange(V, dtype=torch.int64, device=ids.device)
-    dest_N, src_X = slot_rows_ref(v_N, rank_N, ident_V, C, V * C)
-    pack_rows_ref(x_TD, weights_N, src_X, top_k, out_XC)
+    all_dest_N, src_X = slot_rows_ref(v_N, rank_N, ident_V, C, V * C)
+    mine_N = ((v_N >= v_start) & (v_N < v_start + V_m)) | ((v_N < 0) & (v_start == 0))
+    dest_N.copy_(torch.where(mine_N, all_dest_N, dest_N))
+    pack_rows_ref(x_TD, weights_N, src_X[v_start * C:(v_start + V_m) * C], top_k, out_XC)
     return dest_N

@@ -79,21 +79,25 @@ def combine_rows_kernel(y_ptr, dest_ptr, out_ptr, D, X, stride_y, stride_o, K: t
 
 @triton.jit
 def slot_pack_kernel(ids_ptr, slots_ptr, x_ptr, w_ptr, dest_ptr, src_ptr, out_ptr, out_w_ptr,
-                     N, C, X, D, K, ep_rank, stride_x, stride_o, stride_ow, w_col,
+                     N, C, X, D, K, ep_rank, v_start, stride_x, stride_o, stride_ow, w_col,
                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """grid (V,): program v fills send rows [v*C, (v+1)*C). slots_ptr (int32 [V, 3]): v's logical expert e,
-    its replica index j and e's number of replicas M; routed row n (id e) goes to v when (n + ep_rank) % M == j,
-    ranked among v's rows in row order. Program 0 also gives dropped rows (id < 0) dest X. src_ptr: int32
-    scratch [X], each program's rows written, then read back after a barrier (same program only)."""
+    """grid (V_m,): program i handles virtual slot v = v_start + i, send rows [v*C, (v+1)*C) of the whole
+    buffer (X rows), rows [i*C, (i+1)*C) of out_ptr (a section). slots_ptr (int32 [V, 3]): v's logical expert
+    e, its replica index j and e's number of replicas M; routed row n (id e) goes to v when
+    (n + ep_rank) % M == j, ranked among v's rows in row order; dest_N[n] = v*C + rank (X over capacity).
+    Slot 0's program also gives dropped rows (id < 0) dest X. src_ptr: int32 scratch [V_m * C], each
+    program's rows written, then read back after a barrier (same program only)."""
     pdl_enter(USE_PDL)
-    v = tl.program_id(0)
+    pid = tl.program_id(0)
+    v = v_start + pid
     e_v = tl.load(slots_ptr + v * 3)
     j_v = tl.load(slots_ptr + v * 3 + 1)
     m_v = tl.load(slots_ptr + v * 3 + 2)
-    row0 = v.to(tl.int64) * C
+    row0 = v.to(tl.int64) * C  # the slot's first row in the whole send buffer
+    loc0 = pid.to(tl.int64) * C  # ... in this section
     i_B = tl.arange(0, BLOCK_N)
     is_first_B = (i_B * 0 + v) == 0  # a tensor: the interpreter rejects scalar-and-vector bool masks
-    count = v * 0  # rows of v so far (an int32 scalar)
+    count = pid * 0  # rows of v so far (an int32 scalar)
     for n0 in range(0, N, BLOCK_N):
         n_B = n0 + i_B
         is_row_B = n_B < N
@@ -104,18 +108,18 @@ def slot_pack_kernel(ids_ptr, slots_ptr, x_ptr, w_ptr, dest_ptr, src_ptr, out_pt
         m_B = is_match_B.to(tl.int32)
         rank_B = count + tl.cumsum(m_B, axis=0) - m_B
         is_kept_B = is_match_B & (rank_B < C)
-        dest_B = tl.where(is_kept_B, row0 + rank_B, X)
-        tl.store(dest_ptr + n_B, dest_B, mask=is_match_B | (is_row_B & (id_B < 0) & is_first_B))
-        tl.store(src_ptr + dest_B, n_B, mask=is_kept_B)
+        tl.store(dest_ptr + n_B, tl.where(is_kept_B, row0 + rank_B, X),
+                 mask=is_match_B | (is_row_B & (id_B < 0) & is_first_B))
+        tl.store(src_ptr + loc0 + rank_B, n_B, mask=is_kept_B)
         count += tl.sum(m_B, axis=0)
     tl.debug_barrier()  # the src entries above, from every thread of the program, are read back below
     for c0 in range(0, C, BLOCK_C):
         i_C = c0 + tl.arange(0, BLOCK_C)
         is_c_C = i_C < C
         has_C = is_c_C & (i_C < count)  # an empty capacity row gets zeros
-        src_C = tl.load(src_ptr + row0 + i_C, mask=has_C, other=0, volatile=True).to(tl.int64)
+        src_C = tl.load(src_ptr + loc0 + i_C, mask=has_C, other=0, volatile=True).to(tl.int64)
         tok_C = src_C // K
-        out_C = row0 + i_C
+        out_C = loc0 + i_C
         for d0 in range(0, D, BLOCK_D):
             d_D = d0 + tl.arange(0, BLOCK_D)
             is_d_D = d_D < D

@@ -7,20 +7,24 @@ tokens, and `capacity_fn` is that same capacity, so every kept row has a slot; a
 not fit (only with a policy that does not enforce capacity) is dropped here and flagged in
 `RoutePlan.overflow_N`. Within a slot rows keep token order (DeepSpeed's position order).
 
-Dispatch, per layer call, up to SLOT_PACK_MAX_ROWS routed rows: one launch (`slot_pack`: one program
-per virtual slot picks its rows, replicas included, ranks them in row order, writes their send rows
-and packs the slot's C rows, padding zeroed). Above that, the steps run apart: the rank of each
-routed row within its slot (`expert_ranks`, the routing package's kernel: 3 launches on CUDA), its
-send row and the inverse map (`slot_rows`, 1 launch + a fill), the send buffer of all micro-batches
-written once (`pack_rows`, 1 launch). Then one all-to-all per micro-batch. Received rows need no
-regroup on the fused path (their slot is a function of the row: `SlotTables.capacity_layout`).
+Dispatch, per layer call, up to SLOT_PACK_MAX_ROWS routed rows: one launch per micro-batch
+(`slot_pack`: one program per virtual slot picks its rows, replicas included, ranks them in row
+order, writes their send rows and packs the slot's C rows, padding zeroed). Above that, the steps run
+apart: the rank of each routed row within its slot (`expert_ranks`, the routing package's kernel: 3
+launches on CUDA), its send row and the inverse map (`slot_rows`, 1 launch + a fill), then per
+micro-batch its section of the send buffer (`pack_rows`, 1 launch). Either way a micro-batch is
+packed right before its all-to-all (`_send_buffer`), so with overlap the pack of micro-batch m+1 runs
+while micro-batch m is on the wire; `RoutePlan.send_pos_N` is complete once every micro-batch is
+packed. Received rows need no regroup on the fused path (their slot is a function of the row:
+`SlotTables.capacity_layout`).
 
 Legend: T tokens, D hidden, S local slots, P = ep*S physical slots, K top-k, N = T*K routed rows,
 C capacity rows per (rank, slot), X = P*C send rows, R = ep*S_m*C received rows of micro-batch m.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +42,18 @@ def expert_ranks(keys_TK: torch.Tensor, num_keys: int) -> torch.Tensor:
 
         return expert_ranks_triton(keys_TK, num_keys)[0]
     return expert_ranks_torch(keys_TK, num_keys)[0]
+
+
+@dataclass(frozen=True)
+class CapacityPack:
+    """What `_send_buffer` packs micro-batch m from, right before its all-to-all."""
+
+    out_XC: torch.Tensor  # the micro-batch's section of the send buffer
+    v_start: int  # its first virtual slot
+    w_N: torch.Tensor  # float32 routing weights
+    ids_N: Optional[torch.Tensor] = None  # slot_pack: the routed logical ids (-1 dropped)
+    slots_V3: Optional[torch.Tensor] = None  # slot_pack: the virtual slot table
+    src_X: Optional[torch.Tensor] = None  # separate steps: the source row of each row of the section
 
 
 @DISPATCHERS.register("capacity")
@@ -58,28 +74,37 @@ class CapacityDispatcher(A2ADispatcher):
             raise ValueError(f"x_TD {tuple(x_TD.shape)}, ids {tuple(ids_TK.shape)} and weights "
                              f"{tuple(weights_TK.shape)} disagree")
         X = ep * self.num_local_experts * C
-        ops = row_ops(dev)
         send_XC = x_TD.new_empty(X, D + weight_columns(x_TD.dtype))
         w_N = weights_TK.reshape(-1).float().contiguous()
-        if T * K <= self.slot_pack_max_rows:  # one launch
+        secs = sections(ranges, C, ep)
+        if T * K <= self.slot_pack_max_rows:  # one launch per micro-batch, in _send_buffer
             keys_N = ids_TK.reshape(-1).contiguous()
-            dest_N = ops.slot_pack(x_TD, keys_N, w_N, self.slots.slot_table(dev, tuple(ranges)), self.rank, C, K,
-                                   send_XC)
+            dest_N = torch.empty(T * K, dtype=torch.int64, device=dev)
+            table_V3 = self.slots.slot_table(dev, tuple(ranges))
+            packs = tuple(CapacityPack(send_XC[lo:hi], a * ep, w_N, ids_N=keys_N, slots_V3=table_V3)
+                          for (a, _), (lo, hi) in zip(ranges, secs))
         else:
             keys_N, table_V, num_keys = self.slots.slot_keys(ids_TK, tuple(ranges))
             rank_N = expert_ranks(keys_N.view(T, K), num_keys)
-            dest_N, src_X = ops.slot_rows(keys_N, rank_N, table_V, C, X)
-            ops.pack_rows(x_TD, w_N, src_X, K, send_XC)
-        secs = sections(ranges, C, ep)
+            dest_N, src_X = row_ops(dev).slot_rows(keys_N, rank_N, table_V, C, X)
+            packs = tuple(CapacityPack(send_XC[lo:hi], a * ep, w_N, src_X=src_X[lo:hi])
+                          for (a, _), (lo, hi) in zip(ranges, secs))
         M = len(ranges)
         return RoutePlan(
             num_tokens=T, top_k=K, layer_tokens=layer_tokens, slot_ranges=tuple(ranges), ids_N=keys_N,
-            send_pos_N=dest_N, num_send_rows=X, send_sections=secs, send_rows=tuple(send_XC[a:b] for a, b in secs),
+            send_pos_N=dest_N, num_send_rows=X, send_sections=secs, send_rows=packs,
             send_splits=(None,) * M, recv_splits=(None,) * M, recv_counts_rS=None, capacity=C,
         )
 
     def _send_buffer(self, plan: RoutePlan, x_TD: torch.Tensor, m: int) -> torch.Tensor:
-        return plan.send_rows[m]
+        pack: CapacityPack = plan.send_rows[m]
+        ops = row_ops(x_TD.device)
+        if pack.src_X is None:
+            ops.slot_pack(x_TD, pack.ids_N, pack.w_N, pack.slots_V3, self.rank, plan.capacity, plan.top_k, pack.out_XC,
+                          plan.send_pos_N, pack.v_start)
+        else:
+            ops.pack_rows(x_TD, pack.w_N, pack.src_X, plan.top_k, pack.out_XC)
+        return pack.out_XC
 
     def _recv_slots(self, plan: RoutePlan, m: int) -> torch.Tensor:
         a, b = plan.slot_ranges[m]

@@ -88,9 +88,10 @@ class RoutePlan:
     slot_ranges: Tuple[Tuple[int, int], ...]  # local slots [a, b) of each micro-batch
     ids_N: torch.Tensor  # the ids routed (-1: dropped by the policy)
     send_pos_N: torch.Tensor  # int64 [N]: send-buffer row of routed row n; >= num_send_rows: not sent
+    # (capacity: an entry is written when its micro-batch is packed, `_send_buffer`)
     num_send_rows: int  # X, over all micro-batches; the returned rows land in the same rows
     send_sections: Tuple[Tuple[int, int], ...]  # rows [a, b) of the send buffer of each micro-batch
-    send_rows: Tuple[torch.Tensor, ...]  # per micro-batch: the packed send buffer (capacity), routed rows (exact)
+    send_rows: Tuple[object, ...]  # per micro-batch: what `_send_buffer` packs it from
     send_splits: Tuple[Optional[List[int]], ...]  # per micro-batch rows to each rank (None: equal splits)
     recv_splits: Tuple[Optional[List[int]], ...]
     recv_counts_rS: Optional[torch.Tensor]  # int64 [ep, S]: rows from each source per local slot (exact)
