@@ -264,7 +264,8 @@ def main() -> None:
         t8192_e256_us=big[0]["triton_us"] if big else None,
         t8192_e256_under_25us=bool(big) and big[0]["triton_us"] < TARGET_US_8192_E256,
     )
-    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, block_size=BLOCK_SIZE,
+    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, commit=os.environ.get("GIT_COMMIT"),
+                  block_size=BLOCK_SIZE,
                   fused_tuning=tuning or "defaults",
                   timing="triton.testing.do_bench_cudagraph median, bf16 logits", rows=rows, summary=summary)
     os.makedirs(args.out, exist_ok=True)
