@@ -70,10 +70,11 @@ def combine_rows_kernel(y_ptr, dest_ptr, out_ptr, D, X, stride_y, stride_o, K: t
     d_B = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     is_d_B = d_B < D
     acc_B = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k in tl.static_range(K):
+    for k in tl.static_range(K):  # masks, not branches: the K row loads are in flight together
         dest = tl.load(dest_ptr + t * K + k).to(tl.int64)
-        if dest < X:
-            acc_B += tl.load(y_ptr + dest * stride_y + d_B, mask=is_d_B, other=0.0).to(tl.float32)
+        num_d = tl.where(dest < X, D, 0)  # no columns for a row that was not sent
+        y_B = tl.load(y_ptr + tl.minimum(dest, X - 1) * stride_y + d_B, mask=d_B < num_d, other=0.0)
+        acc_B += y_B.to(tl.float32)  # + 0.0 for a row not sent: the same bits as skipping it (acc starts at +0)
     tl.store(out_ptr + t * stride_o + d_B, acc_B.to(out_ptr.dtype.element_ty), mask=is_d_B)
 
 
