@@ -75,7 +75,6 @@ def test_fused_route_full_shapes_gpu(name, tuning):
             _check(SPECS[name], T, block_size, (torch.float32, torch.bfloat16)[i % 2], ties=i == 2, seed=i, **tuning)
 
 
-
 def _zeroed_buffers():
     from moe_infer.routing.triton_route import _ZEROED
 
@@ -94,7 +93,7 @@ def test_group_counts_buffer_is_zero_between_calls():
         _check(SPECS["deepseek"], T, 16, torch.float32, ties=i % 2 == 1, seed=30 + i, group_rows=32,
                rows_per_scatter=64)
         assert bufs and all(int(b.abs().sum()) == 0 for b in bufs)
-    assert bufs[-1].numel() >= triton_cdiv(70 * 8, 32) * 256  # the kept buffer was used, and grew
+    assert bufs[-1].numel() >= -(-70 * 8 // 32) * 256  # the kept buffer was used, and grew to 70 tokens' groups
     flat, is_shared = zeroed_group_counts(8, DEVICE)
     assert is_shared and flat.numel() == 8 and int(flat.abs().sum()) == 0
 
@@ -105,7 +104,3 @@ def test_fused_route_scatter_smaller_than_a_group_zeroes_a_fresh_buffer():
     bufs.clear()
     _check(SPECS["deepseek"], 40, 16, torch.float32, ties=False, seed=3, group_rows=64, rows_per_scatter=32)
     assert not bufs
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
