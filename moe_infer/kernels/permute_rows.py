@@ -115,12 +115,6 @@ def tile_scatter_kernel(
         for j in tl.static_range(GROUP_TILES - 1):  # earlier tiles of the group (read through L1)
             sj_B = s_B // GROUP_TILES * GROUP_TILES + j
             rank_B += tl.load(hist_ptr + sj_B * BLOCK_E + keyc_B, mask=is_row_B & (sj_B < s_B), other=0).to(tl.int32)
-        if ZERO_GROUPS:  # this program's group rows, read above and by no other program
-            GROUPS: tl.constexpr = BLOCK_N // (TILE_N * GROUP_TILES)
-            tl.debug_barrier()  # every thread's loads of tile_counts come first
-            g_G = pid * GROUPS + tl.arange(0, GROUPS)
-            tl.store(tile_counts_ptr + g_G[:, None] * BLOCK_E + cols_E[None, :], tl.zeros((GROUPS, BLOCK_E), tl.int32),
-                     mask=(g_G < num_groups)[:, None])
         if WRITE_RANK:
             tl.store(rank_ptr + n_B, tl.where(is_local_B, rank_B, -1).to(tl.int64), mask=is_row_B)
         if WRITE_PERMUTE:
@@ -138,6 +132,12 @@ def tile_scatter_kernel(
             if BLOCK_SIZE > 0:
                 slot_B = tl.gather(pend_E - padded_E, keyc_B, 0) + rank_B
                 tl.store(sorted_rows_ptr + slot_B, n_B, mask=is_row_B & is_local_B)
+        if ZERO_GROUPS:  # this program's group rows, read above (last: fewer values live) and by no other program
+            GROUPS: tl.constexpr = BLOCK_N // (TILE_N * GROUP_TILES)
+            tl.debug_barrier()  # every thread's loads of tile_counts come first
+            g_G = pid * GROUPS + tl.arange(0, GROUPS)
+            tl.store(tile_counts_ptr + g_G[:, None] * BLOCK_E + cols_E[None, :], tl.zeros((GROUPS, BLOCK_E), tl.int32),
+                     mask=(g_G < num_groups)[:, None])
     if WRITE_PERMUTE:
         if pid == 0:
             tl.store(offsets_ptr + cols_E, offsets_E.to(tl.int64), mask=is_e_E)
