@@ -18,7 +18,7 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/test_ep_gpu.py 
 echo "tests rc=$? in $(( $(date +%s) - start )) s"
 grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|FAIL rank|EP LAYER OK|worst_rel_err" "$OUT/ep_gpu_tests_$TAG.log" | tail -14
 bench() {  # nproc gpus tag
-  CUDA_VISIBLE_DEVICES=$2 timeout "${BENCH_TIMEOUT:-170}" torchrun --standalone --nproc-per-node "$1" \
+  CUDA_VISIBLE_DEVICES=$2 timeout "${BENCH_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$1" \
     benchmarks/expert_parallel.py --iters "$ITERS" --out "$OUT/expert_parallel_$3.json" > "$OUT/expert_parallel_$3.log" 2>&1
   echo "bench ep=$1 rc=$?"
 }
