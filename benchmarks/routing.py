@@ -22,10 +22,10 @@ configurations the wrappers pick and prints ptxas' registers / spills and the SA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
 
 import torch
@@ -73,6 +73,20 @@ def select_topk_torch(logits_TE, spec, bias_E):
     return w_TK * spec.routed_scaling_factor, ids_TK.int()
 
 
+@contextlib.contextmanager
+def pdl_off():
+    """The routing kernels launched inside launch without PDL (the setting is read at launch)."""
+    saved = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(PDL_ENV)
+        else:
+            os.environ[PDL_ENV] = saved
+
+
 def pipelines(spec, x_TE, bias_E, tuning=None):
     E = spec.num_experts
     drop = CAPACITY_POLICIES.get("drop")
@@ -82,18 +96,12 @@ def pipelines(spec, x_TE, bias_E, tuning=None):
         return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **(tuning or {}))[2]
 
     def triton_no_pdl():  # the same launches without programmatic dependent launch
-        os.environ[PDL_ENV] = "0"
-        try:
+        with pdl_off():
             return triton_route()
-        finally:
-            os.environ.pop(PDL_ENV)
 
     def triton_memset():  # the previous session's path: a memset of the group counts per call, no PDL
-        os.environ[PDL_ENV] = "0"
-        try:
+        with pdl_off():
             return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **{**(tuning or {}), "keep_zeroed": False})[2]
-        finally:
-            os.environ.pop(PDL_ENV)
 
     def triton_two_step():  # gate, then the stand-alone permutation (four launches)
         w, ids = select_experts_triton(x_TE, spec, bias_E)
@@ -151,30 +159,18 @@ PTR_TYPES = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "bias_ptr": "*fp32",
 
 
 def ptxas_report(fn, consts, num_warps, tokens_per_warp, label):
-    """Compile `fn` for sm_90 without a device; print registers, spills and warp-instructions per token."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Build `fn` for sm_90 without a device (`scripts/sass_report.py`, with the run-time alignment facts:
+    pointers and the logits' row stride / E divisible by 16, unit last stride); print registers, spills and
+    warp-instructions per token."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from sass_report import build, report
 
-    sig = {p.name: "constexpr" if p.is_constexpr else PTR_TYPES.get(p.name, "*i64" if p.name.endswith("_ptr") else "i32")
-           for p in fn.params}
-    sig["routed_scaling_factor"] = "fp32" if "routed_scaling_factor" in sig else None
-    sig = {k: v for k, v in sig.items() if v}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps))
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptx, cubin = "/tmp/routing_ptxas.ptx", "/tmp/routing_ptxas.cubin"
-    with open(ptx, "w") as f:
-        f.write(k.asm["ptx"])
-    arch = "sm_90a" if ".target sm_90a" in k.asm["ptx"] else "sm_90"
-    ptxas = next(p for p in (os.path.join(bindir, "ptxas-blackwell"), os.path.join(bindir, "ptxas")) if os.path.exists(p))
-    info = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx, "-o", cubin], capture_output=True, text=True).stderr
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-    n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))
-    regs = re.findall(r"Used (\d+) registers", info)
-    spills = re.findall(r"(\d+) bytes spill stores", info)
-    per_token = f" warp-instr/token={n / tokens_per_warp:.0f}" if tokens_per_warp else ""
-    print(f"{label:40s} warps={num_warps} regs={regs[0] if regs else '?'} spill_bytes={spills[0] if spills else '?'} "
-          f"sass={n}{per_token}")
+    types = {**PTR_TYPES, "routed_scaling_factor": "fp32"}
+    consts = {**consts, **({"stride_le": 1} if "stride_le" in fn.arg_names else {})}
+    r = report(*build(fn, consts, types, {"E", "stride_lt"}, num_warps, 3))
+    per_token = f" warp-instr/token={r['sass'] / tokens_per_warp:.0f}" if tokens_per_warp else ""
+    print(f"{label:40s} warps={num_warps} regs={r['registers']} spill_bytes={r['spill_bytes']} "
+          f"sass={r['sass']}{per_token} REDUX={r['REDUX']} SHFL={r['SHFL']}")
 
 
 def ptxas_main() -> None:

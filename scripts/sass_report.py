@@ -13,7 +13,8 @@ equal to 1) and vectorises / pipelines on that; give the same facts here (--div1
 or the build is not the one the GPU runs (e.g. 2-byte loads and spills instead of cp.async). Pointers
 default to *i64 and integers to i32 unless --types names them. For the GPU machine's Triton (3.6) run
 this under that version (a venv with `pip install triton==3.6.0` works on a CPU machine) with
-PTXAS=ptxas; Triton 3.9's PTX needs its ptxas-blackwell.
+PTXAS=ptxas; Triton 3.9's PTX needs its ptxas-blackwell (the default where it exists).
+`benchmarks/routing.py --ptxas` builds the routing kernels through this module.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def build(fn, consts: dict, types: dict, div16, num_warps: int, num_stages: int)
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(bindir, os.environ.get("PTXAS", "ptxas-blackwell"))
+    default = "ptxas-blackwell" if os.path.exists(os.path.join(bindir, "ptxas-blackwell")) else "ptxas"
+    ptxas = os.path.join(bindir, os.environ.get("PTXAS", default))
     arch = "sm_90a" if ".target sm_90a" in k.asm["ptx"] else "sm_90"
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")

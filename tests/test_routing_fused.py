@@ -76,10 +76,9 @@ def test_fused_route_full_shapes_gpu(name, tuning):
 
 
 def _zeroed_buffers():
-    from moe_infer.routing.triton_route import _ZEROED
+    from moe_infer.routing.triton_route import kept_zero_buffers
 
-    dev = torch.device(DEVICE)
-    return _ZEROED.setdefault((dev.type, dev.index if dev.type != "cuda" else torch.cuda.current_device()), [])
+    return kept_zero_buffers(torch.device(DEVICE))
 
 
 def test_group_counts_buffer_is_zero_between_calls():

@@ -32,16 +32,22 @@ WIDE_GATE = False  # see route_rows_triton; measured on H100: benchmarks/results
 _ZEROED: Dict[tuple, List[torch.Tensor]] = {}  # per device: zeroed group-count buffers, the last one the largest
 
 
+def kept_zero_buffers(device: torch.device) -> List[torch.Tensor]:
+    """The device's kept-zero group-count buffers (the last one the largest)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _ZEROED.setdefault((device.type, device.index), [])
+
+
 def zeroed_group_counts(num_elems: int, device: torch.device) -> Tuple[torch.Tensor, bool]:
     """(int32 [num_elems] of zeros, is_shared): the device's kept-zero buffer (the caller's last kernel must
     zero what it used), or, inside a graph capture that needs a larger one, a fresh zeroed tensor. Buffers
     are never freed: a captured graph may still write to an outgrown one."""
-    device = torch.device(device)
-    key = (device.type, device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device())
-    bufs = _ZEROED.setdefault(key, [])
+    bufs = kept_zero_buffers(device)
     if not bufs or bufs[-1].numel() < num_elems:
         fresh = torch.zeros(max(num_elems, 2 * bufs[-1].numel() if bufs else 0), dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if fresh.is_cuda and torch.cuda.is_current_stream_capturing():
             return fresh[:num_elems], False  # the memset is part of the graph; not kept (graph-pool memory)
         bufs.append(fresh)
     return bufs[-1][:num_elems], True
