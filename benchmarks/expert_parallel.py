@@ -44,7 +44,7 @@ from ep_report import print_report  # noqa: E402
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.engine.backends import resolve_name  # noqa: E402
 from moe_infer.experts.reference import EXPERT_BACKENDS  # noqa: E402
-from moe_infer.kernels.ep_ops import row_ops  # noqa: E402
+from moe_infer.kernels.ep_row_ops import row_ops  # noqa: E402
 from moe_infer.kernels.fused_moe_ref import fused_experts_ref  # noqa: E402
 from moe_infer.parallel import init  # noqa: E402
 from moe_infer.parallel.dispatcher import weight_columns  # noqa: E402

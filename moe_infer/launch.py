@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_infer.launch_config import JobConfig
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # package data: ships with `pip install .`
 
 
 def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:

@@ -12,6 +12,7 @@ from typing import List
 logger = logging.getLogger(__name__)
 
 PLUGIN_MODULES = (
+    "moe_infer.kernels.ep_ops",  # EP_ROW_OPS["triton"]: the all-to-all dispatchers' row kernels
     "moe_infer.routing.triton_select",  # ROUTING_BACKENDS["triton"], capacity policies on GPU
     "moe_infer.experts.triton_experts",  # EXPERT_BACKENDS["triton"]
 )

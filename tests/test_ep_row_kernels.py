@@ -4,14 +4,13 @@ Fresh random inputs per case; outputs are poisoned first so an unwritten element
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from moe_infer.kernels.ep_ops import EP_ROW_OPS, row_ops  # noqa: E402
-from moe_infer.kernels.ep_ops_ref import weight_columns  # noqa: E402
-from moe_infer.routing.capacity_ops import expert_ranks_torch  # noqa: E402
+import moe_infer.kernels.ep_ops  # noqa: F401  (registers EP_ROW_OPS["triton"]; conftest set the interpreter on CPU)
+from moe_infer.kernels.ep_ops_ref import weight_columns
+from moe_infer.kernels.ep_row_ops import EP_ROW_OPS, row_ops
+from moe_infer.routing.capacity_ops import expert_ranks_torch
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="needs the interpreter or CUDA"

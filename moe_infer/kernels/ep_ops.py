@@ -1,12 +1,10 @@
-"""Launch wrappers of the expert-parallel row kernels (`moe_infer.kernels.ep_rows`) and the registry
-`EP_ROW_OPS` that the all-to-all dispatchers take their row operations from.
-
-    EP_ROW_OPS["triton"]  CUDA (or CPU tensors under TRITON_INTERPRET=1): one launch per op
-    EP_ROW_OPS["torch"]   the PyTorch references (`ep_ops_ref`), the CPU / gloo path
-    row_ops(device)       "triton" on CUDA, "torch" elsewhere
+"""Launch wrappers of the expert-parallel row kernels (`moe_infer.kernels.ep_rows`), registered as
+`EP_ROW_OPS["triton"]` (`moe_infer.kernels.ep_row_ops`) when this module is imported: CUDA tensors (or CPU
+tensors under TRITON_INTERPRET=1), one launch per op. A plugin module: only `load_plugins()` and the
+tests import it, so the engine needs no triton on CPU.
 
 `slot_pack` is ranks + `slot_rows` + `pack_rows` (and the replica choice) in one launch; each of its
-programs scans all N routed rows, so callers use it up to SLOT_PACK_MAX_ROWS rows and the separate
+programs scans all N routed rows, so callers use it up to `ep_row_ops.SLOT_PACK_MAX_ROWS` rows and the separate
 steps above that.
 
 Each op has the signature of its reference. The wrappers check dtypes, shapes, strides and devices
@@ -18,36 +16,20 @@ X rows of the send / receive buffer, W weight columns.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Tuple
+from typing import Tuple
 
 import torch
 import triton
 
-from moe_infer.kernels.ep_ops_ref import (
-    combine_rows_ref, pack_rows_ref, recv_rows_ref, slot_pack_ref, slot_rows_ref, weight_columns,
-)
+from moe_infer.kernels.ep_ops_ref import weight_columns
+from moe_infer.kernels.ep_row_ops import EP_ROW_OPS, RowOps
 from moe_infer.kernels.ep_rows import (
     combine_rows_kernel, pack_rows_kernel, recv_rows_kernel, slot_pack_kernel, slot_rows_kernel,
 )
 from moe_infer.kernels.pdl import use_pdl
-from moe_infer.registry import Registry
 
 _INT = (torch.int32, torch.int64)
-SLOT_PACK_MAX_ROWS = 8192  # routed rows up to which `slot_pack` (every program scans them all) is used
 PDL_ENV = "MOE_EP_PDL"  # "0": slot_pack launches without programmatic dependent launch
-
-
-@dataclass(frozen=True)
-class RowOps:
-    slot_rows: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
-    pack_rows: Callable[..., torch.Tensor]
-    recv_rows: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
-    combine_rows: Callable[..., torch.Tensor]
-    slot_pack: Callable[..., torch.Tensor]
-
-
-EP_ROW_OPS: Registry[RowOps] = Registry("EP row ops")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -180,11 +162,5 @@ def slot_pack_triton(x_TD, ids_N, weights_N, slots_V3, ep_rank: int, capacity: i
     return dest_N
 
 
-EP_ROW_OPS.register("torch")(RowOps(slot_rows_ref, pack_rows_ref, recv_rows_ref, combine_rows_ref, slot_pack_ref))
 EP_ROW_OPS.register("triton")(RowOps(slot_rows_triton, pack_rows_triton, recv_rows_triton, combine_rows_triton,
                                      slot_pack_triton))
-
-
-def row_ops(device: torch.device) -> RowOps:
-    """The row ops for tensors on `device`: Triton on CUDA, the PyTorch references elsewhere."""
-    return EP_ROW_OPS.get("triton" if torch.device(device).type == "cuda" else "torch")

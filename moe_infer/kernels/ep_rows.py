@@ -6,7 +6,7 @@ PyTorch references of the same signatures: `moe_infer.kernels.ep_ops_ref`).
     pack_rows_kernel     send_XC[x] = [x_TD[src_X[x] // K], bits of weights_N[src_X[x]]] (zeros if src < 0)
     slot_pack_kernel     the three steps before the all-to-all in one launch (replica choice, rank in the
                          slot, dest_N, the packed send rows): one program per virtual slot, which scans
-                         all N routed rows (for few rows: `moe_infer.kernels.ep_ops.SLOT_PACK_MAX_ROWS`)
+                         all N routed rows (for few rows: `moe_infer.kernels.ep_row_ops.SLOT_PACK_MAX_ROWS`)
     recv_rows_kernel     received row x -> (local slot if its weight != 0 else -1, its float32 weight)
     combine_rows_kernel  out_TD[t] = sum_k y_XD[dest_N[t*K + k]] in float32 (rows dest >= X add nothing)
 

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from moe_infer.experts.dispatcher import DispatchMetadata, LocalDispatcher
-from moe_infer.kernels.ep_ops import row_ops
+from moe_infer.kernels.ep_row_ops import row_ops
 from moe_infer.kernels.ep_ops_ref import weight_columns
 from moe_infer.parallel.placement import ExpertPlacement
 from moe_infer.parallel.slots import SlotTables

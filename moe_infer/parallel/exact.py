@@ -16,7 +16,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from moe_infer.kernels.ep_ops import row_ops
+from moe_infer.kernels.ep_row_ops import row_ops
 from moe_infer.kernels.ep_ops_ref import weight_columns
 from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
 

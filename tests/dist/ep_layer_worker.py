@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch  # noqa: E402
-from moe_infer.kernels.ep_ops import SLOT_PACK_MAX_ROWS  # noqa: E402
+from moe_infer.kernels.ep_row_ops import SLOT_PACK_MAX_ROWS  # noqa: E402
 from moe_infer.kernels.fused_moe_ref import fused_experts_ref  # noqa: E402
 from moe_infer.layers.moe import MoEBackends, MoELayer  # noqa: E402
 from moe_infer.parallel import init, replicate_hot_experts  # noqa: E402
