@@ -70,6 +70,16 @@ def test_hash_chains_previous_block():
     assert bm.find_cached_prefix(seq([0, 2, 3, 4, 5, 6, 7, 8, 0])) == []
 
 
+def test_a_block_recurring_at_another_position_is_not_a_hit():
+    # a's 2nd block [5, 6, 7, 8] opens b: the same tokens, but their KV was computed after [1, 2, 3, 4]
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0])
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.find_cached_prefix(seq([5, 6, 7, 8, 9, 10, 11, 12, 0])) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == a.block_table[:2]
+
+
 def test_never_reuses_the_whole_prompt():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq(range(8))

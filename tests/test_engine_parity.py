@@ -22,6 +22,9 @@ PROMPTS = [
     [11, 12, 13],  # 3 tokens
     _SHARED[:13] + [140, 141, 142, 143, 144, 145],  # shares 3 full blocks with the first
     list(range(40, 77)),  # 37 tokens: several chunks under a small budget
+    # starts with the first prompt's 2nd and 3rd blocks, which that prompt holds at positions 4..11: same
+    # tokens, other positions and context, so their KV must not be reused (the hash chains the prefix)
+    _SHARED[4:12] + [150, 151, 152],
 ]
 MODES = {
     "roomy": dict(num_kv_blocks=256, enable_prefix_caching=False),
@@ -79,6 +82,7 @@ def test_greedy_matches_transformers(family, mode):
         assert bm.num_prefix_hits > hits_before
         cached = [o.metrics.num_cached_prompt_tokens for o in outs]
         assert cached[0] == 20 and cached[2] == 12, cached  # 5 and 3 full blocks of 4 from the cache
+        assert cached[4] == 0, cached  # blocks that recur at another position are not a prefix hit
     assert not llm.engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks  # every block came back
 
