@@ -154,3 +154,37 @@ def test_logprobs_are_raw_log_softmax_with_rank():
     assert top_ids == [] and math.isclose(chosen, ref[1, t].item(), rel_tol=1e-6)
     assert rank == int((ref[1] > ref[1, t]).sum()) + 1
     assert out.logprobs[2] is None
+
+
+def filtered_distribution(logits, temperature, top_k=-1, top_p=1.0, min_p=0.0):
+    """Naive reference: softmax(logits / T), then top-k, then top-p of the renormalised top-k set
+    (the top token always stays), then min-p against the most likely token; renormalised."""
+    z = [x / temperature for x in logits.tolist()]
+    m = max(z)
+    e = [math.exp(x - m) for x in z]
+    p = [x / sum(e) for x in e]
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep = order[:top_k] if top_k != -1 else order
+    mass, nucleus = sum(p[i] for i in keep), []
+    for i in keep:
+        if nucleus and sum(p[j] for j in nucleus) / mass >= top_p:
+            break
+        nucleus.append(i)
+    kept = [i for i in nucleus if p[i] >= min_p * p[order[0]]]
+    out = torch.zeros(len(p))
+    for i in kept:
+        out[i] = p[i] / sum(p[j] for j in kept)
+    return out
+
+
+@pytest.mark.parametrize("temperature, kw", [
+    (2.0, dict(top_p=0.6)),  # flatter: the nucleus is {0, 1, 2, 3} (at T=1 it is {0, 1})
+    (0.5, dict(min_p=0.1)),  # sharper: p >= 0.1 p_max keeps {0, 1, 2} (at T=1 {0, 1, 2, 3, 4})
+    (0.5, dict(top_p=0.8)),  # sharper: {0, 1} (at T=1 {0, 1, 2, 3})
+    (3.0, dict(top_k=5, top_p=0.7, min_p=0.4)),
+])
+def test_filters_apply_to_the_tempered_distribution(temperature, kw):
+    want = filtered_distribution(LOGITS, temperature, **kw)
+    freq = draw(n=20000, temperature=temperature, **kw)
+    assert torch.equal(freq > 0, want > 0), (freq, want)  # the same support, no token outside it
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
