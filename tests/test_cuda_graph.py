@@ -18,6 +18,8 @@ from moe_infer.engine.cuda_graph import DecodeGraphs, capture_sizes, context_blo
 PROMPTS = [[7, 19, 33, 41, 58, 62, 77, 80, 91, 15, 23], [11, 12, 13], list(range(40, 70))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
+pytestmark = pytest.mark.timeout(180)  # an engine loop that stops making progress must fail, not spin
+
 
 def test_capture_sizes_and_context_buckets():
     assert capture_sizes(1) == [1]
@@ -67,6 +69,7 @@ def _cuda_llm(**kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
 def test_cuda_graph_decode_equals_eager_gpu():
     eager = _cuda_llm(dtype="float32", enforce_eager=True)
     assert eager.engine.runner.graphs is None
@@ -84,6 +87,7 @@ def test_cuda_graph_decode_equals_eager_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
 @pytest.mark.parametrize("kw", [dict(experts_backend="torch"), dict(policy="drop")])
 def test_cuda_graph_off_where_unsafe_gpu(kw):
     llm = _cuda_llm(dtype="float32", **kw)

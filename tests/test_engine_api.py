@@ -8,6 +8,8 @@ from moe_infer import LLM, RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
+pytestmark = pytest.mark.timeout(180)  # an engine loop that stops making progress must fail, not spin
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -26,6 +26,8 @@ from tiny_hf import FAMILIES, load_hf_model
 PROMPTS = [[7, 19, 33, 41, 58, 62, 77, 80, 91, 15, 23], [11, 12, 13], list(range(40, 70))]
 NUM_NEW = 24
 
+pytestmark = pytest.mark.timeout(240)  # an engine loop that stops making progress must fail, not spin
+
 
 @torch.inference_mode()
 def _teacher_forced_logprobs(model, prompt, tokens, device):
@@ -69,6 +71,7 @@ def test_bf16_engine_close_to_fp32_transformers_cpu(family):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_engine_close_to_fp32_transformers_cuda(family):
     check_bf16(family, "cuda")

@@ -15,6 +15,8 @@ from moe_infer import LLM, SamplingParams
 from tiny_hf import FAMILIES
 
 NUM_NEW = 24
+
+pytestmark = pytest.mark.timeout(180)  # an engine loop that stops making progress must fail, not spin
 BLOCK = 4
 _SHARED = [7, 19, 33, 41, 58, 62, 77, 80, 91, 15, 23, 104, 5, 66, 8, 120, 9, 44, 12, 101]
 PROMPTS = [
@@ -88,6 +90,7 @@ def test_greedy_matches_transformers(family, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
 @pytest.mark.parametrize("mode", ["preempt", "chunked"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_cuda_fp32(family, mode):

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from moe_infer.engine.block_manager import BlockManager
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
 from moe_infer.engine.sequence import Sequence, SequenceStatus
+
+pytestmark = pytest.mark.timeout(60)  # a scheduler that stops making progress must fail, not spin
 
 EOS = 2
 
