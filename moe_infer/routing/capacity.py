@@ -5,7 +5,10 @@ A policy maps (topk_ids_TK, topk_weights_TK, logits_TE=..., spec=..., **kwargs) 
 still flows through the residual. Legend: T tokens, E experts, K top-k, N = T*K routed rows.
 
 - `dropless` (default) keeps every row.
-- `drop`: capacity = max(ceil(capacity_factor * T * K / E), min_capacity) rows per expert. Which
+- `drop`: capacity = max(ceil(capacity_factor * T * K / E), min_capacity) rows per expert, computed in
+  exact arithmetic with capacity_factor read as the decimal it is written as (1.1 is 11/10, not the
+  binary double just above it): cf=1.1, T=25, K=2, E=5 gives 11. DeepSpeed evaluates the product in
+  float32 and can land one above or below at such exact-integer boundaries; we follow the exact value. Which
   rows stay is decided by the visiting order (`capacity_ops`): `drop_by="position"` visits rows in
   token order (DeepSpeed `topkgating(drop_policy="position")`), or, with `position_order="slot"`,
   all first choices before all second choices (DeepSpeed `top2gating`, GShard); `drop_by="score"`
@@ -21,6 +24,8 @@ The counting runs through `CAPACITY_KERNELS` ("auto": Triton on CUDA); no host s
 from __future__ import annotations
 
 import math
+from fractions import Fraction
+from functools import lru_cache
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -36,13 +41,18 @@ DROP_BY = ("position", "score")
 POSITION_ORDERS = ("token", "slot")
 
 
+@lru_cache(maxsize=4096)
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
-    """capacity = max(ceil(capacity_factor * T * K / E), min_capacity) (a host int: T is a shape)."""
+    """capacity = max(ceil(capacity_factor * T * K / E), min_capacity), exact (a host int: T is a shape).
+
+    capacity_factor counts as the shortest decimal that round-trips to it (`repr`), so the boundary
+    falls where the written number puts it, not where float rounding of the product does."""
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
     if min_capacity < 0:
         raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
-    return max(math.ceil(capacity_factor * num_tokens * top_k / num_experts), min_capacity)
+    cf = Fraction(repr(float(capacity_factor)))
+    return max(math.ceil(cf * num_tokens * top_k / num_experts), min_capacity)
 
 
 def router_scores(logits_TE: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
