@@ -22,6 +22,9 @@ class ModelConfig:
     cuda_graph_max_batch: int = 256  # the largest decode batch captured; larger batches run eagerly
 
     def __post_init__(self) -> None:
+        if self.path is not None and not str(self.path).strip():
+            raise ValueError("model.path is empty: model=hf needs model.path=/path/to/checkpoint "
+                             "(leave model.path unset, model=tiny_moe, for the small model shipped in the repo)")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError(f"model.cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
         if self.dtype not in DTYPES + ("auto",):

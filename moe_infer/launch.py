@@ -7,6 +7,7 @@ runs the engine over its share of the experts and rank 0 prints.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import List
 
@@ -38,7 +39,7 @@ def run(job: JobConfig) -> list:
     params = SamplingParams(**vars(job.sampling))
     prompts = job.prompt_list()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=is_printer and job.show_progress)
     elapsed = time.perf_counter() - start
     if is_printer:
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -46,7 +47,8 @@ def run(job: JobConfig) -> list:
             print("=" * 72)
             print(f"prompt: {out.prompt!r}  ({len(out.prompt_token_ids)} tokens)")
             print(f"{out.prompt}{out.outputs[0].text}")
-            print(f"[finish_reason={out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens]")
+            error = f": {out.outputs[0].error}" if out.outputs[0].error else ""
+            print(f"[finish_reason={out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens{error}]")
         print("=" * 72)
         print(f"{len(outputs)} requests, {num_out} output tokens in {elapsed:.2f} s: "
               f"{num_out / max(elapsed, 1e-9):.1f} output tokens/s")
@@ -61,7 +63,11 @@ def run(job: JobConfig) -> list:
 def _hydra_main(cfg: DictConfig) -> None:
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
-    run(job)
+    outputs = run(job)
+    failed = [o for o in outputs if o.outputs[0].finish_reason == "error"]
+    if failed:  # a batch job whose requests failed must not look like a success
+        print(f"{len(failed)} of {len(outputs)} requests failed", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ class JobConfig(EngineConfig):
     prompts: List[str] = field(default_factory=lambda: ["def fibonacci(n):"])
     prompt: Optional[str] = None  # a single prompt from the command line: replaces `prompts`
     show_expert_load: bool = True
+    show_progress: bool = True  # vLLM's progress bar (finished requests, input/output tokens/s) on stderr
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

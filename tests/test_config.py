@@ -63,6 +63,11 @@ def test_wrong_type_and_unknown_key_fail_with_the_key_name():
         _compose(["routing.foo=1"])
 
 
+def test_model_hf_without_a_path_is_refused():
+    with pytest.raises(Exception, match="model.path is empty: model=hf needs model.path="):
+        OmegaConf.to_object(_compose(["model=hf"]))
+
+
 def test_invalid_value_is_rejected_by_the_dataclass():
     with pytest.raises(Exception, match="capacity_factor"):
         OmegaConf.to_object(_compose(["routing.capacity_factor=-1"]))

@@ -29,7 +29,7 @@ def ids(*tokens):
 
 def test_bad_requests_fail_alone(llm):
     prompts = [ids(5, 6, 7), ids(*range(3, 60)), ids(8, 9, 500), "text but no tokenizer", ids(4, 5, 6, 7),
-               {"prompt": "x"}, ids(), ids(*range(3, 51))]
+               {"text": "x"}, ids(), ids(*range(3, 51))]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "length",
                                                          "error", "error", "error"]
@@ -37,7 +37,7 @@ def test_bad_requests_fail_alone(llm):
     assert "max_model_len is 48" in errors[1] and "max_model_len is 48" in errors[7]
     assert "outside the vocabulary" in errors[2] and "[500]" in errors[2]
     assert "needs a tokenizer" in errors[3]
-    assert "prompt_token_ids" in errors[5] and "empty" in errors[6]
+    assert "{'prompt': str}" in errors[5] and "keys ['text']" in errors[5] and "empty" in errors[6]
     off = LLM(model=checkpoint("qwen3_moe"), device="cpu", num_kv_blocks=8, collect_stats=False)
     assert off.get_expert_load() == []
     big = off.generate([ids(3, 4)], SamplingParams(logprobs=1000), use_tqdm=False)[0].outputs[0]
@@ -129,6 +129,8 @@ def test_metrics_and_expert_load(llm):
 def test_text_prompt_stop_string_and_logprob_tokens(text_llm):
     base = text_llm.generate("def f(x):", GREEDY, use_tqdm=False)[0]
     text = base.outputs[0].text
+    as_dict = text_llm.generate({"prompt": "def f(x):"}, GREEDY, use_tqdm=False)[0]  # vLLM's TextPrompt
+    assert (as_dict.prompt, as_dict.prompt_token_ids, as_dict.outputs[0].text) == (base.prompt, base.prompt_token_ids, text)
     assert base.prompt == "def f(x):" and len(base.prompt_token_ids) == 9
     assert len(text) >= 6, text
     stop = text[3:5]

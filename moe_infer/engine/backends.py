@@ -6,6 +6,7 @@ backends have had their chance to register.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Tuple
 
 import torch
@@ -31,8 +32,12 @@ def resolve_name(registry: Registry, name: str, device: torch.device, field: str
         raise KeyError(f"{field}=auto: none of {AUTO_PREFERENCE.get(device.type)} is registered "
                        f"({registry.kind}: {', '.join(registry.names())})")
     if name not in registry:
+        hint = " (the Triton backends need `pip install triton`)" if name == "triton" else ""
         raise KeyError(f"{field}={name!r} is not a registered {registry.kind}; available: "
-                       f"{', '.join(registry.names())}")
+                       f"{', '.join(registry.names())}{hint}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{field}=triton runs Triton kernels, which need a CUDA device; this engine runs on "
+                         f"{device}: use {field}=auto or {field}=torch")
     return name
 
 

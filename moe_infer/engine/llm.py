@@ -47,6 +47,27 @@ def build_config(model: Optional[str] = None, seed: int = 0, **kwargs) -> Engine
     return EngineConfig(seed=seed, **parts)
 
 
+class _ProgressBar:
+    """vLLM's offline progress bar: finished requests, with input and output tokens/s so far."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.num_in = self.num_out = 0
+
+    def update(self, out: RequestOutput) -> None:
+        self.num_in += len(out.prompt_token_ids)
+        self.num_out += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+        self.bar.set_postfix_str(f"est. speed input: {self.num_in / elapsed:.2f} toks/s, "
+                                 f"output: {self.num_out / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
@@ -85,18 +106,14 @@ class LLM:
         prompts, params = self._normalize(prompts, sampling_params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: Dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        bar = _ProgressBar(len(ids)) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(final_only=True):
                     if out.finished:
                         final[out.request_id] = out
                         if bar is not None:
-                            bar.update(1)
+                            bar.update(out)
         finally:
             if bar is not None:
                 bar.close()

@@ -27,7 +27,7 @@ from moe_infer.parallel.engine_hooks import init_engine_parallel, run_step
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, Dict[str, List[int]]]
+PromptType = Union[str, Dict[str, Union[str, List[int]]]]  # "text", {"prompt": "text"}, {"prompt_token_ids": [...]}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -185,7 +185,10 @@ class LLMEngine:
             if text is None and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids)
             return text, list(ids), None
-        return None, [], f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return self._tokenize(prompt["prompt"], params)
+        return None, [], ("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
+                          f"{type(prompt).__name__}{' with keys ' + str(sorted(prompt)) if isinstance(prompt, dict) else ''}")
 
     def _by_seq_id(self, seq_id: int) -> _Request:
         return self._by_seq[seq_id]
