@@ -175,7 +175,7 @@ def test_triton_capacity_full_shapes_gpu(E, K):
 
 
 def test_moe_layer_with_drop_policy_skips_dropped_rows():
-    from moe_infer.experts.dispatcher import LocalDispatcher
+    from moe_infer.experts.local_dispatch import LocalDispatcher
     from moe_infer.experts.reference import experts_torch
     from moe_infer.layers.moe import MoEBackends, MoELayer
 
