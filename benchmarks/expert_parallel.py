@@ -47,7 +47,7 @@ from moe_infer.experts.reference import EXPERT_BACKENDS  # noqa: E402
 from moe_infer.kernels.ep_row_ops import row_ops  # noqa: E402
 from moe_infer.kernels.fused_moe_ref import fused_experts_ref  # noqa: E402
 from moe_infer.parallel import init  # noqa: E402
-from moe_infer.parallel.dispatcher import weight_columns  # noqa: E402
+from moe_infer.parallel.all_to_all import weight_columns  # noqa: E402
 from moe_infer.plugins import load_plugins  # noqa: E402
 from moe_infer.routing.capacity import CAPACITY_POLICIES  # noqa: E402
 from moe_infer.routing.select import ROUTING_BACKENDS  # noqa: E402

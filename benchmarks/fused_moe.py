@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from moe_infer.experts.dispatcher import LocalDispatcher  # noqa: E402
+from moe_infer.experts.local_dispatch import LocalDispatcher  # noqa: E402
 from moe_infer.kernels.fused_moe import (  # noqa: E402
     COMBINE_MODES, MAX_INLINE_ROWS, block_schedule, combine_topk, fused_experts,
 )

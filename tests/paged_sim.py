@@ -7,7 +7,7 @@ from typing import Dict, List
 
 import torch
 
-from moe_infer.engine.forward_context import AttentionMetadata, forward_context
+from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
 
 class PagedSim:

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from moe_infer.config import ParallelConfig
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel import (ExpertPlacement, ParallelDims, contiguous_placement, init, load_placement,
                                 replicate_hot_experts)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_infer.kernels.ep_ops  # noqa: F401  (registers EP_ROW_OPS["triton"]; conftest set the interpreter on CPU)
-from moe_infer.kernels.ep_ops_ref import weight_columns
+from moe_infer.kernels.ep_ops_torch import weight_columns
 from moe_infer.kernels.ep_row_ops import EP_ROW_OPS, row_ops
 from moe_infer.routing.capacity_ops import expert_ranks_torch
 

@@ -3,7 +3,7 @@ real shapes and a CUDA-graph capture on a GPU."""
 import pytest
 import torch
 
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.experts.triton_experts import experts_triton
 from moe_infer.kernels.fused_moe import block_schedule, fused_experts

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.layers.moe import MoEBackends
 from moe_infer.models import load_arch, load_model
 from tiny_hf import FAMILIES, make_tiny_checkpoint, read_state_dict

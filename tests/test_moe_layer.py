@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import experts_torch
 from moe_infer.layers.moe import MoEBackends, MoELayer
 from moe_infer.routing.spec import RoutingSpec

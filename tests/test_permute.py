@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from moe_infer.experts.dispatcher import LocalDispatcher  # noqa: E402
+from moe_infer.experts.local_dispatch import LocalDispatcher  # noqa: E402
 from moe_infer.routing.permute import (  # noqa: E402
     PERMUTE_BACKENDS, align_rows_to_blocks, max_padded_rows, permute_rows,
 )

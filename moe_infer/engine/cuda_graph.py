@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from moe_infer.engine.forward_context import AttentionMetadata, forward_context
+from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
-from moe_infer.engine.forward_context import AttentionMetadata, forward_context
+from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.parallel.engine_hooks import agree_min, expert_dispatcher, init_engine_parallel

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moe_infer.experts.dispatcher import DispatchMetadata
+from moe_infer.experts.local_dispatch import DispatchMetadata
 from moe_infer.registry import Registry
 
 ExpertsFn = Callable[[torch.Tensor, DispatchMetadata, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_infer.experts.dispatcher import DispatchMetadata
+from moe_infer.experts.local_dispatch import DispatchMetadata
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.kernels.fused_moe import _DTYPE_NAMES, block_schedule, down, fused_experts, gate_up
 from moe_infer.kernels.fused_moe_config import get_config

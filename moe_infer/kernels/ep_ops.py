@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 import triton
 
-from moe_infer.kernels.ep_ops_ref import weight_columns
+from moe_infer.kernels.ep_ops_torch import weight_columns
 from moe_infer.kernels.ep_row_ops import EP_ROW_OPS, RowOps
 from moe_infer.kernels.ep_rows import (
     combine_rows_kernel, pack_rows_kernel, recv_rows_kernel, slot_pack_kernel, slot_rows_kernel,

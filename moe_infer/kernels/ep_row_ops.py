@@ -1,6 +1,6 @@
 """The registry of expert-parallel row operations that the all-to-all dispatchers use (no triton here).
 
-    EP_ROW_OPS["torch"]   the PyTorch implementations (`ep_ops_ref`): the CPU / gloo path, and the
+    EP_ROW_OPS["torch"]   the PyTorch implementations (`ep_ops_torch`): the CPU / gloo path, and the
                           references of the Triton kernels
     EP_ROW_OPS["triton"]  the Triton kernels (`ep_ops`), registered when that module is imported;
                           it is a plugin (`moe_infer.plugins`), so the engine runs without triton on CPU
@@ -15,8 +15,8 @@ from typing import Callable, Tuple
 
 import torch
 
-from moe_infer.kernels.ep_ops_ref import (
-    combine_rows_ref, pack_rows_ref, recv_rows_ref, slot_pack_ref, slot_rows_ref,
+from moe_infer.kernels.ep_ops_torch import (
+    combine_rows_torch, pack_rows_torch, recv_rows_torch, slot_pack_torch, slot_rows_torch,
 )
 from moe_infer.registry import Registry
 
@@ -33,7 +33,7 @@ class RowOps:
 SLOT_PACK_MAX_ROWS = 8192  # routed rows up to which `slot_pack` (every program scans them all) is used
 
 EP_ROW_OPS: Registry[RowOps] = Registry("EP row ops")
-EP_ROW_OPS.register("torch")(RowOps(slot_rows_ref, pack_rows_ref, recv_rows_ref, combine_rows_ref, slot_pack_ref))
+EP_ROW_OPS.register("torch")(RowOps(slot_rows_torch, pack_rows_torch, recv_rows_torch, combine_rows_torch, slot_pack_torch))
 
 
 def row_ops(device: torch.device) -> RowOps:

@@ -1,5 +1,5 @@
 """Raw Triton kernels of the expert-parallel row path (wrappers and checks: `moe_infer.kernels.ep_ops`;
-PyTorch references of the same signatures: `moe_infer.kernels.ep_ops_ref`).
+PyTorch references of the same signatures: `moe_infer.kernels.ep_ops_torch`).
 
     slot_rows_kernel     routed row n -> send row dest_N[n] = slot(n) * C + rank(n) (X if not sent)
                          and the inverse map src_X[dest] = n (prefilled with -1)

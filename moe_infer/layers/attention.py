@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from moe_infer.engine.forward_context import get_forward_context
+from moe_infer.layers.forward_context import get_forward_context
 from moe_infer.layers.norm import RMSNorm
 from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
 from moe_infer.layers.rotary import RotaryEmbedding

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_infer.engine.forward_context import valid_tokens
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
+from moe_infer.layers.forward_context import valid_tokens
 from moe_infer.offload.store import EXPERT_STORES
 from moe_infer.routing.capacity import CAPACITY_POLICIES
 from moe_infer.routing.select import ROUTING_BACKENDS

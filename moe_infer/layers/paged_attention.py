@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from moe_infer.engine.forward_context import AttentionMetadata
+from moe_infer.layers.forward_context import AttentionMetadata
 from moe_infer.registry import Registry
 
 

@@ -6,7 +6,7 @@
 from moe_infer.parallel.capacity_dispatch import CapacityDispatcher
 from moe_infer.parallel.context import ParallelContext, init
 from moe_infer.parallel.dims import ParallelDims
-from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, A2AMetadata, RoutePlan
+from moe_infer.parallel.all_to_all import DISPATCHERS, A2ADispatcher, A2AMetadata, RoutePlan
 from moe_infer.parallel.exact import ExactDispatcher
 from moe_infer.parallel.placement import ExpertPlacement, contiguous_placement, load_placement, replicate_hot_experts
 

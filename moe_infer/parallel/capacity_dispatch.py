@@ -29,8 +29,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from moe_infer.kernels.ep_row_ops import SLOT_PACK_MAX_ROWS, row_ops
-from moe_infer.kernels.ep_ops_ref import weight_columns
-from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
+from moe_infer.kernels.ep_ops_torch import weight_columns
+from moe_infer.parallel.all_to_all import DISPATCHERS, A2ADispatcher, RoutePlan
 from moe_infer.parallel.slots import sections
 from moe_infer.routing.capacity_ops import expert_ranks_torch
 

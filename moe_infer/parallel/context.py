@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from moe_infer.config import ParallelConfig, RoutingConfig
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel import capacity_dispatch, exact  # noqa: F401  (register the backends)
 from moe_infer.parallel.dims import ParallelDims
-from moe_infer.parallel.dispatcher import DISPATCHERS
+from moe_infer.parallel.all_to_all import DISPATCHERS
 from moe_infer.parallel.placement import ExpertPlacement, contiguous_placement, load_placement
 
 CAPACITY_POLICIES_FOR_A2A = ("drop", "reroute")

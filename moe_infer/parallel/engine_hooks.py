@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moe_infer.config import EngineConfig
-from moe_infer.experts.dispatcher import LocalDispatcher
+from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel.context import ParallelContext, init
 
 logger = logging.getLogger(__name__)

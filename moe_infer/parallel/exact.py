@@ -17,8 +17,8 @@ from typing import List, Sequence, Tuple
 import torch
 
 from moe_infer.kernels.ep_row_ops import row_ops
-from moe_infer.kernels.ep_ops_ref import weight_columns
-from moe_infer.parallel.dispatcher import DISPATCHERS, A2ADispatcher, RoutePlan
+from moe_infer.kernels.ep_ops_torch import weight_columns
+from moe_infer.parallel.all_to_all import DISPATCHERS, A2ADispatcher, RoutePlan
 
 _HEADER = 2  # columns ahead of the counts: number of micro-batches, tokens on the sending rank
 

@@ -61,9 +61,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from moe_infer.experts.dispatcher import DispatchMetadata, LocalDispatcher
+from moe_infer.experts.local_dispatch import DispatchMetadata, LocalDispatcher
 from moe_infer.kernels.ep_row_ops import row_ops
-from moe_infer.kernels.ep_ops_ref import weight_columns
+from moe_infer.kernels.ep_ops_torch import weight_columns
 from moe_infer.parallel.placement import ExpertPlacement
 from moe_infer.parallel.slots import SlotTables
 from moe_infer.registry import Registry
