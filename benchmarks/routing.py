@@ -15,7 +15,7 @@ Usage: python benchmarks/routing.py [--out DIR] [--quick]. Prints a table, write
 The "triton" pipeline is `route_rows_triton` (gate + tile counts fused, tile scan, scatter);
 "triton_two_step" is select_experts_triton + permute_rows_triton. Measured on H100 (final JSON,
 results/routing_nvidia_h100_80gb_hbm3.json): all 20 points >= 14.4x; T=8192 E=256 K=8 grouped 26.3 us
-(target 25 us missed by 1.3 us; previous session 44.4 us). History and breakdown: docs/routing_notes.md.
+(target 25 us missed by 1.3 us; previous session 44.4 us). History and breakdown: docs/notes/routing.md.
 `--ptxas` needs no GPU: it compiles the gate and permutation kernels for sm_90 at the launch
 configurations the wrappers pick and prints ptxas' registers / spills and the SASS size per token.
 """
