@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--attention", default=None,
+                        help="also time ours with this attention backend (e.g. triton: the paged kernel)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -131,6 +133,7 @@ def main() -> None:
         llm = LLM(**kw)  # decode steps replayed as CUDA graphs (the default on CUDA)
         t_load = time.perf_counter() - t0
         eager = LLM(**kw, enforce_eager=True) if device.type == "cuda" else None
+        other_attn = LLM(**kw, attention_backend=args.attention) if args.attention else None
         backends = llm.engine.runner.backends
         rows = []
         for b in batches:
@@ -149,6 +152,12 @@ def main() -> None:
                 eager_row = dict(ours_eager_s=t_eager, ours_eager_tok_s=b * num_new / t_eager,
                                  same_tokens_graph_vs_eager=sum(x == y for a, c in zip(tok_ours, tok_eager)
                                                                 for x, y in zip(a, c)) / (b * num_new))
+            if other_attn is not None:
+                time_ours(other_attn, other, 3, device)
+                t_attn, tok_attn = time_ours(other_attn, prompts, num_new, device)
+                eager_row.update(ours_attention=args.attention, ours_attention_tok_s=b * num_new / t_attn,
+                                 same_tokens_attention_vs_default=sum(x == y for a, c in zip(tok_ours, tok_attn)
+                                                                      for x, y in zip(a, c)) / (b * num_new))
             same = sum(x == y for a, c in zip(tok_ours, tok_hf) for x, y in zip(a, c))
             first = sum(a[0] == c[0] for a, c in zip(tok_ours, tok_hf))
             rows.append(dict(batch=b, prompt_len=prompt_len, new_tokens=num_new,
@@ -169,9 +178,12 @@ def main() -> None:
           f"(D={dims['hidden_size']}, E={dims['num_experts']}, K={dims['num_experts_per_tok']}, "
           f"F={dims['moe_intermediate_size']}), prompt {prompt_len}, {num_new} new tokens, experts={backends.experts}")
     print(f"cuda graphs: {result['cuda_graphs']}")
-    print(f"{'batch':>5} {'ours tok/s':>11} {'eager tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'same tok':>9}")
+    attn = f"{args.attention} tok/s" if args.attention else ""
+    print(f"{'batch':>5} {'ours tok/s':>11} {'eager tok/s':>12} {attn:>14} {'HF tok/s':>10} {'speedup':>8} "
+          f"{'same tok':>9}")
     for r in rows:
         print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('ours_eager_tok_s', float('nan')):>12.1f} "
+              f"{(format(r['ours_attention_tok_s'], '.1f') if args.attention else ''):>14} "
               f"{r['hf_tok_s']:>10.1f} {r['speedup']:>7.2f}x {r['same_tokens']:>8.0%}")
     out = args.out
     if out is None:

@@ -20,6 +20,7 @@ class ModelConfig:
     max_model_len: Optional[int] = None  # default: the checkpoint's max_position_embeddings
     enforce_eager: bool = False  # True: never replay decode steps as CUDA graphs (as vLLM's flag)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured; larger batches run eagerly
+    attention_backend: str = "auto"  # auto | torch (float32 reference) | sdpa | triton (paged, K/V read in place)
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():

@@ -15,6 +15,7 @@ PLUGIN_MODULES = (
     "moe_infer.kernels.ep_ops",  # EP_ROW_OPS["triton"]: the all-to-all dispatchers' row kernels
     "moe_infer.routing.triton_select",  # ROUTING_BACKENDS["triton"], capacity policies on GPU
     "moe_infer.experts.triton_experts",  # EXPERT_BACKENDS["triton"]
+    "moe_infer.layers.attention_triton",  # ATTENTION_BACKENDS["triton"]: paged attention reading K/V in place
 )
 
 _loaded: List[str] = []

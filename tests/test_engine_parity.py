@@ -12,6 +12,7 @@ import torch
 
 from engine_fixtures import checkpoint, hf_greedy
 from moe_infer import LLM, SamplingParams
+from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
 from tiny_hf import FAMILIES
 
 NUM_NEW = 24
@@ -100,3 +101,37 @@ def test_greedy_matches_transformers_cuda_fp32(family, mode):
     llm = LLM(model=path, dtype="float32", device="cuda", block_size=BLOCK, **MODES[mode])
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     _check(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False), ref)
+
+
+@pytest.mark.timeout(400)  # the interpreter runs every attention call of the engine
+def test_triton_attention_in_the_engine_interpreter():
+    """The paged Triton attention kernel in the engine on CPU (Triton interpreter), chunked prefill: steps
+    that mix decodes with prompt chunks reading earlier chunks from the cache; transformers' first tokens."""
+    pytest.importorskip("moe_infer.layers.attention_triton")
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA variant below runs it on the GPU")
+    path, ref = reference("qwen3_moe")
+    num_new = 6
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, attention_backend="triton",
+              **MODES["chunked"])
+    assert llm.engine.runner.model.layers[0].self_attn._attend is ATTENTION_BACKENDS.get("triton")
+    params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_chunked_prefills > 0
+    assert [o.outputs[0].token_ids for o in outs] == [tokens[:num_new] for tokens, _ in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
+@pytest.mark.parametrize("mode", ["preempt", "chunked", "prefix"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_cuda_triton_attention(family, mode):
+    """The paged Triton attention kernel (K/V read in place) inside the engine, float32 on CUDA."""
+    path = checkpoint(family)
+    ref = [hf_greedy(path, p, NUM_NEW, device="cuda") for p in PROMPTS]
+    llm = LLM(model=path, dtype="float32", device="cuda", block_size=BLOCK, attention_backend="triton", **MODES[mode])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    if mode == "prefix":
+        _check(llm.generate(prompts[:1], params, use_tqdm=False), ref[:1])
+    _check(llm.generate(prompts, params, use_tqdm=False), ref)

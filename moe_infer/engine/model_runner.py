@@ -41,7 +41,7 @@ class ModelRunner:
         self.backends = resolve_moe_backends(cfg, device)
         self.parallel = parallel if parallel is not None else init_engine_parallel(cfg)
         self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
-        self.model = load_model(model_path, dtype, device, self.backends)
+        self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend)
         arch = self.model.arch
         self.arch = arch
         self.stats: Optional[ExpertLoadStats] = None

@@ -14,14 +14,15 @@ step (decodes beside prefill chunks) the single-token sequences are attended as 
 so they are not padded to the longest chunk (one host sync: the group sizes). Computed in
 float32, returned in q's dtype. Memory: B * L * Hkv * d gathered keys and values, B * H * Qmax * L
 scores per group; a reference, not a kernel. `paged_attention_sdpa` (same signature) does the
-same gather and hands the masked dense attention to torch's SDPA in q's dtype: the CUDA default
-until a paged Triton kernel registers in ATTENTION_BACKENDS.
+same gather and hands the masked dense attention to torch's SDPA in q's dtype: the CUDA default.
+The paged Triton kernel that reads K/V in place is `moe_infer.kernels.paged_attention` ("triton").
 
 Legend: T tokens, B sequences, M max blocks per sequence, Qmax max query tokens of a sequence,
 L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb blocks, S block size.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -201,11 +202,12 @@ AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention backend")
 
 
-# "auto" takes the first registered name for the device type
-ATTENTION_AUTO = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch",)}
+# "auto" takes the first registered name for the device type ("triton", `layers/attention_triton.py`, is
+# chosen by name until the device benchmarks show it faster than "sdpa")
+ATTENTION_AUTO = {"cuda": ("sdpa", "torch"), "cpu": ("torch",)}
 
 
-def _store_then(attend: Callable[..., torch.Tensor]) -> AttentionFn:
+def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
     def backend(
         q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor,
         k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
@@ -221,14 +223,17 @@ def _store_then(attend: Callable[..., torch.Tensor]) -> AttentionFn:
     return backend
 
 
-ATTENTION_BACKENDS.register("torch")(_store_then(paged_attention_ref))
-ATTENTION_BACKENDS.register("sdpa")(_store_then(paged_attention_sdpa))
+ATTENTION_BACKENDS.register("torch")(store_then_attend(paged_attention_ref))
+ATTENTION_BACKENDS.register("sdpa")(store_then_attend(paged_attention_sdpa))
 
 
 def resolve_attention_backend(name: str, device: torch.device | str) -> str:
     """A registered attention backend name; "auto" picks by device type from ATTENTION_AUTO."""
     if name != "auto":
         ATTENTION_BACKENDS.get(name)  # raises naming the available ones
+        if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"model.attention_backend=triton runs a Triton kernel, which needs a CUDA device; "
+                             f"this engine runs on {device}: use auto, torch or sdpa")
         return name
     for candidate in ATTENTION_AUTO.get(torch.device(device).type, ("torch",)):
         if candidate in ATTENTION_BACKENDS:

@@ -31,8 +31,7 @@ def load_model(
 
     Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read. attn_backend
     names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`; "auto": the first
-    registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: a Triton
-    kernel once registered, else "sdpa").
+    registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: "sdpa").
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")

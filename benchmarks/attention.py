@@ -1,0 +1,134 @@
+"""Paged attention on the GPU: the Triton kernel that reads K/V in place through the block tables
+against the engine's current CUDA path (gather K/V through the block tables into contiguous copies,
+then torch SDPA), and against FlashInfer / flash-attn when either imports (neither is on the lent
+machines; reported as absent otherwise).
+
+Qwen3-30B-A3B's attention shape (H=32 query heads, Hkv=4, d=128, bf16), block size 16, pages of
+every sequence scattered over the cache. Cases:
+  decode   B sequences of one new token over contexts of L keys (B x L in 1x2048, 1x8192, 16x2048,
+           64x1024, 64x4096)
+  prefill  B prompts of L tokens, nothing cached (1x1024, 16x1024)
+  extend   B chunks of 512 tokens after a cached prefix of 1536 (4x512)
+Times are CUDA-graph replays (median of 50, device events), so host launch overhead is not counted.
+Roofline per case: max(bytes / 3.0 TB/s, flops / 741 TFLOP/s) with bytes = K/V read once + q and
+out, flops = 4 * d * H * (visible query-key pairs) (the H100 figures of docs; computed here).
+
+    python benchmarks/attention.py [--out X.json]     # GPU, ~1 min
+Writes JSON (device named) to --out, else $OUT/attention_<device>.json, else benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from moe_infer.layers.paged_attention import paged_attention_sdpa  # noqa: E402
+
+H, HKV, D, PAGE = 32, 4, 128, 16
+HBM_BYTES_S, BF16_FLOPS = 3.0e12, 741e12
+CASES = [("decode", 1, 2048, 0), ("decode", 1, 8192, 0), ("decode", 16, 2048, 0), ("decode", 64, 1024, 0),
+         ("decode", 64, 4096, 0), ("prefill", 1, 1024, 0), ("prefill", 16, 1024, 0), ("extend", 4, 512, 1536)]
+
+
+def build(kind: str, B: int, L: int, cached: int, gen: torch.Generator):
+    """Random cache + metadata: (args of paged_attention_*, bytes, flops)."""
+    q_len = 1 if kind == "decode" else L
+    ctx = L if kind == "decode" else cached + L  # keys after this step
+    blocks_per_seq = -(-ctx // PAGE)
+    Nb = B * blocks_per_seq
+    perm = torch.randperm(Nb, generator=gen)
+    tables = perm.view(B, blocks_per_seq).to(torch.int32).cuda()
+    k_cache = torch.randn(Nb, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    v_cache = torch.randn(Nb, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(B * q_len, H, D, generator=gen).to(torch.bfloat16).cuda()
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    positions = (torch.arange(q_len) + ctx - q_len).repeat(B).cuda()
+    args = (q, k_cache, v_cache, tables, seq_lens, starts, positions, D ** -0.5, q_len, ctx)
+    elem = 2
+    nbytes = 2 * B * ctx * HKV * D * elem + 2 * q.numel() * elem
+    pairs = B * sum(ctx - q_len + i + 1 for i in range(q_len)) if q_len > 1 else B * ctx
+    return args, nbytes, 4 * D * H * pairs
+
+
+def graph_time_us(fn, iters: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def optional_baselines():
+    found = {}
+    for name in ("flashinfer", "flash_attn"):
+        try:
+            __import__(name)
+            found[name] = "importable (not wired into this benchmark yet)"
+        except Exception as err:  # noqa: BLE001 - any import failure means "not available here"
+            found[name] = f"absent: {type(err).__name__}"
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from moe_infer.kernels.paged_attention import paged_attention_triton
+
+    gen = torch.Generator().manual_seed(0)
+    device = torch.cuda.get_device_name()
+    rows = []
+    for kind, B, L, cached in CASES:
+        a, nbytes, flops = build(kind, B, L, cached, gen)
+        ref = paged_attention_sdpa(*a).float()
+        out = paged_attention_triton(*a).float()
+        err = float((out - ref).abs().max())
+        t_ours = graph_time_us(lambda: paged_attention_triton(*a))
+        t_sdpa = graph_time_us(lambda: paged_attention_sdpa(*a))
+        roof = max(nbytes / HBM_BYTES_S, flops / BF16_FLOPS) * 1e6
+        rows.append(dict(kind=kind, batch=B, tokens=L, cached=cached, ours_us=t_ours, sdpa_gather_us=t_sdpa,
+                         roofline_us=roof, ours_pct_roofline=100 * roof / t_ours, speedup_vs_sdpa=t_sdpa / t_ours,
+                         max_abs_diff_vs_sdpa=err))
+        del a
+        torch.cuda.empty_cache()
+    print(f"paged attention, {device}, H={H} Hkv={HKV} d={D} bf16, block {PAGE}; CUDA-graph medians (us)")
+    print(f"{'case':>8} {'B':>3} {'L':>5} {'cached':>6} {'ours':>8} {'sdpa+gather':>11} {'roofline':>8} "
+          f"{'%roof':>6} {'x sdpa':>7} {'max|diff|':>9}")
+    for r in rows:
+        print(f"{r['kind']:>8} {r['batch']:>3} {r['tokens']:>5} {r['cached']:>6} {r['ours_us']:>8.1f} "
+              f"{r['sdpa_gather_us']:>11.1f} {r['roofline_us']:>8.1f} {r['ours_pct_roofline']:>6.1f} "
+              f"{r['speedup_vs_sdpa']:>7.2f} {r['max_abs_diff_vs_sdpa']:>9.4f}")
+    others = optional_baselines()
+    print("other baselines:", others)
+    result = dict(device=device, torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"),
+                  shape=dict(H=H, Hkv=HKV, d=D, block_size=PAGE, dtype="bfloat16"), rows=rows, baselines=others,
+                  roofline=dict(hbm_bytes_per_s=HBM_BYTES_S, bf16_flops=BF16_FLOPS))
+    name = f"attention_{device.replace(' ', '_').lower()}.json"
+    path = args.out or os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"), name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Launch wrapper of the paged-attention Triton kernels (`paged_attention_kernels`): the signature of
+`moe_infer.layers.paged_attention.paged_attention_ref`, which is its reference.
+
+Tile choice: a decode-only step (every sequence has one query token) puts the G heads of a KV head
+in one tile (BLOCK_M = max(16, G) rows); a step with prefill chunks takes BLOCK_Q = 64 // G tokens
+per tile. Split-KV is used for decode steps whose B * Hkv programs would leave most SMs idle and
+whose context is long (`num_splits`), with a merge launch after. No host sync: every launch
+parameter comes from shapes and the host ints of the attention metadata (a CUDA graph's
+max_seq_len is its context bucket, so the split count is fixed per capture).
+
+Legend: T query tokens, B sequences, M max blocks per sequence, H query heads, Hkv KV heads,
+G = H / Hkv, d head_dim, Nb cache blocks, S block size.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+
+from moe_infer.kernels.paged_attention_kernels import paged_attention_kernel, paged_attention_reduce_kernel
+
+SPLIT_MIN_KEYS = 1024  # keys per split below which splitting a decode step is not worth a second launch
+MAX_SPLITS = 16
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch_kv_programs: int, max_seq_len: int, max_query_len: int, num_sms: int) -> int:
+    """Splits of the key range for a decode step: enough programs for the SMs, >= SPLIT_MIN_KEYS keys each."""
+    if max_query_len > 1 or batch_kv_programs >= num_sms:
+        return 1
+    want = min(MAX_SPLITS, max(1, max_seq_len // SPLIT_MIN_KEYS), triton.cdiv(2 * num_sms, max(batch_kv_programs, 1)))
+    return 1 << (want.bit_length() - 1)  # a power of two (the merge kernel's tl.arange)
+
+
+def paged_attention_triton(
+    q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, block_tables_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor, positions_T: torch.Tensor, scale: float,
+    max_query_len: int, max_seq_len: int, sliding_window: Optional[int] = None, splits: Optional[int] = None,
+) -> torch.Tensor:
+    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 softmax).
+
+    positions_T is not read: a sequence's step tokens are its last positions (seq_lens_B - q_len ...),
+    which is what the model runner builds. splits: force a split count (tests); None chooses."""
+    T, H, d = q_THd.shape
+    Nb, S, Hkv, dk = k_cache_NbSHd.shape
+    B = seq_lens_B.shape[0]
+    _check(dk == d and H % Hkv == 0 and v_cache_NbSHd.shape == k_cache_NbSHd.shape,
+           f"q {tuple(q_THd.shape)} does not fit caches k {tuple(k_cache_NbSHd.shape)} / v "
+           f"{tuple(v_cache_NbSHd.shape)} (GQA needs H % Hkv == 0)")
+    _check(q_THd.stride(2) == 1 and k_cache_NbSHd.stride(3) == 1 and v_cache_NbSHd.stride(3) == 1,
+           "q and the caches need a unit stride on head_dim")
+    _check(query_start_loc_B1.shape == (B + 1,) and block_tables_BM.dim() == 2 and block_tables_BM.shape[0] == B,
+           f"query_start_loc {tuple(query_start_loc_B1.shape)} must be [B+1] and block_tables [B, M], B = {B}")
+    _check(block_tables_BM.stride(1) == 1, "block_tables needs a unit last stride")
+    for name, t in (("k_cache", k_cache_NbSHd), ("v_cache", v_cache_NbSHd), ("block_tables", block_tables_BM),
+                    ("seq_lens", seq_lens_B), ("query_start_loc", query_start_loc_B1)):
+        _check(t.device == q_THd.device, f"{name} is on {t.device}, q on {q_THd.device}")
+    _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+           f"the Triton paged attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
+    out_THd = torch.empty_like(q_THd)
+    if T == 0 or B == 0:
+        return out_THd
+    G = H // Hkv
+    if max_query_len <= 1:
+        block_q, block_m = 1, max(16, triton.next_power_of_2(G))
+    else:
+        block_q = max(1, 64 // G)
+        block_m = max(16, triton.next_power_of_2(block_q * G))
+    block_n = 64 if q_THd.is_cuda else 16
+    sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
+    n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, max_query_len, sms)
+    _check(n_split >= 1 and n_split & (n_split - 1) == 0, f"splits must be a power of two, got {n_split}")
+    split_n = triton.cdiv(triton.cdiv(max(max_seq_len, 1), n_split), block_n) * block_n
+    if n_split > 1:
+        part_STHd = torch.empty((n_split, T, H, d), dtype=torch.float32, device=q_THd.device)
+        m_STH = torch.empty((n_split, T, H), dtype=torch.float32, device=q_THd.device)
+        l_STH = torch.empty_like(m_STH)
+    else:
+        part_STHd = m_STH = l_STH = out_THd  # not read
+    head_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
+    grid = (B, triton.cdiv(max(max_query_len, 1), block_q) * n_split, Hkv)
+    paged_attention_kernel[grid](
+        q_THd, k_cache_NbSHd, v_cache_NbSHd, out_THd, part_STHd, m_STH, l_STH,
+        block_tables_BM, seq_lens_B, query_start_loc_B1, float(scale), int(sliding_window or 0),
+        q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
+        k_cache_NbSHd.stride(0), k_cache_NbSHd.stride(1), k_cache_NbSHd.stride(2),
+        v_cache_NbSHd.stride(0), v_cache_NbSHd.stride(1), v_cache_NbSHd.stride(2),
+        block_tables_BM.stride(0),
+        part_STHd.stride(0) if n_split > 1 else 0, part_STHd.stride(1) if n_split > 1 else 0,
+        part_STHd.stride(2) if n_split > 1 else 0, m_STH.stride(0) if n_split > 1 else 0,
+        m_STH.stride(1) if n_split > 1 else 0, split_n,
+        G=G, HEAD_D=head_d, D=d, PAGE=S, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=n_split, HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
+        DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
+        num_warps=4,
+    )
+    if n_split > 1:
+        paged_attention_reduce_kernel[(T, H)](
+            part_STHd, m_STH, l_STH, out_THd, part_STHd.stride(0), part_STHd.stride(1), part_STHd.stride(2),
+            m_STH.stride(0), m_STH.stride(1), out_THd.stride(0), out_THd.stride(1),
+            NUM_SPLITS=n_split, HEAD_D=head_d, D=d, num_warps=4,
+        )
+    return out_THd

@@ -1,0 +1,137 @@
+"""Raw Triton kernels of paged attention that read K/V in place through the block tables
+(launch wrappers and checks: `moe_infer.kernels.paged_attention`; PyTorch reference:
+`moe_infer.layers.paged_attention.paged_attention_ref`).
+
+One program attends BLOCK_Q query tokens of one sequence for the G = H / Hkv query heads that share
+one KV head: its BLOCK_M rows are (token, head-in-group) pairs, so a decode step (one token) still
+fills a tile with the G heads and every K/V tile is loaded once per KV head, not once per query
+head (GQA). Keys are visited in tiles of BLOCK_N; the page of each key comes from the block table,
+so no contiguous copy of the context is ever made. Causal by position: the step's q_len tokens of a
+sequence are its last q_len positions, key j is visible to the query at position p iff j <= p (and
+p - j < WINDOW with a sliding window). Online softmax in float32; float32 inputs multiply in IEEE
+float32 (DOT_PRECISION), not TF32, so a float32 model keeps its reference accuracy.
+
+Split-KV (decode of long contexts): with NUM_SPLITS > 1 the program of split s handles keys
+[s * SPLIT_N, (s + 1) * SPLIT_N) and writes its unnormalised partial output, row max and row sum to
+a float32 workspace; `paged_attention_reduce_kernel` merges the splits.
+
+Legend: T query tokens of the step, B sequences, M max blocks per sequence, H query heads,
+Hkv KV heads, G = H / Hkv, d head_dim, Nb cache blocks, S block size (PAGE).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
+    SPLIT_N,
+    G: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    q_tile = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    context = seq_len - q_len  # keys before the step's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // G
+    head = kv_head * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD_D)
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    pos = context + tok  # position of each query row
+
+    kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)  # no key past the tile's last query
+    kv_start = context * 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context + q_tile * BLOCK_Q - window + 1, 0)
+        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        kv_start = tl.maximum(kv_start, split * SPLIT_N)
+        kv_end = tl.minimum(kv_end, (split + 1) * SPLIT_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        keys = n0 + offs_n
+        key_ok = keys < kv_end
+        page = tl.load(block_tables_ptr + b * stride_bt + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        slot = keys % PAGE
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[:, None] - keys[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    t = q_start + tok
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(part_ptr + split * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
+                 acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(m_part_ptr + split * stride_ms + t * stride_mt + head, m_i, mask=row_ok)
+        tl.store(l_part_ptr + split * stride_ms + t * stride_mt + head, l_i, mask=row_ok)
+
+
+@triton.jit
+def paged_attention_reduce_kernel(
+    part_ptr, m_part_ptr, l_part_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr,
+):
+    """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s over the splits (m = max_s m_s)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    m_s = tl.load(m_part_ptr + offs_s * stride_ms + t * stride_mt + h)
+    l_s = tl.load(l_part_ptr + offs_s * stride_ms + t * stride_mt + h)
+    m = tl.max(m_s, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_s = tl.exp(m_s - m)  # 0 for a split that saw no key (m_s = -inf)
+    offs_d = tl.arange(0, HEAD_D)
+    d_ok = offs_d < D
+    acc = tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+                  mask=d_ok[None, :], other=0.0)
+    num = tl.sum(acc * w_s[:, None], 0)
+    den = tl.sum(l_s * w_s, 0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
