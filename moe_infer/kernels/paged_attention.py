@@ -2,8 +2,8 @@
 `moe_infer.layers.paged_attention.paged_attention_ref`, which is its reference.
 
 Tile choice: a decode-only step (every sequence has one query token) puts the G heads of a KV head
-in one tile (BLOCK_M = max(16, G) rows); a step with prefill chunks takes BLOCK_Q = 64 // G tokens
-per tile. Split-KV is used for decode steps whose B * Hkv programs would leave most SMs idle and
+in one tile (BLOCK_M = max(16, G) rows); a step with prefill chunks takes BLOCK_Q = 128 // G tokens
+per tile on the GPU for 16-bit inputs (64 // G for float32 and under the interpreter). Split-KV is used for decode steps whose B * Hkv programs would leave most SMs idle and
 whose context is long (`num_splits`), with a merge launch after. No host sync: every launch
 parameter comes from shapes and the host ints of the attention metadata (a CUDA graph's
 max_seq_len is its context bucket, so the split count is fixed per capture).
@@ -74,10 +74,11 @@ def paged_attention_triton(
         return out_THd
     G = H // Hkv
     if max_query_len <= 1:
-        block_q, block_m = 1, max(16, triton.next_power_of_2(G))
-    else:
-        block_q = max(1, 64 // G)
-        block_m = max(16, triton.next_power_of_2(block_q * G))
+        block_q, block_m, warps = 1, max(16, triton.next_power_of_2(G)), 4
+    else:  # 128-row tiles (wgmma, no spill in the offline sm_90 build) for 16-bit inputs on the GPU
+        rows = 128 if q_THd.is_cuda and q_THd.dtype != torch.float32 else 64
+        block_q = max(1, rows // G)
+        block_m, warps = max(16, triton.next_power_of_2(block_q * G)), 8 if rows == 128 else 4
     block_n = 64 if q_THd.is_cuda else 16
     sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
     n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, max_query_len, sms)
@@ -104,7 +105,7 @@ def paged_attention_triton(
         G=G, HEAD_D=head_d, D=d, PAGE=S, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=n_split, HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
-        num_warps=4,
+        num_warps=warps,
     )
     if n_split > 1:
         paged_attention_reduce_kernel[(T, H)](
