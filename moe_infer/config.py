@@ -18,6 +18,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (auto: float32 on CPU, bfloat16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: Optional[int] = None  # default: the checkpoint's max_position_embeddings
+    load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights, config.json only
     enforce_eager: bool = False  # True: never replay decode steps as CUDA graphs (as vLLM's flag)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured; larger batches run eagerly
     attention_backend: str = "auto"  # auto | torch (float32 reference) | sdpa | triton (paged, K/V read in place)
@@ -28,6 +29,8 @@ class ModelConfig:
                              "(leave model.path unset, model=tiny_moe, for the small model shipped in the repo)")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError(f"model.cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"model.load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"model.dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -86,7 +89,48 @@ class ExpertsConfig:
 
 @dataclass
 class OffloadConfig:
-    store: str = "resident"  # where expert weights live; "resident": all on the compute device
+    """Where expert weights live (docs/offload.md). resident: all on the compute device; cpu: all in
+    pinned host memory, a GPU cache of slots per layer; nvme: in files under nvme_path, a pinned
+    host cache of cpu_budget_gb in front of them, the GPU cache in front of that."""
+
+    store: str = "resident"  # moe_infer.offload.EXPERT_STORES: resident | cpu | nvme
+    gpu_expert_budget_gb: Optional[float] = None  # GiB of GPU memory for experts (cache + stream buffers)
+    slots_per_layer: Optional[int] = None  # instead of the budget: cache slots per MoE layer
+    cache_policy: str = "lru"  # moe_infer.offload.policies.CACHE_POLICIES: lru | lfu (frequency-aware)
+    prefetch: bool = True  # pre-gate the next layer's experts with its router on the current hidden state
+    prefetch_stats_weight: float = 0.0  # blend of the recorded expert frequencies into the prediction, [0, 1]
+    max_prefetch: Optional[int] = None  # experts prefetched per layer at most (None: top_k x tokens, <= slots)
+    miss_policy: str = "auto"  # auto (the measured cost model picks copy or CPU) | wait (copy) | cpu
+    stream_fraction: float = 0.75  # a step that needs more than this share of a layer's experts streams them
+    stream_chunk: Optional[int] = None  # experts per double buffer (None: max(1, top_k // 2))
+    cpu_budget_gb: Optional[float] = None  # nvme: GiB of pinned host cache (None: one layer's experts x 4)
+    nvme_path: Optional[str] = None  # nvme: a directory on a local disk with room for every expert
+    nvme_reader: str = "auto"  # auto (DeepSpeed async I/O, else threads) | deepspeed | threads
+    pin_memory: bool = True  # CUDA: page-lock the host tier (the link runs ~3x faster than from pageable)
+
+    def __post_init__(self) -> None:
+        if self.gpu_expert_budget_gb is not None and self.gpu_expert_budget_gb <= 0:
+            raise ValueError(f"offload.gpu_expert_budget_gb must be positive, got {self.gpu_expert_budget_gb}")
+        if self.slots_per_layer is not None and self.slots_per_layer < 0:
+            raise ValueError(f"offload.slots_per_layer must be >= 0, got {self.slots_per_layer}")
+        if self.gpu_expert_budget_gb is not None and self.slots_per_layer is not None:
+            raise ValueError("give offload.gpu_expert_budget_gb or offload.slots_per_layer, not both")
+        if not 0.0 <= self.prefetch_stats_weight <= 1.0:
+            raise ValueError(f"offload.prefetch_stats_weight must be in [0, 1], got {self.prefetch_stats_weight}")
+        if self.max_prefetch is not None and self.max_prefetch < 0:
+            raise ValueError(f"offload.max_prefetch must be >= 0, got {self.max_prefetch}")
+        if self.miss_policy not in ("auto", "wait", "cpu"):
+            raise ValueError(f"offload.miss_policy must be auto, wait or cpu, got {self.miss_policy!r}")
+        if not 0.0 < self.stream_fraction <= 1.0:
+            raise ValueError(f"offload.stream_fraction must be in (0, 1], got {self.stream_fraction}")
+        if self.stream_chunk is not None and self.stream_chunk <= 0:
+            raise ValueError(f"offload.stream_chunk must be positive, got {self.stream_chunk}")
+        if self.cpu_budget_gb is not None and self.cpu_budget_gb <= 0:
+            raise ValueError(f"offload.cpu_budget_gb must be positive, got {self.cpu_budget_gb}")
+        if self.nvme_reader not in ("auto", "deepspeed", "threads"):
+            raise ValueError(f"offload.nvme_reader must be auto, deepspeed or threads, got {self.nvme_reader!r}")
+        if self.store == "nvme" and not self.nvme_path:
+            raise ValueError("offload.store=nvme needs offload.nvme_path (a directory on a local disk)")
 
 
 @dataclass

@@ -55,6 +55,12 @@ def run(job: JobConfig) -> list:
         if job.show_expert_load:
             print("per-layer expert load (rows routed to each expert over this run):")
             print(format_expert_load(llm.get_expert_load()))
+        offload = llm.get_offload_stats()
+        if offload:
+            t = offload["total"]
+            print(f"offload: hit rate {t['hit_rate']:.2f}, misses copied {t['copied']} / streamed {t['streamed']} / "
+                  f"on the CPU {t['cpu']}, {t['gb_h2d']:.2f} GB to the GPU, pre-gate recall per token "
+                  f"{t['prefetch_token_recall']:.2f}")
     llm.shutdown()
     return outputs
 

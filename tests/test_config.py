@@ -37,6 +37,8 @@ def test_every_group_option_composes(group, option):
     overrides = [f"{group}={option}"]
     if group == "model" and option == "hf":
         overrides.append("model.path=/some/checkpoint")
+    if group == "offload" and option == "nvme":
+        overrides.append("offload.nvme_path=/some/nvme/dir")
     job = OmegaConf.to_object(_compose(overrides))
     assert isinstance(job, JobConfig)
     engine = job.engine_config()

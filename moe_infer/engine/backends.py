@@ -1,4 +1,5 @@
-"""Config strings -> the MoE layer's backends, looked up in the registries (no `if` chains).
+"""Config strings -> the MoE layer's backends, looked up in the registries (no `if` chains); the
+offload manager of an offloading expert store.
 
 "auto" picks the first registered name of the device type's preference list: Triton on CUDA when
 its plugin module registered it, PyTorch otherwise. Plugins are loaded first so that optional
@@ -53,3 +54,21 @@ def resolve_moe_backends(cfg: EngineConfig, device: torch.device | str) -> MoEBa
         experts=resolve_name(EXPERT_BACKENDS, cfg.experts.backend, device, "experts.backend"),
         store=resolve_name(EXPERT_STORES, cfg.offload.store, device, "offload.store"),
     )
+
+
+def offload_manager(cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
+                    backends: MoEBackends):
+    """The OffloadManager of an offloading store (None when resident): the budget planned from the
+    checkpoint's config before the model is built (an impossible budget fails here, naming it)."""
+    if backends.store == "resident":
+        return None
+    from moe_infer.models.arch import load_arch
+    from moe_infer.offload import ExpertShape, OffloadManager, plan_offload
+
+    arch, _ = load_arch(model_path)
+    d = backends.dispatcher
+    shape = ExpertShape(num_layers=len(arch.moe_layer_ids),
+                        num_local_experts=arch.num_experts if d is None else d.num_local_experts,
+                        top_k=arch.top_k, hidden_size=arch.hidden_size,
+                        intermediate_size=arch.moe_intermediate_size, dtype=dtype)
+    return OffloadManager(cfg.offload, plan_offload(cfg.offload, shape), device)

@@ -15,8 +15,9 @@ rows are harmless: they write no KV slot (slot -1), attend over one key of block
 out of the expert-load statistics through the forward context's `valid_T`; their outputs are
 never read.
 
-Used only where the step is capturable and padding cannot change the result: CUDA, a local
-dispatcher (no expert parallelism), the dropless policy (a capacity would grow with padding) and
+Used only where the step is capturable and padding cannot change the result: CUDA, the resident
+expert store (an offloading store decides copies on the host per layer), a local dispatcher (no
+expert parallelism), the dropless policy (a capacity would grow with padding) and
 an experts backend that runs without host syncs (one that declares `fused_experts`). Anything else,
 or a capture that fails, runs eagerly (the failure is logged once).
 
@@ -45,6 +46,8 @@ def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if cfg.model.enforce_eager:
         return "model.enforce_eager=true"
+    if backends.store != "resident":
+        return f"offload.store={backends.store} decides on the host, per layer, which experts to move"
     if backends.dispatcher is not None:
         return "expert parallelism (all-to-all dispatchers run eagerly)"
     if backends.policy != "dropless":

@@ -6,6 +6,7 @@
 Keyword arguments are the fields of the EngineConfig groups (`block_size`, `max_num_seqs`,
 `gpu_memory_utilization`, `enable_chunked_prefill`, `policy`, ...); a name two groups share is
 written `<group>_<field>` (`routing_backend`, `experts_backend`), which also works for every field.
+`offload="cpu"` (or "nvme") picks the expert store: `LLM(model=..., offload="cpu", gpu_expert_budget_gb=20)`.
 A request that cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.parallel.engine_hooks import end_steps, serve_steps
 
 _GROUPS = ("model", "cache", "scheduler", "routing", "experts", "offload", "parallel")
-_ALIASES = {"model": ("model", "path")}  # LLM(model=PATH) is model.path, as in vLLM
+# LLM(model=PATH) is model.path, as in vLLM; LLM(offload="cpu") is offload.store
+_ALIASES = {"model": ("model", "path"), "offload": ("offload", "store")}
 
 
 def _field_map() -> Dict[str, Tuple[str, str]]:
@@ -175,6 +177,16 @@ class LLM:
         moe_layers = set(self.engine.runner.arch.moe_layer_ids)
         return [row for row in stats.summary() if row["layer"] in moe_layers]
 
+    def get_offload_stats(self) -> dict:
+        """Offload stores: the plan, the measured cost model, and per layer and in total the hit rate,
+        where misses went (copied, streamed, CPU), bytes moved and prefetch accuracy. {} when resident."""
+        offload = self.engine.runner.offload
+        return offload.summary() if offload is not None else {}
+
+    def reset_offload_stats(self) -> None:
+        if self.engine.runner.offload is not None:
+            self.engine.runner.offload.reset_stats()
+
     def reset_expert_load(self) -> None:
         if self.engine.runner.stats is not None:
             self.engine.runner.stats.reset()
@@ -185,4 +197,6 @@ class LLM:
         Call once, after the last `generate` of the process; the process group is shared by every
         LLM of the process, so no LLM can run collectives afterwards.
         """
+        if self.engine.runner.offload is not None:  # NVMe files deleted, pinned host memory unlocked
+            self.engine.runner.offload.close()
         self.engine.parallel.shutdown()

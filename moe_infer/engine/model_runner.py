@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from moe_infer.config import EngineConfig
-from moe_infer.engine.backends import resolve_moe_backends
+from moe_infer.engine.backends import offload_manager, resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
@@ -41,7 +41,11 @@ class ModelRunner:
         self.backends = resolve_moe_backends(cfg, device)
         self.parallel = parallel if parallel is not None else init_engine_parallel(cfg)
         self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
-        self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend)
+        self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
+        self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
+                                load_format=cfg.model.load_format)
+        if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
+            self.offload.finish_load()
         arch = self.model.arch
         self.arch = arch
         self.stats: Optional[ExpertLoadStats] = None

@@ -8,6 +8,7 @@ Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Dict, Optional
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.layers.forward_context import valid_tokens
+from moe_infer.offload.compute import slot_experts
 from moe_infer.offload.store import EXPERT_STORES
 from moe_infer.routing.capacity import CAPACITY_POLICIES
 from moe_infer.routing.select import ROUTING_BACKENDS
@@ -35,6 +37,7 @@ class MoEBackends:
     store: str = "resident"
     dispatcher: Optional[LocalDispatcher] = None  # None: a LocalDispatcher over all experts
     stats: Optional[ExpertLoadStats] = None
+    offload: Any = None  # the OffloadManager of an offloading store (moe_infer.offload), shared by the layers
 
 
 class SharedExpert(nn.Module):
@@ -75,7 +78,9 @@ class MoELayer(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.store = EXPERT_STORES.get(backends.store)(
-            self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype
+            self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype, manager=backends.offload,
+            expert_ids=getattr(self.dispatcher, "local_expert_ids", None), router=self.route,
+            num_experts=spec.num_experts,
         )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype)
@@ -89,16 +94,35 @@ class MoELayer(nn.Module):
         w13_E2FD, w2_EDF = self.store.weights()
         return self._experts(x_RD, meta, w13_E2FD, w2_EDF)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def route(self, x_TD: torch.Tensor) -> tuple:
+        """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""
         logits_TE = self.gate(x_TD)
         topk_weights_TK, topk_ids_TK = self._select(logits_TE, self.spec, self.e_score_correction_bias)
+        return logits_TE, topk_weights_TK, topk_ids_TK
+
+    def _offloaded_experts(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The experts through an offloading store: fetch right before they run, compute on slot ids."""
+        fetched = self.store.fetch(x_TD, ids_TK)
+        compute = partial(slot_experts, self._experts)
+        d = self.dispatcher
+        if type(d) is LocalDispatcher:
+            local_TK = ids_TK - d.expert_start
+            local_TK = torch.where((ids_TK >= 0) & (local_TK >= 0) & (local_TK < d.num_local_experts), local_TK, -1)
+            return fetched.run(x_TD, local_TK, weights_TK, compute)
+        return d.forward_experts(x_TD, ids_TK, weights_TK, self._run_experts,
+                                 fused_fn=lambda x_RD, ids_R1, w_R1: fetched.run(x_RD, ids_R1, w_R1, compute))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits_TE, topk_weights_TK, topk_ids_TK = self.route(x_TD)
         kept_ids_TK, kept_weights_TK = self._policy(
             topk_ids_TK, topk_weights_TK, logits_TE=logits_TE, spec=self.spec, **self.backends.policy_kwargs
         )
         if self.backends.stats is not None:
             self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK, valid_tokens())
         fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
-        if fused is not None and type(self.dispatcher) is LocalDispatcher:
+        if not self.store.is_resident:
+            out_TD = self._offloaded_experts(x_TD, kept_ids_TK, kept_weights_TK)
+        elif fused is not None and type(self.dispatcher) is LocalDispatcher:
             out_TD = fused(x_TD, kept_ids_TK, kept_weights_TK, *self.store.weights(), self.dispatcher.expert_start)
         else:  # an EP dispatcher runs a fused backend on its received rows as they lie (ids: local slots)
             fused_fn = None if fused is None else (lambda x, ids, w: fused(x, ids, w, *self.store.weights(), 0))

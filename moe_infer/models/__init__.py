@@ -14,6 +14,7 @@ from moe_infer.layers.moe import MoEBackends
 from moe_infer.layers.paged_attention import resolve_attention_backend
 from moe_infer.models.arch import ModelArch, arch_from_config, load_arch
 from moe_infer.models.decoder import MoEModel
+from moe_infer.models.dummy import init_dummy_weights
 from moe_infer.models.families import MODEL_FAMILIES
 from moe_infer.models.loader import load_weights
 
@@ -26,12 +27,14 @@ def load_model(
     device: Union[torch.device, str],
     backends: Optional[MoEBackends] = None,
     attn_backend: str = "auto",
+    load_format: str = "auto",
 ) -> MoEModel:
     """Build the model of the local checkpoint folder `path` on `device` in `dtype` and load its weights.
 
     Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read. attn_backend
     names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`; "auto": the first
     registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: "sdpa").
+    load_format "dummy": random weights, no safetensors read (moe_infer.models.dummy).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
@@ -39,7 +42,10 @@ def load_model(
     arch, hf_config = load_arch(path)
     with torch.device(device):
         model = MoEModel(arch, hf_config, dtype, backends, attn_backend)
-    load_weights(model, path)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, path)
     return model.eval()
 
 

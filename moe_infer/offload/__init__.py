@@ -1,11 +1,48 @@
-"""Expert weight stores.
+"""Expert weight stores: where the experts live, and how they reach the GPU when they do not fit.
 
-Design: an MoE layer never owns its expert weights directly; it asks an `ExpertStore` for the
-stacked tensors of its local experts (`w13_E2FD`, `w2_EDF`) right before the expert compute. The
-`resident` store keeps every local expert on the compute device for the life of the engine: the
-right choice whenever the experts fit, and the only one built so far. A paging store (CPU/NVMe
-with prefetch driven by the next layer's predicted experts) plugs in behind the same call.
+Design
+------
+Which experts stay on the GPU, and why. With `offload=resident` all of them: the right choice
+whenever they fit. With `offload=cpu` or `nvme` the GPU holds, per MoE layer, a fixed number of
+expert slots (the budget, `gpu_expert_budget_gb` or `slots_per_layer`, spread evenly over the
+layers: a layer's slots only ever hold that layer's experts, so one layer's burst never flushes
+another's hot set) plus two stream buffers shared by all layers. What fills a layer's slots is the
+cache policy (`lru`, or `lfu`: the experts with the most routed rows in the recent load
+statistics stay) under one rule: an expert the running step or an in-flight prefetch needs is
+never evicted. Slots are to experts what KV blocks are to tokens: a pool, a table, a policy.
+
+What moves, and when.
+  start-up  every expert once from the checkpoint into the host tier: pinned host memory
+            (`cpu`), or files on a local disk (`nvme`) behind a pinned host cache of
+            `cpu_budget_gb` (three tiers, GPU <- CPU <- NVMe). Pinned memory is planned up front
+            and never allocated per step. The cost model is measured (link, CPU, disk).
+  layer l   after routing, one host sync brings the rows per expert of layer l and the pre-gate
+            of layer l+1 (layer l+1's router on layer l's hidden state). Hits run from their
+            slots. Each miss goes where the cost model says it finishes first: over the link into
+            a slot (the GPU waits on the copy's event, the host never blocks), or to the CPU
+            (Fiddler-style: the rows go to the host, the expert runs on the host cores, the
+            result comes back). A step that needs more than `stream_fraction` of a layer's
+            experts (a large prefill, a wide batch) streams its misses through the two buffers,
+            copy of chunk i+1 under compute of chunk i, instead of flushing the cache.
+  after l   once the GPU has layer l's work queued, the side stream copies layer l+1's predicted
+            experts into its slots (pinned until layer l+1 has run), overlapping layer l's tail
+            and layer l+1's attention.
+
+Offload mode runs eagerly: each layer step decides on the host which experts to move, so decode
+steps are not replayed as CUDA graphs (the launch overhead of an eager step, paid once per step,
+against milliseconds per expert copy). The resident store keeps CUDA graphs.
+
+With expert parallelism each rank's stores hold its own experts (the dispatcher's local slots)
+and cache them independently.
 """
+from moe_infer.offload.manager import OffloadManager
+from moe_infer.offload.offloaded import FetchedExperts, OffloadedExpertStore
+from moe_infer.offload.plan import ExpertShape, OffloadPlan, plan_offload
+from moe_infer.offload.policies import CACHE_POLICIES
 from moe_infer.offload.store import EXPERT_STORES, ResidentExpertStore
 
-__all__ = ["EXPERT_STORES", "ResidentExpertStore"]
+EXPERT_STORES.register("cpu")(OffloadedExpertStore)
+EXPERT_STORES.register("nvme")(OffloadedExpertStore)
+
+__all__ = ["CACHE_POLICIES", "EXPERT_STORES", "ExpertShape", "FetchedExperts", "OffloadManager",
+           "OffloadPlan", "OffloadedExpertStore", "ResidentExpertStore", "plan_offload"]

@@ -1,4 +1,14 @@
-"""The resident expert store: stacked expert weights held on the compute device."""
+"""The expert store interface, and the resident store. Registry `EXPERT_STORES` (config: offload.store).
+
+An MoE layer asks its store, right before the experts run, for the experts of the step. The
+resident store (`is_resident`) is the identity map: every local expert is its own slot, the layer
+runs on `weights()` as they are, and nothing happens per step (no host sync: CUDA graphs capture
+it). An offloading store (offloaded.py, "cpu" and "nvme") answers `fetch(x_TD, topk_ids_TK)` with
+a `FetchedExperts`: device slot tensors, a local expert -> slot map, and the experts that run
+elsewhere this step (stream buffers, CPU).
+
+Legend: E local experts, F expert intermediate, D hidden.
+"""
 from __future__ import annotations
 
 from typing import Tuple
@@ -13,9 +23,10 @@ EXPERT_STORES: Registry[type] = Registry("expert store")
 
 @EXPERT_STORES.register("resident")
 class ResidentExpertStore(nn.Module):
-    """Legend: E local experts, F expert intermediate, D hidden."""
+    is_resident = True
 
-    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 **_) -> None:
         super().__init__()
         E, D, F = num_local_experts, hidden_size, intermediate_size
         self.w13_E2FD = nn.Parameter(torch.empty(E, 2 * F, D, dtype=dtype), requires_grad=False)

@@ -1,0 +1,287 @@
+"""Expert offload on one GPU: decode speed of MoE shapes that do not fit, against the link's limit.
+
+    python benchmarks/offload.py                  # the lent H100: about 6 minutes, one command
+    python benchmarks/offload.py --smoke          # CPU, tiny shapes: the same code paths end to end
+
+The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from
+config.json alone), every expert in pinned host memory (`offload=cpu`), the whole process limited
+to --gpu-gb of GPU memory (torch.cuda.set_per_process_memory_fraction); the expert budget is what
+is left after the other weights, the KV cache and a margin. Measured, per shape:
+  Mixtral-8x7B (E=8, K=2, D=4096, F=14336): as many of its 32 layers as host memory can pin (each
+  layer's experts are 2.8 GB; --mixtral-layers); routing (a) from the model's own router, (b)
+  replayed from traces of the trained tiny model (its router and its pre-gate, so locality and
+  prediction are realistic); 1 and 16 streams.
+  Qwen3-30B-A3B (E=128, K=8, D=2048, F=768, 48 layers) at --qwen-budget-gb, own router.
+For each: decode tok/s, hit rate, pre-gate accuracy, GB moved, achieved H2D GB/s against the pinned
+limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the
+measured link + CPU rates. Baselines in the same run: transformers + accelerate device_map offload
+(4 layers, at the same GPU memory per layer, extrapolated to the model's layers), and the NVMe
+tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
+benchmarks/results/offload_<device>.json (or under --out / $OUT).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps,  # noqa: E402
+                           link_and_cpu_limits, record_tiny_traces, sync)
+
+from moe_infer import LLM, SamplingParams  # noqa: E402
+
+GiB = 1 << 30
+
+
+def shapes(smoke: bool) -> dict:
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    if smoke:
+        mix = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+        qwen = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+                              num_experts_per_tok=4, vocab_size=128, max_position_embeddings=256, norm_topk_prob=True)
+    else:
+        mix = MixtralConfig()  # Mixtral-8x7B: 32 layers, D=4096, F=14336, E=8, K=2
+        qwen = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    mix.architectures, qwen.architectures = ["MixtralForCausalLM"], ["Qwen3MoeForCausalLM"]
+    return {"mixtral": mix, "qwen3": qwen}
+
+
+def expert_bytes(cfg) -> int:
+    F = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    return 3 * cfg.hidden_size * F * 2
+
+
+def num_experts(cfg) -> int:
+    return getattr(cfg, "num_local_experts", None) or cfg.num_experts
+
+
+def non_expert_bytes(cfg) -> int:
+    """bf16 bytes of attention, routers, embedding and head: what the GPU holds besides the experts."""
+    D, H = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    return 2 * (cfg.num_hidden_layers * (attn + D * num_experts(cfg)) + 2 * cfg.vocab_size * D)
+
+
+def host_layers(cfg, reserve_gb: float) -> int:
+    """MoE layers whose experts fit in MemAvailable minus a reserve (the baseline, the OS, the rest)."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return int((avail - reserve_gb * GiB) // (num_experts(cfg) * expert_bytes(cfg)))
+
+
+def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
+    """Decode `streams` sequences together; timed from the third decode step (prefill and warm-up apart)."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rng = random.Random(streams)
+    for _ in range(streams):
+        eng.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(16)]}, params)
+    warm = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        if all(len(r.seq.output_token_ids) >= 1 for r in eng.requests.values()):
+            warm += 1
+            if warm == 2:
+                break
+    llm.engine.runner.offload.reset_stats()
+    sync(eng.device)
+    t0, steps = time.perf_counter(), 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    sync(eng.device)
+    elapsed = time.perf_counter() - t0
+    stats = llm.get_offload_stats()["total"]
+    return {"streams": streams, "decode_steps": steps, "seconds": elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
+            "tok_s": streams * steps / elapsed, **{k: stats[k] for k in (
+                "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
+                "needed", "copied", "streamed", "cpu")}}
+
+
+def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
+    cfg_dir = tempfile.mkdtemp(prefix=f"offload_bench_{name}_")
+    cfg.save_pretrained(cfg_dir)
+    t0 = time.perf_counter()
+    llm = LLM(model=cfg_dir, load_format="dummy", dtype="bfloat16", device=str(device), offload="cpu",
+              gpu_expert_budget_gb=budget_gb, num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16,
+              max_num_batched_tokens=512, enable_prefix_caching=False, enforce_eager=True)
+    setup_s = time.perf_counter() - t0
+    info = llm.get_offload_stats()
+    print(f"[{name}] {info['plan']}\n[{name}] {info['cost']}  (set up in {setup_s:.0f} s)", flush=True)
+    moe = llm.engine.runner.model.moe_layers()
+    E, K = moe[0].spec.num_experts, moe[0].spec.top_k
+    link_bps = limits["h2d_gbps"] * 1e9
+    rows = []
+    for routing in (("router", "trace") if traces is not None else ("router",)):
+        if routing == "trace":
+            TraceReplay(traces, E, K, device).install(moe)
+        for streams in (1, 16):
+            if time.perf_counter() > args.deadline:
+                print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
+                continue
+            r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
+            cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
+            moved = (r["copied"] + r["streamed"] + r["cpu"]) * expert_bytes(cfg)
+            bound_s = moved / (link_bps + cpu_bps)
+            r.update(shape=name, routing=routing, layers=cfg.num_hidden_layers, budget_gb=budget_gb, setup_s=setup_s,
+                     h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
+                     bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1),
+                     step_over_bound=r["seconds"] / bound_s if bound_s else None)
+            rows.append(r)
+            print(f"[{name}] {routing:6s} {streams:2d} streams: {r['tok_s']:.2f} tok/s, hit {r['hit_rate']:.2f}, "
+                  f"pre-gate {r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s, "
+                  f"CPU {r['cpu_share']:.2f}, step {r['step_ms']:.0f} ms vs bound {r['bound_step_ms']:.0f} ms", flush=True)
+    llm.shutdown()
+    del llm, moe
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def nvme_read(args, device) -> dict:
+    """The NVMe tier's reader (DeepSpeed if it builds, else threads) vs dd on the same file."""
+    from moe_infer.offload.host import HostRegion
+    from moe_infer.offload.nvme import NvmeFiles, make_reader
+    from moe_infer.offload.plan import ExpertShape
+
+    D, F, n = (4096, 14336, args.nvme_experts) if not args.smoke else (64, 96, 8)
+    shape = ExpertShape(1, n, 2, D, F, torch.bfloat16)
+    files = NvmeFiles(args.nvme_path, shape)
+    path, rec = files.layer_file(n)
+    block = (torch.rand(1 << 20) * 255).to(torch.uint8)
+    for row in rec:
+        for s in range(0, row.numel(), block.numel()):
+            row[s:s + block.numel()].copy_(block[:row[s:s + block.numel()].numel()])
+    del rec
+    files.sync()
+    dd = disk_read_gbps(path)
+    files.sync()
+    reader = make_reader("auto")
+    host = HostRegion(2 * shape.record_bytes, pin=device.type == "cuda")
+    slots = host.data.view(2, shape.record_bytes)
+    t0 = time.perf_counter()
+    for e in range(n):
+        reader.submit(slots[e % 2], path, e * shape.record_bytes)
+        if e % 2:
+            reader.wait_all()
+    reader.wait_all()
+    ours = n * shape.record_bytes / (time.perf_counter() - t0) / 1e9
+    reader.close()
+    host.release()
+    files.close()
+    return {"reader": reader.name, "gb": n * shape.record_bytes / 1e9, "read_gbps": ours, "dd_gbps": dd,
+            "of_disk": ours / dd}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: test the script end to end")
+    ap.add_argument("--gpu-gb", type=float, default=24.0, help="the whole process's GPU memory")
+    ap.add_argument("--qwen-budget-gb", type=float, default=16.0)
+    ap.add_argument("--mixtral-layers", type=int, default=0, help="0: as many as host memory can pin (<= 32)")
+    ap.add_argument("--qwen-layers", type=int, default=0, help="0: as many as host memory can pin (<= 48)")
+    ap.add_argument("--new-tokens", type=int, default=0, help="tokens per stream (0: 20, 6 with --smoke)")
+    ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--nvme-experts", type=int, default=12, help="Mixtral experts written and read back (352 MB each)")
+    ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; no part or run starts after it")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                           "results"))
+    args = ap.parse_args()
+    start = time.perf_counter()
+    args.deadline = start + args.time_budget
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    args.new_tokens = args.new_tokens or (6 if args.smoke else 20)
+    shp = shapes(args.smoke)
+    mix, qwen = shp["mixtral"], shp["qwen3"]
+    result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "smoke": args.smoke, "gpu_gb": args.gpu_gb}
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.gpu_gb * GiB / torch.cuda.get_device_properties(0).total_memory)
+    limits = link_and_cpu_limits(mix.hidden_size, mix.intermediate_size, torch.bfloat16, device)
+    result["limits"] = limits
+    print(f"limits: pinned H2D {limits['h2d_gbps']:.1f} GB/s for one {limits['expert_mb']:.0f} MB expert; CPU "
+          f"{limits['cpu_ms_1row']:.2f} ms (1 row) / {limits['cpu_ms_8rows']:.2f} ms (8 rows) per expert", flush=True)
+    traces = record_tiny_traces(16, 64 if args.smoke else 128, device)
+    if not args.smoke:  # as many layers as host memory can pin, keeping room for the baseline and the OS
+        mix.num_hidden_layers = args.mixtral_layers or max(1, min(32, host_layers(mix, 24.0)))
+        qwen.num_hidden_layers = args.qwen_layers or max(1, min(48, host_layers(qwen, 16.0)))
+    result["notes"] = [f"Mixtral shape with {mix.num_hidden_layers} of 32 layers (host memory for pinning)",
+                       f"Qwen3 shape with {qwen.num_hidden_layers} of 48 layers"]
+    mix_budget = ((args.gpu_gb * GiB - non_expert_bytes(mix) - 2.5 * GiB) / GiB if not args.smoke
+                  else 0.3 * mix.num_hidden_layers * 8 * expert_bytes(mix) / GiB)
+    qwen_budget = args.qwen_budget_gb if not args.smoke else 0.3 * qwen.num_hidden_layers * 16 * expert_bytes(qwen) / GiB
+    tag = "smoke_cpu" if args.smoke else result["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, f"offload_{tag}.json")
+    result["runs"], result["errors"] = [], {}
+    acc_layers, full_layers = (2, mix.num_hidden_layers) if args.smoke else (4, 32)
+
+    def accelerate_part() -> None:
+        acc = copy.deepcopy(mix)
+        acc.num_hidden_layers = acc_layers
+        s = accelerate_seconds_per_token(acc, int(mix_budget * GiB * acc_layers / full_layers + 1.2 * GiB), device)
+        result["accelerate"] = {"layers": acc_layers, "s_per_token": s,
+                                "extrapolated_tok_s": 1.0 / (s * full_layers / acc_layers)}
+        print(f"accelerate device_map: {s:.2f} s/token for {acc_layers} layers -> "
+              f"{result['accelerate']['extrapolated_tok_s']:.3f} tok/s for {full_layers}", flush=True)
+
+    def nvme_part() -> None:
+        n = result["nvme"] = nvme_read(args, device)
+        print(f"NVMe ({n['reader']}): {n['read_gbps']:.2f} GB/s vs dd {n['dd_gbps']:.2f} GB/s ({n['of_disk']:.0%})",
+              flush=True)
+
+    parts = [("mixtral", lambda: result["runs"].extend(bench_shape("mixtral", mix, mix_budget, limits, args, traces, device))),
+             ("qwen3", lambda: result["runs"].extend(bench_shape("qwen3", qwen, qwen_budget, limits, args, None, device))),
+             ("accelerate", accelerate_part), ("nvme", nvme_part)]
+    for name, fn in parts:  # one failing part is recorded and the others still run: this is a one-shot GPU run
+        if time.perf_counter() > args.deadline:
+            result["errors"][name] = "skipped: --time-budget spent"
+            print(f"{name}: skipped, the time budget is spent", flush=True)
+            continue
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001
+            result["errors"][name] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        gc.collect()
+        result["seconds"] = time.perf_counter() - start
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print_table(result)
+    print(f"wrote {out} ({result['seconds']:.0f} s)")
+    return 1 if result["errors"] else 0
+
+
+def print_table(result: dict) -> None:
+    acc = result.get("accelerate", {}).get("extrapolated_tok_s")
+    print(f"\n{'shape':8} {'layers':>6} {'routing':7} {'streams':>7} {'tok/s':>7} {'hit':>5} {'pregate':>7} "
+          f"{'GB':>6} {'GB/s':>6} {'of H2D':>6} {'CPU':>5} {'step/bound':>10} {'x accel':>8}")
+    for r in result["runs"]:
+        over = f"{r['step_over_bound']:.2f}" if r["step_over_bound"] else "-"
+        vs = f"{r['tok_s'] / acc:.0f}" if acc and r["shape"] == "mixtral" and r["streams"] == 1 else "-"
+        print(f"{r['shape']:8} {r['layers']:>6} {r['routing']:7} {r['streams']:>7} {r['tok_s']:>7.2f} {r['hit_rate']:>5.2f} "
+              f"{r['prefetch_token_recall']:>7.2f} {r['gb_h2d']:>6.1f} {r['h2d_gbps']:>6.1f} {r['h2d_of_limit']:>6.2f} "
+              f"{r['cpu_share']:>5.2f} {over:>10} {vs:>8}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

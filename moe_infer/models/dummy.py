@@ -1,0 +1,36 @@
+"""`model.load_format=dummy`: random weights for a model built from config.json alone (vLLM's
+`--load-format dummy`), for benchmarks of shapes whose checkpoint is not at hand.
+
+Norm weights are 1, every other tensor uniform in +-1/sqrt(fan_in) (routers then pick by margins
+a real model would have). Large tensors (offloaded experts run to tens of GiB) are filled by
+repeating one random block, which is memory-bound instead of bound by the random generator.
+"""
+from __future__ import annotations
+
+import torch
+
+_BLOCK = 1 << 22  # elements generated at random; the rest of a tensor repeats them
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        bound = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02
+        block = (torch.rand(min(p.numel(), _BLOCK), generator=gen) * 2 - 1).mul_(bound)
+        fill_repeating(p, block.to(p.device, p.dtype))
+
+
+def fill_repeating(t: torch.Tensor, block: torch.Tensor) -> None:
+    """t <- block repeated (t may be a strided view, e.g. an NVMe file map: filled row by row)."""
+    if not t.is_contiguous():
+        for row in t:
+            fill_repeating(row, block)
+        return
+    flat = t.view(-1)
+    for start in range(0, flat.numel(), block.numel()):
+        chunk = flat[start:start + block.numel()]
+        chunk.copy_(block[:chunk.numel()])

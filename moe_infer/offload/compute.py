@@ -1,0 +1,82 @@
+"""Expert compute for the offload stores: on device slots (any experts backend), and on the CPU.
+
+`slot_experts` runs the layer's experts backend over the slot tensors a store hands out, with slot
+ids in place of expert ids (-1: computed elsewhere): a backend with `fused_experts` (Triton) takes
+them as they are, any other (the PyTorch reference) goes through a LocalDispatcher over the slots.
+`gather_cpu_rows` + `cpu_experts` compute routed rows of experts whose weights are in host memory
+(Fiddler-style), in the model dtype on the host cores.
+
+Legend: T tokens, D hidden, F expert intermediate, S slots, K top-k, r rows of one expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from moe_infer.experts.local_dispatch import LocalDispatcher
+
+SlotCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def slot_experts(experts_fn, x_TD: torch.Tensor, slot_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 w13_S2FD: torch.Tensor, w2_SDF: torch.Tensor) -> torch.Tensor:
+    """out_TD = sum over k of weights * expert(slot_ids[t, k])(x[t]); ids -1 add nothing."""
+    fused = getattr(experts_fn, "fused_experts", None)
+    if fused is not None:
+        return fused(x_TD, slot_ids_TK, weights_TK, w13_S2FD, w2_SDF, 0)
+    dispatcher = LocalDispatcher(w13_S2FD.shape[0])
+    return dispatcher.forward_experts(x_TD, slot_ids_TK, weights_TK,
+                                      lambda x_RD, meta: experts_fn(x_RD, meta, w13_S2FD, w2_SDF))
+
+
+def swiglu(x_rD: torch.Tensor, w13_2FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
+    h_r2F = x_rD @ w13_2FD.t()
+    f = w2_DF.shape[1]
+    return (F.silu(h_r2F[:, :f]) * h_r2F[:, f:]) @ w2_DF.t()
+
+
+def to_device(values: List[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """A small host list on the device without blocking the host (pinned staging on CUDA)."""
+    host = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class CpuRows:
+    """The routed rows of the experts the CPU computes this step, already on the host."""
+
+    t_idx_r: torch.Tensor  # on the device: the token of each row
+    x_rD: torch.Tensor  # host
+    e_r: List[int]
+    w_r: torch.Tensor  # float32, host
+
+
+def gather_cpu_rows(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                    is_cpu_E: torch.Tensor) -> CpuRows:
+    """Select and copy to the host the rows routed to CPU experts (ids: local, -1 = none). Call it
+    before the GPU work of the step is queued: its host sync then waits for nothing but the router."""
+    on_cpu_TK = (ids_TK >= 0) & is_cpu_E[ids_TK.clamp_min(0)]
+    t_idx, k_idx = torch.nonzero(on_cpu_TK, as_tuple=True)  # the host sync of the CPU path
+    return CpuRows(t_idx, x_TD.index_select(0, t_idx).cpu(), ids_TK[t_idx, k_idx].tolist(),
+                   weights_TK[t_idx, k_idx].float().cpu())
+
+
+def cpu_experts(rows: CpuRows, out_TD: torch.Tensor,
+                host_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """out_TD + the weighted outputs of `rows`, each expert computed on the host cores from
+    host_weights(e) -> (w13_2FD, w2_DF); the result goes back without blocking the host."""
+    if not rows.e_r:
+        return out_TD
+    y_rD = torch.empty(rows.x_rD.shape, dtype=rows.x_rD.dtype, pin_memory=out_TD.is_cuda)
+    groups: Dict[int, List[int]] = {}
+    for i, e in enumerate(rows.e_r):
+        groups.setdefault(e, []).append(i)
+    for e, idx in groups.items():
+        idx_r = torch.tensor(idx, device="cpu")
+        w13, w2 = host_weights(e)
+        y = swiglu(rows.x_rD.index_select(0, idx_r), w13, w2)
+        y_rD[idx_r] = (y.float() * rows.w_r[idx_r, None]).to(y_rD.dtype)
+    return out_TD.index_add(0, rows.t_idx_r, y_rD.to(out_TD.device, non_blocking=True))

@@ -1,0 +1,66 @@
+"""Copies on a side stream with events, and an estimate of when the link will be idle.
+
+On CUDA every copy into a slot runs on one side stream, after the events it must wait for (the last
+compute that read the slot), and records an event the compute stream waits on before it reads the
+slot (a GPU-side wait: the host never blocks on a copy). On CPU (the simulated device tier of the
+tests) a copy is a plain synchronous `copy_` and events are None: the same bookkeeping runs.
+
+`link_free_at` is the host's estimate (perf_counter seconds) of when the queued copies end, from
+the measured bandwidth: the cost model asks it whether one more miss should wait for the link or
+run on the CPU.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Sequence, Tuple
+
+import torch
+
+Event = Optional["torch.cuda.Event"]
+
+
+class Copier:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.link_free_at = 0.0
+        self.bytes_per_s = float("inf")  # set by the cost model once measured
+
+    def copy(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], after: Iterable[Event] = ()) -> Event:
+        """dst.copy_(src) for each pair on the side stream after the events `after`; the copies' event."""
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        now = time.perf_counter()
+        self.link_free_at = max(now, self.link_free_at) + nbytes / self.bytes_per_s
+        if not self.is_cuda:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream):
+            for ev in after:
+                if ev is not None:
+                    self.stream.wait_event(ev)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def wait(self, events: Iterable[Event]) -> None:
+        """The compute (current) stream waits for the events: a GPU-side wait."""
+        if self.is_cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for ev in events:
+                if ev is not None:
+                    stream.wait_event(ev)
+
+    def mark(self) -> Event:
+        """An event after the work queued so far on the compute stream (None on CPU)."""
+        if not self.is_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def seconds_until_idle(self) -> float:
+        return max(0.0, self.link_free_at - time.perf_counter())

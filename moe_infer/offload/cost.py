@@ -1,0 +1,97 @@
+"""The measured cost model: for each missed expert, copy it over the link or compute it on the CPU.
+
+Measured once at start-up on this machine (`CostModel.measure`): the host-to-device bandwidth of one
+expert copy from the host tier, the CPU's time for one expert at 1, 4, 16 and 64 rows (interpolated
+in between, linear beyond), and, for the NVMe tier, the disk read bandwidth of one expert record.
+`split_misses` is list scheduling over two servers, the link and the host cores: experts with the
+most rows first, each where it would finish earliest given what is already queued on the link
+(in-flight prefetches included). Miss policy `wait` sends every miss to the link, `cpu` every one to
+the host; `auto` decides by the model (Fiddler's rule, per expert and row count).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from moe_infer.offload.compute import swiglu
+
+logger = logging.getLogger(__name__)
+_ROWS = (1, 4, 16, 64)
+
+
+@dataclass
+class CostModel:
+    h2d_bytes_per_s: float
+    cpu_seconds_at: Tuple[Tuple[int, float], ...]  # (rows, seconds for one expert)
+    read_bytes_per_s: float = float("inf")  # NVMe tier
+
+    def cpu_seconds(self, rows: int) -> float:
+        pts = self.cpu_seconds_at
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if rows <= n1:
+                return t0 + (t1 - t0) * max(rows - n0, 0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (rows - n1) / (n1 - n0)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        return nbytes / self.h2d_bytes_per_s
+
+    def describe(self, expert_bytes: int) -> str:
+        cpu = ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu_seconds_at)
+        read = "" if self.read_bytes_per_s == float("inf") else f", disk read {self.read_bytes_per_s / 1e9:.2f} GB/s"
+        return (f"offload cost model: H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.copy_seconds(expert_bytes) * 1e3:.2f}"
+                f" ms per expert), CPU expert {cpu} rows{read}")
+
+    @classmethod
+    def measure(cls, host_w13: torch.Tensor, host_w2: torch.Tensor, dev_w13: torch.Tensor, dev_w2: torch.Tensor,
+                copy: Callable[[], None], sync: Callable[[], None], repeats: int = 5) -> "CostModel":
+        """host_w*/dev_w*: one expert's weights in the host tier and a device slot; copy() moves them."""
+        nbytes = host_w13.numel() * host_w13.element_size() + host_w2.numel() * host_w2.element_size()
+
+        def best(fn: Callable[[], None]) -> float:  # the fastest of a few runs: robust to a busy host
+            fn()
+            sync()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - t0)
+            return max(min(times), 1e-9)
+
+        h2d = nbytes / best(copy)
+        points = []
+        for rows in _ROWS:
+            x = torch.randn(rows, host_w13.shape[1]).to(host_w13.dtype)
+            points.append((rows, best(lambda: swiglu(x, host_w13, host_w2))))
+        return cls(h2d, tuple(points))
+
+
+def split_misses(misses: Dict[int, int], mode: str, cost: CostModel, expert_bytes: int, link_wait_s: float,
+                 needs_read: Callable[[int], bool] = lambda e: False) -> Tuple[List[int], List[int]]:
+    """(experts to copy, experts to compute on the CPU) for misses {expert: rows}."""
+    if mode == "wait":
+        return sorted(misses), []
+    if mode == "cpu":
+        return [], sorted(misses)
+    link, cpu, disk = link_wait_s, 0.0, 0.0
+    to_copy, to_cpu = [], []
+    read_s = expert_bytes / cost.read_bytes_per_s
+    for e, rows in sorted(misses.items(), key=lambda kv: (-kv[1], kv[0])):
+        ready = 0.0
+        if needs_read(e):
+            disk += read_s
+            ready = disk
+        t_link = max(link, ready) + cost.copy_seconds(expert_bytes)
+        t_cpu = max(cpu, ready) + cost.cpu_seconds(rows)
+        if t_link <= t_cpu:
+            link = t_link
+            to_copy.append(e)
+        else:
+            cpu = t_cpu
+            to_cpu.append(e)
+    return to_copy, to_cpu

@@ -1,0 +1,180 @@
+"""The offload manager: what the MoE layers' stores share (one per engine).
+
+It holds the plan, the copy stream, the two stream buffers, the cost model (measured once the
+weights are in), the counters, and for the NVMe tier the files, the reader and the pinned host
+cache in front of them (a slot table keyed by (layer, expert), so a hot expert of any layer stays).
+Stores register in model order; `next_store` is whom a layer pre-gates for.
+
+Legend: C experts per stream buffer, H host cache slots, D hidden, F expert intermediate.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from moe_infer.offload.copier import Copier, Event
+from moe_infer.offload.cost import CostModel
+from moe_infer.offload.host import HostRegion
+from moe_infer.offload.nvme import NvmeFiles, make_reader, record_views
+from moe_infer.offload.plan import OffloadPlan
+from moe_infer.offload.policies import CACHE_POLICIES
+from moe_infer.offload.slots import SlotTable
+from moe_infer.offload.stats import OffloadStats
+
+logger = logging.getLogger(__name__)
+
+
+class StreamBuffer:
+    """C device slots that large steps stream experts through; `last_use` guards their reuse."""
+
+    def __init__(self, plan: OffloadPlan, device: torch.device) -> None:
+        s = plan.shape
+        C, D, F = plan.stream_chunk, s.hidden_size, s.intermediate_size
+        self.w13_C2FD = torch.empty(C, 2 * F, D, dtype=s.dtype, device=device)
+        self.w2_CDF = torch.empty(C, D, F, dtype=s.dtype, device=device)
+        self.last_use: Event = None
+
+
+class OffloadManager:
+    def __init__(self, cfg, plan: OffloadPlan, device: torch.device) -> None:
+        self.cfg, self.plan, self.device = cfg, plan, torch.device(device)
+        self.shape = plan.shape
+        self.copier = Copier(self.device)
+        self.stores: list = []
+        self.stats: List[OffloadStats] = []
+        self.buffers = [StreamBuffer(plan, self.device) for _ in range(2)]
+        self.cost: Optional[CostModel] = None
+        self.pin = cfg.pin_memory and self.device.type == "cuda"
+        self.nvme: Optional[NvmeFiles] = None
+        if plan.store == "nvme":
+            self.nvme = NvmeFiles(plan.nvme_dir, self.shape)
+            self.reader = make_reader(cfg.nvme_reader)
+            self.host_region = HostRegion(plan.host_slots * self.shape.record_bytes, self.pin)
+            self.host_w13_H2FD, self.host_w2_HDF = record_views(
+                self.host_region.data.view(plan.host_slots, self.shape.record_bytes), self.shape)
+            self.host_table = SlotTable(plan.host_slots, CACHE_POLICIES.get(cfg.cache_policy)())
+            self.host_busy: List[Event] = [None] * plan.host_slots  # the last H2D copy out of each host slot
+
+    # ------------------------------------------------------------------ layers
+    def register(self, store) -> int:
+        if len(self.stores) >= self.shape.num_layers:
+            raise ValueError(f"the offload plan has {self.shape.num_layers} MoE layers; a store for one more was built")
+        self.stores.append(store)
+        self.stats.append(OffloadStats())
+        return len(self.stores) - 1
+
+    def next_store(self, store):
+        return self.stores[store.pos + 1] if store.pos + 1 < len(self.stores) else None
+
+    def begin_layer(self, store) -> None:
+        """A layer step starts: no other layer step is running, so every step pin is released (the GPU
+        side is ordered by the events: a slot is rewritten only after the compute that read it)."""
+        for other in self.stores:
+            other.table.unpin_all("step")
+        if self.nvme is not None:
+            self.host_table.unpin_all("step")
+
+    # ------------------------------------------------------------------ host tier
+    def host_weights(self, store, e: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Expert e of `store` in host memory (NVMe: it must have been brought in by `ensure_host`)."""
+        if self.nvme is None:
+            return store.w13_E2FD[e], store.w2_EDF[e]
+        h = self.host_table.lookup((store.pos, e))
+        if h is None:
+            raise RuntimeError(f"expert {e} of MoE layer {store.pos} is not in the host cache")
+        return self.host_w13_H2FD[h], self.host_w2_HDF[h]
+
+    def ensure_host(self, store, experts: Iterable[int], pin: str, stats: OffloadStats) -> None:
+        """NVMe: read the experts that are not in the host cache (and pin them); waits for the reads."""
+        if self.nvme is None:
+            return
+        issued = 0
+        for e in experts:
+            key = (store.pos, e)
+            self.host_table.pin(key, pin)
+            if self.host_table.lookup(key) is not None:
+                self.host_table.touch(key)
+                continue
+            got = self.host_table.allocate(key)
+            if got is None:
+                raise RuntimeError(f"the host cache's {self.plan.host_slots} slots are all pinned: raise "
+                                   "offload.cpu_budget_gb")
+            h = got[0]
+            if self.host_busy[h] is not None:  # an H2D copy may still read the slot
+                self.host_busy[h].synchronize()
+                self.host_busy[h] = None
+            rec = self.shape.record_bytes
+            self.reader.submit(self.host_region.data[h * rec:(h + 1) * rec], store.path, e * rec)
+            issued += 1
+        if issued:
+            self.reader.wait_all()
+            stats.bytes_read += issued * self.shape.record_bytes
+
+    def copy_experts(self, store, items: List[Tuple[int, torch.Tensor, torch.Tensor]], after: Iterable[Event],
+                     stats: OffloadStats) -> Event:
+        """Experts (e, dst_w13, dst_w2) of `store` from the host tier to the device, on the copy stream
+        after the events `after`; one event for all of them (None when there is nothing to copy)."""
+        if not items:
+            return None
+        pairs = []
+        for e, dst_w13, dst_w2 in items:
+            w13, w2 = self.host_weights(store, e)
+            pairs += [(dst_w13, w13), (dst_w2, w2)]
+        ev = self.copier.copy(pairs, after)
+        if self.nvme is not None:
+            for e, _, _ in items:
+                self.host_busy[self.host_table.lookup((store.pos, e))] = ev
+        stats.bytes_h2d += len(items) * self.shape.nbytes
+        return ev
+
+    # ------------------------------------------------------------------ life cycle
+    def finish_load(self) -> None:
+        """After the weights are in: NVMe files to disk, the load maps dropped; the cost model measured."""
+        if len(self.stores) != self.shape.num_layers:
+            raise RuntimeError(f"{len(self.stores)} offload stores for {self.shape.num_layers} MoE layers")
+        if self.nvme is not None:
+            self.nvme.sync()
+            for store in self.stores:
+                store.drop_load_views()
+        self.cost = self._measure()
+        self.copier.bytes_per_s = self.cost.h2d_bytes_per_s
+        logger.info("%s", self.plan.describe())
+        logger.info("%s", self.cost.describe(self.shape.nbytes))
+
+    def _measure(self) -> CostModel:
+        store, buf, probe = self.stores[0], self.buffers[0], OffloadStats()
+        read_s = None
+        if self.nvme is not None:
+            t0 = time.perf_counter()
+            self.ensure_host(store, [0], "step", probe)
+            read_s = time.perf_counter() - t0
+        w13, w2 = self.host_weights(store, 0)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        cost = CostModel.measure(w13, w2, buf.w13_C2FD[0], buf.w2_CDF[0],
+                                 lambda: self.copier.copy([(buf.w13_C2FD[0], w13), (buf.w2_CDF[0], w2)]), sync)
+        if read_s is not None:
+            cost.read_bytes_per_s = self.shape.record_bytes / max(read_s, 1e-9)
+            self.host_table.unpin_all("step")
+        return cost
+
+    def summary(self) -> Dict[str, object]:
+        total = OffloadStats()
+        for s in self.stats:
+            total.add(s)
+        return {"plan": self.plan.describe(), "reader": getattr(getattr(self, "reader", None), "name", None),
+                "cost": self.cost.describe(self.shape.nbytes) if self.cost else None,
+                "total": total.summary(), "layers": [s.summary() for s in self.stats]}
+
+    def reset_stats(self) -> None:
+        self.stats = [OffloadStats() for _ in self.stores]
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.reader.close()
+            self.nvme.close()
+            self.host_region.release()
+        for store in self.stores:
+            store.release()

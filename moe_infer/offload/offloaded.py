@@ -1,0 +1,244 @@
+"""The offloading expert store of one MoE layer: a GPU cache of slots in front of the host tier.
+
+    fetched = store.fetch(x_TD, ids_TK)          # right before the experts: which, and where
+    out_TD = fetched.run(x_TD, local_ids_TK, weights_TK, compute)
+
+`fetch` counts the rows of each local expert and pre-gates the next layer on the same hidden state
+(one host sync for both), then plans the step: hits (cached or in flight) stay pinned; misses are
+split by the cost model between the link (copied into a cache slot, or into the stream buffers
+when the step needs more than `stream_fraction` of the experts or no slot is free) and the CPU.
+`run` computes on slot ids, issues the next layer's prefetch as soon as the GPU has its work,
+streams the rest through the double buffers and adds the CPU's rows.
+
+Legend: T tokens, D hidden, F expert intermediate, E local experts, S cache slots, K top-k,
+C experts per stream buffer.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from moe_infer.offload.compute import SlotCompute, cpu_experts, gather_cpu_rows, to_device
+from moe_infer.offload.cost import split_misses
+from moe_infer.offload.host import layer_host_tensors
+from moe_infer.offload.nvme import record_views
+from moe_infer.offload.policies import CACHE_POLICIES
+from moe_infer.offload.slots import SlotTable
+from moe_infer.offload.stats import OffloadStats
+
+Router = Callable[[torch.Tensor], tuple]  # x_TD -> (logits_TE, topk_weights_TK, topk_ids_TK)
+
+
+class OffloadedExpertStore(nn.Module):
+    is_resident = False
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *,
+                 manager=None, expert_ids: Optional[List[int]] = None, router: Optional[Router] = None,
+                 num_experts: Optional[int] = None, **_) -> None:
+        super().__init__()
+        if manager is None:
+            raise ValueError("an offloading expert store needs the engine's OffloadManager (MoEBackends.offload)")
+        E, D, F = num_local_experts, hidden_size, intermediate_size
+        self.manager, self.num_local_experts, self.router = manager, E, router
+        self.pos = manager.register(self)
+        cfg = manager.cfg
+        if manager.nvme is None:  # every expert in (pinned) host memory: the loader fills them
+            self._region, w13, w2 = layer_host_tensors(E, D, F, dtype, manager.pin)
+            self.path = None
+        else:  # the loader writes through a map of this layer's file; dropped after the load
+            self._region = None
+            self.path, rec_ER = manager.nvme.layer_file(E)
+            w13, w2 = record_views(rec_ER, manager.shape)
+        self.w13_E2FD = nn.Parameter(w13, requires_grad=False)
+        self.w2_EDF = nn.Parameter(w2, requires_grad=False)
+        S = manager.plan.slots_per_layer[self.pos]
+        dev = manager.device
+        self.register_buffer("w13_S2FD", torch.empty(S, 2 * F, D, dtype=dtype, device=dev), persistent=False)
+        self.register_buffer("w2_SDF", torch.empty(S, D, F, dtype=dtype, device=dev), persistent=False)
+        ids = list(range(E)) if expert_ids is None else [int(e) for e in expert_ids]
+        self.num_experts = num_experts or (max(ids) + 1)
+        self.register_buffer("expert_ids_S", torch.tensor(ids, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("freq_E", torch.zeros(self.num_experts, dtype=torch.float32, device=dev), persistent=False)
+        self.table = SlotTable(S, CACHE_POLICIES.get(cfg.cache_policy)())
+        self.ready: List[object] = [None] * S  # copy event of each slot
+        self.last_compute = None  # event after this layer's last expert compute
+        self.pred_TK: Optional[torch.Tensor] = None  # the previous layer's pre-gate for this layer
+        self.predicted: Optional[set] = None
+        self.prefetched: set = set()
+
+    # ------------------------------------------------------------------ fetch
+    def predict(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """This layer's router on another layer's hidden state: predicted ids [T, K] (logical)."""
+        logits_TE, _, ids_TK = self.router(x_TD)
+        alpha = self.manager.cfg.prefetch_stats_weight
+        if alpha > 0:
+            freq_E = self.freq_E / self.freq_E.sum().clamp_min(1.0)
+            scores_TE = (1 - alpha) * logits_TE.float().softmax(-1) + alpha * freq_E
+            ids_TK = scores_TE.topk(ids_TK.shape[1], dim=-1).indices
+        return ids_TK
+
+    def _rows_S(self, ids_TK: torch.Tensor) -> tuple:
+        """(rows per logical expert [E_all], rows per local expert [E]) on the device, no sync."""
+        flat = ids_TK.reshape(-1).long() + 1
+        rows_E1 = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
+        rows_E1.scatter_add_(0, flat, torch.ones_like(flat))
+        return rows_E1[1:], rows_E1[1:][self.expert_ids_S]
+
+    def fetch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> "FetchedExperts":
+        m, cfg, E = self.manager, self.manager.cfg, self.num_local_experts
+        m.begin_layer(self)
+        rows_E, rows_S = self._rows_S(ids_TK)
+        self.freq_E.mul_(0.99).add_(rows_E)
+        parts = [rows_S]
+        has_pred = self.pred_TK is not None and self.pred_TK.shape == ids_TK.shape
+        if has_pred:
+            parts.append((self.pred_TK[:, :, None] == ids_TK[:, None, :]).any(-1).sum().view(1))
+        nxt = m.next_store(self) if cfg.prefetch else None
+        if nxt is not None:
+            nxt.pred_TK = nxt.predict(x_TD)
+            parts.append(nxt._rows_S(nxt.pred_TK)[1])
+        host = torch.cat(parts).tolist()  # the layer step's one host sync
+        needed: Dict[int, int] = {e: n for e, n in enumerate(host[:E]) if n}
+        st = m.stats[self.pos]
+        st.layer_steps += 1
+        st.needed += len(needed)
+        if has_pred:
+            st.token_matches += host[E]
+            st.token_slots += ids_TK.numel()
+        if self.predicted is not None:
+            st.predicted += len(self.predicted)
+            st.predicted_needed += len(self.predicted & needed.keys())
+            st.needed_after_prediction += len(needed)
+        self.predicted, self.pred_TK = None, None
+        next_rows = host[E + has_pred:] if nxt is not None else None
+        return self._plan(needed, st, nxt, next_rows)
+
+    def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_rows) -> "FetchedExperts":
+        m, cfg, E, table = self.manager, self.manager.cfg, self.num_local_experts, self.table
+        table.unpin_all("prefetch")  # the prefetch was for this step
+        table.policy.observe(needed)
+        hits = [e for e in needed if table.lookup(e) is not None]
+        for e in needed:
+            table.pin(e, "step")
+        for e in hits:
+            table.touch(e)
+        st.hits += len(hits)
+        st.prefetch_hits += len(self.prefetched.intersection(hits))
+        self.prefetched = set()
+        misses = {e: n for e, n in needed.items() if table.lookup(e) is None}
+        m.ensure_host(self, misses, "step", st)
+        to_copy, to_cpu = split_misses(misses, cfg.miss_policy, m.cost, m.shape.nbytes, m.copier.seconds_until_idle())
+        stream_all = len(needed) > cfg.stream_fraction * E
+        to_stream, copies = [], []
+        for e in to_copy:
+            got = None if stream_all else table.allocate(e)
+            if got is None:
+                to_stream.append(e)
+            else:
+                copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]]))
+        self._copy_into_slots(copies, st)
+        st.copied += len(to_copy) - len(to_stream)
+        st.streamed += len(to_stream)
+        st.cpu += len(to_cpu)
+        elsewhere = set(to_cpu) | set(to_stream)
+        slot_of_E = [-1] * E
+        for e in needed:
+            if e not in elsewhere:
+                slot_of_E[e] = table.lookup(e)
+        waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
+        return FetchedExperts(self, slot_of_E, waits, to_cpu, to_stream, nxt, next_rows)
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, rows: List[int]) -> None:
+        """Bring the experts the previous layer's pre-gate predicted for this layer (rows per expert)."""
+        m, cfg, table = self.manager, self.manager.cfg, self.table
+        want = sorted((e for e, n in enumerate(rows) if n), key=lambda e: -rows[e])
+        self.predicted = set(want)
+        if len(want) > cfg.stream_fraction * self.num_local_experts:
+            return  # this layer will stream its step: nothing to cache ahead
+        limit = table.num_slots if cfg.max_prefetch is None else min(cfg.max_prefetch, table.num_slots)
+        st = m.stats[self.pos]
+        want = want[:limit]
+        for e in want:
+            table.pin(e, "prefetch")
+        m.ensure_host(self, [e for e in want if table.lookup(e) is None], "prefetch", st)
+        copies = []
+        for e in want:
+            if table.lookup(e) is not None:
+                continue
+            got = table.allocate(e)
+            if got is None:
+                break
+            copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]]))
+            self.prefetched.add(e)
+        st.prefetched += len(copies)
+        self._copy_into_slots(copies, st)
+
+    def _copy_into_slots(self, copies: list, st: OffloadStats) -> None:
+        """One batch of copies into this layer's slots, after this layer's last compute read them."""
+        ev = self.manager.copy_experts(self, copies, [self.last_compute], st)
+        for e, _, _ in copies:
+            self.ready[self.table.lookup(e)] = ev
+
+    # ------------------------------------------------------------------ life cycle
+    def drop_load_views(self) -> None:
+        """NVMe: the file maps the loader wrote through are no longer needed."""
+        del self.w13_E2FD, self.w2_EDF
+
+    def release(self) -> None:
+        """Engine shutdown: the host tier is unlocked and given back (the store is unusable after)."""
+        if self._region is not None:
+            self._region.release()
+            self._region = None
+            self.w13_E2FD = self.w2_EDF = None
+
+
+class FetchedExperts:
+    """One layer step's answer: slot tensors, local expert -> slot (-1: elsewhere), what runs elsewhere."""
+
+    def __init__(self, store: OffloadedExpertStore, slot_of_E: List[int], waits: list, to_cpu: List[int],
+                 to_stream: List[int], nxt, next_rows) -> None:
+        dev, E, C = store.w13_S2FD.device, store.num_local_experts, store.manager.plan.stream_chunk
+        self.store, self.waits, self.to_cpu, self.to_stream = store, waits, to_cpu, to_stream
+        self.nxt, self.next_rows = nxt, next_rows
+        self.on_device = any(s >= 0 for s in slot_of_E)
+        self.w13_S2FD, self.w2_SDF = store.w13_S2FD, store.w2_SDF
+        # every small table of the step goes over now, before any GPU-side wait is queued
+        self.chunks = [to_stream[i:i + C] for i in range(0, len(to_stream), C)]
+        tables = [slot_of_E, [int(e in to_cpu) for e in range(E)]]
+        for chunk in self.chunks:
+            tables.append([chunk.index(e) if e in chunk else -1 for e in range(E)])
+        tables_XE = to_device([v for t in tables for v in t], dev).view(len(tables), E)
+        self.slot_of_E, self.is_cpu_E, self.chunk_slot_of_E = tables_XE[0], tables_XE[1].bool(), tables_XE[2:]
+
+    def run(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+            compute: SlotCompute) -> torch.Tensor:
+        """out_TD for rows with local expert ids_TK (-1: none)."""
+        store, m = self.store, self.store.manager
+        valid_TK = ids_TK >= 0
+        safe_TK = ids_TK.clamp_min(0).long()
+        cpu_rows = gather_cpu_rows(x_TD, ids_TK, weights_TK, self.is_cpu_E) if self.to_cpu else None
+        m.copier.wait(self.waits)  # the GPU waits for the copies it needs; the host does not
+        if self.on_device:
+            slot_ids_TK = torch.where(valid_TK, self.slot_of_E[safe_TK], -1)
+            out_TD = compute(x_TD, slot_ids_TK, weights_TK, self.w13_S2FD, self.w2_SDF)
+        else:
+            out_TD = torch.zeros_like(x_TD)
+        store.last_compute = m.copier.mark()
+        st = m.stats[store.pos]
+        for i, chunk in enumerate(self.chunks):  # copy of chunk i+1 queued under the compute of chunk i
+            buf = m.buffers[i % 2]
+            m.copier.wait([m.copy_experts(store, [(e, buf.w13_C2FD[j], buf.w2_CDF[j]) for j, e in enumerate(chunk)],
+                                          [buf.last_use], st)])
+            chunk_ids_TK = torch.where(valid_TK, self.chunk_slot_of_E[i][safe_TK], -1)
+            out_TD = out_TD + compute(x_TD, chunk_ids_TK, weights_TK, buf.w13_C2FD, buf.w2_CDF)
+            buf.last_use = m.copier.mark()
+        if self.nxt is not None:  # the GPU has its work queued: the link turns to the next layer
+            self.nxt.prefetch(self.next_rows)
+            self.nxt = None
+        if cpu_rows is not None:  # the host computes while the GPU and the link work
+            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e))
+        store.last_compute = m.copier.mark()
+        return out_TD

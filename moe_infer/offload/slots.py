@@ -1,0 +1,61 @@
+"""A slot table: a fixed pool of slots, which key each holds, which keys are pinned.
+
+Slots are to experts what KV blocks are to tokens: the table maps keys (experts) to slot ids and
+never moves bytes itself; the store copies into the slot it is given. Pins say why a key must stay:
+`step` (the running layer step computes with it) and `prefetch` (a copy for the next layer is in
+flight or landed and not yet used). `allocate` takes a free slot, else the policy's victim among
+the unpinned keys, else returns None: a pinned key is never evicted.
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Set, Tuple
+
+PIN_KINDS = ("step", "prefetch")
+
+
+class SlotTable:
+    def __init__(self, num_slots: int, policy) -> None:
+        self.num_slots = num_slots
+        self.policy = policy
+        self.slot_of: Dict[Hashable, int] = {}
+        self.key_in: List[Optional[Hashable]] = [None] * num_slots
+        self.free: List[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.pins: Dict[str, Set[Hashable]] = {kind: set() for kind in PIN_KINDS}
+
+    def lookup(self, key: Hashable) -> Optional[int]:
+        return self.slot_of.get(key)
+
+    def is_pinned(self, key: Hashable) -> bool:
+        return any(key in pinned for pinned in self.pins.values())
+
+    def pin(self, key: Hashable, kind: str) -> None:
+        self.pins[kind].add(key)
+
+    def unpin_all(self, kind: str) -> Set[Hashable]:
+        released, self.pins[kind] = self.pins[kind], set()
+        return released
+
+    def touch(self, key: Hashable) -> None:
+        self.policy.touch(key)
+
+    def evictable(self) -> List[Hashable]:
+        return [k for k in self.slot_of if not self.is_pinned(k)]
+
+    def allocate(self, key: Hashable) -> Optional[Tuple[int, Optional[Hashable]]]:
+        """(slot, evicted key or None) for a key not in the table, or None when every slot is pinned."""
+        if key in self.slot_of:
+            raise ValueError(f"{key!r} already holds slot {self.slot_of[key]}")
+        evicted = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            candidates = self.evictable()
+            if not candidates:
+                return None
+            evicted = self.policy.victim(candidates)
+            slot = self.slot_of.pop(evicted)
+            self.policy.forget(evicted)
+        self.slot_of[key] = slot
+        self.key_in[slot] = key
+        self.policy.touch(key)
+        return slot, evicted

@@ -1,0 +1,52 @@
+"""Offload counters: hit rate, where misses went, bytes moved, prefetch accuracy. Host-side ints.
+
+Per layer step (one MoE layer of one engine step) an expert with at least one routed row is
+"needed"; it is a hit when it is in the GPU cache or on its way there (a prefetch in flight), else
+a miss that is copied into the cache, streamed through the double buffers, or computed on the CPU.
+Prefetch accuracy is counted two ways: per token (of the K experts layer l+1's router picks for a
+token, how many the pre-gate on layer l's hidden state had picked: the measure of docs/tiny_moe.md)
+and per step (of the experts layer l+1 needed, how many were predicted: what a cache sees).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class OffloadStats:
+    layer_steps: int = 0
+    needed: int = 0
+    hits: int = 0
+    prefetch_hits: int = 0  # hits that a prefetch brought in
+    copied: int = 0  # misses copied into the cache (waited on)
+    streamed: int = 0  # misses run through the stream buffers
+    cpu: int = 0  # misses computed on the CPU
+    prefetched: int = 0  # experts a prefetch copied
+    bytes_h2d: int = 0
+    bytes_read: int = 0  # NVMe -> host
+    predicted: int = 0  # per step: experts the pre-gate predicted
+    predicted_needed: int = 0  # ... of which the layer then needed
+    needed_after_prediction: int = 0  # experts needed in layer steps that had a prediction
+    token_slots: int = 0  # per token: tokens x K of predicted layer steps
+    token_matches: int = 0  # ... picks of the router that the pre-gate had also picked
+
+    def add(self, other: "OffloadStats") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def summary(self) -> dict:
+        def ratio(a: int, b: int) -> float:
+            return a / b if b else 0.0
+
+        out = asdict(self)
+        out.update(
+            hit_rate=ratio(self.hits, self.needed),
+            cpu_share=ratio(self.cpu, self.needed),
+            stream_share=ratio(self.streamed, self.needed),
+            prefetch_recall=ratio(self.predicted_needed, self.needed_after_prediction),
+            prefetch_precision=ratio(self.predicted_needed, self.predicted),
+            prefetch_token_recall=ratio(self.token_matches, self.token_slots),
+            gb_h2d=self.bytes_h2d / 1e9,
+            gb_read=self.bytes_read / 1e9,
+        )
+        return out

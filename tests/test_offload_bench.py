@@ -1,0 +1,35 @@
+"""benchmarks/offload.py --smoke: the GPU benchmark's every part, end to end on CPU with tiny shapes
+(so the one GPU run does not fail on a typo); the numbers themselves mean nothing here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_offload_benchmark_smoke(tmp_path):
+    pytest.importorskip("accelerate")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload.py"), "--smoke", "--out",
+                           str(tmp_path), "--nvme-path", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "offload_smoke_cpu.json").read_text())
+    runs = {(r["shape"], r["routing"], r["streams"]) for r in result["runs"]}
+    assert runs == {("mixtral", "router", 1), ("mixtral", "router", 16), ("mixtral", "trace", 1),
+                    ("mixtral", "trace", 16), ("qwen3", "router", 1), ("qwen3", "router", 16)}
+    for r in result["runs"]:
+        assert r["tok_s"] > 0 and r["needed"] > 0 and 0 <= r["hit_rate"] <= 1
+    trace_1 = next(r for r in result["runs"] if r["routing"] == "trace" and r["streams"] == 1)
+    assert trace_1["prefetch_token_recall"] > 0.3  # the tiny model's pre-gate, replayed
+    assert result["accelerate"]["s_per_token"] > 0
+    assert result["nvme"]["read_gbps"] > 0 and result["nvme"]["dd_gbps"] > 0
+    assert "shape" in proc.stdout and "wrote" in proc.stdout  # the table and the JSON path are printed
+    assert [p.name for p in tmp_path.iterdir()] == ["offload_smoke_cpu.json"]  # NVMe files cleaned up

@@ -1,0 +1,215 @@
+"""The offload cache's bookkeeping: slot tables, policies, the planner's errors, the miss split, and
+(property test) that a step never computes with a slot that does not hold its expert's weights:
+nothing the running step or an in-flight prefetch needs is ever evicted."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_infer.config import OffloadConfig
+from moe_infer.offload import ExpertShape, OffloadedExpertStore, OffloadManager, plan_offload
+from moe_infer.offload.cost import CostModel, split_misses
+from moe_infer.offload.policies import CACHE_POLICIES
+from moe_infer.offload.slots import SlotTable
+
+D, F = 4, 2
+
+
+# ------------------------------------------------------------------ slot table
+@settings(max_examples=200, deadline=None)
+@given(num_slots=st.integers(0, 4), policy=st.sampled_from(["lru", "lfu"]),
+       ops=st.lists(st.tuples(st.sampled_from(["alloc", "pin_step", "pin_prefetch", "unpin_step",
+                                               "unpin_prefetch", "touch", "observe"]), st.integers(0, 7)),
+                    max_size=60))
+def test_slot_table_never_evicts_a_pinned_key(num_slots, policy, ops):
+    table = SlotTable(num_slots, CACHE_POLICIES.get(policy)())
+    for op, key in ops:
+        if op == "alloc" and table.lookup(key) is None:
+            pinned_before = {k for k in table.slot_of if table.is_pinned(k)}
+            got = table.allocate(key)
+            if got is None:  # refused only when every slot holds a pinned key
+                assert len(pinned_before) == num_slots
+                continue
+            slot, evicted = got
+            assert evicted not in pinned_before
+            assert table.lookup(key) == slot and table.key_in[slot] == key
+        elif op.startswith("pin_"):
+            table.pin(key, op[4:])
+        elif op.startswith("unpin_"):
+            table.unpin_all(op[6:])
+        elif op == "touch":
+            table.touch(key)
+        elif op == "observe":
+            table.policy.observe({key: 3})
+        assert len(table.slot_of) <= num_slots
+        assert all(table.key_in[s] == k for k, s in table.slot_of.items())
+
+
+def test_lru_evicts_the_least_recent_and_lfu_keeps_the_hot():
+    lru = SlotTable(2, CACHE_POLICIES.get("lru")())
+    lru.allocate(0), lru.allocate(1)
+    lru.touch(0)
+    assert lru.allocate(2) == (1, 1)  # expert 1 was used least recently
+    lfu = SlotTable(2, CACHE_POLICIES.get("lfu")())
+    lfu.allocate(0), lfu.allocate(1)
+    lfu.policy.observe({0: 50, 1: 1})
+    lfu.touch(1)  # recent, but cold
+    assert lfu.allocate(2) == (1, 1)
+
+
+# ------------------------------------------------------------------ planner
+def _shape(L=4, E=8, K=2, dtype=torch.bfloat16):
+    return ExpertShape(num_layers=L, num_local_experts=E, top_k=K, hidden_size=64, intermediate_size=32, dtype=dtype)
+
+
+def test_plan_spreads_the_budget_and_refuses_an_impossible_one(tmp_path):
+    shape = _shape()
+    per = shape.nbytes / 2**30
+    plan = plan_offload(OffloadConfig(store="cpu", gpu_expert_budget_gb=per * 11), shape)
+    assert plan.stream_chunk == 1 and plan.slots_per_layer == [3, 2, 2, 2]  # 11 - 2 stream slots = 9
+    with pytest.raises(ValueError, match="gpu_expert_budget_gb=.* holds 1 experts.*at least 2"):
+        plan_offload(OffloadConfig(store="cpu", gpu_expert_budget_gb=per * 1.5), shape)
+    with pytest.raises(ValueError, match="cache_policy='fifo'"):
+        plan_offload(OffloadConfig(store="cpu", cache_policy="fifo"), shape)
+    with pytest.raises(ValueError, match="cpu_budget_gb=.* at least two layers"):
+        plan_offload(OffloadConfig(store="nvme", nvme_path=str(tmp_path), cpu_budget_gb=per * 10), shape)
+
+
+def test_plan_refuses_a_bad_nvme_path(tmp_path, monkeypatch):
+    shape = _shape()
+    with pytest.raises(ValueError, match="is not a directory"):
+        plan_offload(OffloadConfig(store="nvme", nvme_path=str(tmp_path / "missing")), shape)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    monkeypatch.setattr("os.access", lambda path, mode: False)
+    with pytest.raises(ValueError, match="not readable and writable"):
+        plan_offload(OffloadConfig(store="nvme", nvme_path=str(locked)), shape)
+    monkeypatch.undo()
+    monkeypatch.setattr("shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
+    with pytest.raises(ValueError, match="GiB free; the experts need"):
+        plan_offload(OffloadConfig(store="nvme", nvme_path=str(tmp_path)), shape)
+    with pytest.raises(ValueError, match="needs offload.nvme_path"):
+        OffloadConfig(store="nvme")
+
+
+def test_split_misses_balances_link_and_cpu():
+    cost = CostModel(h2d_bytes_per_s=1e9, cpu_seconds_at=((1, 4e-3), (4, 4e-3), (16, 8e-3), (64, 30e-3)))
+    expert = int(6.5e6)  # 6.5 ms on the link
+    assert split_misses({3: 1, 5: 1}, "auto", cost, expert, 0.0) == ([5], [3])  # one each: 6.5 ms, not 13
+    assert split_misses({3: 64}, "auto", cost, expert, 0.0) == ([3], [])  # 30 ms on the CPU: copy
+    assert split_misses({3: 1}, "auto", cost, expert, 0.010) == ([], [3])  # the link is busy for 10 ms
+    assert split_misses({3: 1, 5: 2}, "wait", cost, expert, 0.0) == ([3, 5], [])
+    assert split_misses({3: 1, 5: 2}, "cpu", cost, expert, 0.0) == ([], [3, 5])
+
+
+# ------------------------------------------------------------------ the store's bookkeeping
+class _Router:
+    """The pre-gate a store's router gives: set by the test before each step."""
+
+    def __init__(self, K: int) -> None:
+        self.ids_TK = None
+        self.K = K
+
+    def __call__(self, x_TD):
+        return None, None, self.ids_TK
+
+
+def _stores(L, E, K, slots, **cfg):
+    cfg = OffloadConfig(store="cpu", slots_per_layer=slots, **cfg)
+    m = OffloadManager(cfg, plan_offload(cfg, ExpertShape(L, E, K, D, F, torch.float32)), torch.device("cpu"))
+    routers = [_Router(K) for _ in range(L)]
+    stores = [OffloadedExpertStore(E, D, F, torch.float32, manager=m, router=r) for r in routers]
+    for i, s in enumerate(stores):  # every expert's weights unique
+        s.w13_E2FD.copy_(torch.arange(s.w13_E2FD.numel()).view_as(s.w13_E2FD) + 1000.0 * i)
+        s.w2_EDF.copy_(-torch.arange(s.w2_EDF.numel()).view_as(s.w2_EDF) - 1000.0 * i)
+    m.finish_load()
+    return m, stores, routers
+
+
+def _checking_compute(store, ids_TK, seen):
+    def compute(x_TD, slot_ids_TK, weights_TK, w13_S2FD, w2_SDF):
+        for (t, k), slot in zip(torch.nonzero(slot_ids_TK >= 0).tolist(), slot_ids_TK[slot_ids_TK >= 0].tolist()):
+            e = int(ids_TK[t, k])
+            assert torch.equal(w13_S2FD[slot], store.w13_E2FD[e]) and torch.equal(w2_SDF[slot], store.w2_EDF[e]), \
+                f"layer {store.pos} expert {e} computed from a slot that holds something else"
+            seen.add((t, k))
+        return torch.zeros_like(x_TD)
+
+    return compute
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), E=st.integers(2, 6), K=st.integers(1, 2), slots=st.integers(0, 4),
+       miss=st.sampled_from(["wait", "cpu", "auto"]), policy=st.sampled_from(["lru", "lfu"]),
+       stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 4))
+def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, policy, stream_fraction, steps):
+    torch.set_num_threads(1)
+    L = 3
+    m, stores, routers = _stores(L, E, K, slots, miss_policy=miss, cache_policy=policy,
+                                 stream_fraction=stream_fraction)
+    ids = st.lists(st.integers(-1, E - 1), min_size=K, max_size=K)
+    for _ in range(steps):
+        T = data.draw(st.integers(1, 4))
+        for layer, store in enumerate(stores):
+            ids_TK = torch.tensor(data.draw(st.lists(ids, min_size=T, max_size=T)))
+            if layer + 1 < L:
+                routers[layer + 1].ids_TK = torch.tensor(data.draw(st.lists(ids, min_size=T, max_size=T))).clamp_min(0)
+            prefetched = set(store.prefetched)
+            hits_before = m.stats[layer].prefetch_hits
+            fetched = store.fetch(torch.zeros(T, D), ids_TK)
+            needed = {e for e in ids_TK.view(-1).tolist() if e >= 0}
+            assert m.stats[layer].prefetch_hits - hits_before == len(prefetched & needed)  # none was evicted
+            assert set(fetched.to_cpu) | set(fetched.to_stream) | {e for e in needed if store.table.lookup(e) is not None} >= needed
+            seen = set()
+            fetched.run(torch.zeros(T, D), ids_TK, torch.ones(T, K), _checking_compute(store, ids_TK, seen))
+            elsewhere = set(fetched.to_cpu)
+            want = {(t, k) for t in range(T) for k in range(K) if ids_TK[t, k] >= 0 and int(ids_TK[t, k]) not in elsewhere}
+            assert seen == want  # every row on the device ran from a slot holding its expert
+    total = m.summary()["total"]
+    assert total["needed"] == total["hits"] + total["copied"] + total["streamed"] + total["cpu"]
+
+
+def test_a_prefetch_never_evicts_what_it_just_brought():
+    """LFU ranks a just-prefetched (never routed) expert coldest: without the prefetch pin the next
+    prefetched expert would take its slot, and the layer would miss what was predicted right."""
+    torch.set_num_threads(1)
+    m, (first, second), routers = _stores(2, 6, 2, 2, cache_policy="lfu", miss_policy="wait")
+    x = torch.zeros(1, D)
+    for _ in range(3):  # experts 0 and 1 of the second layer become hot and cached
+        routers[1].ids_TK = torch.tensor([[0, 1]])
+        first.fetch(x, torch.tensor([[0, 1]])).run(x, torch.tensor([[0, 1]]), torch.ones(1, 2), _checking_compute(first, torch.tensor([[0, 1]]), set()))
+        second.fetch(x, torch.tensor([[0, 1]])).run(x, torch.tensor([[0, 1]]), torch.ones(1, 2), _checking_compute(second, torch.tensor([[0, 1]]), set()))
+    routers[1].ids_TK = torch.tensor([[2, 3]])  # the pre-gate now says 2 and 3
+    first.fetch(x, torch.tensor([[0, 1]])).run(x, torch.tensor([[0, 1]]), torch.ones(1, 2), _checking_compute(first, torch.tensor([[0, 1]]), set()))
+    assert second.prefetched == {2, 3}
+    before = m.stats[1].summary()
+    second.fetch(x, torch.tensor([[2, 3]]))
+    after = m.stats[1].summary()
+    assert after["prefetch_hits"] - before["prefetch_hits"] == 2 and after["copied"] == before["copied"]
+
+
+def test_host_tier_stays_on_the_host_when_the_model_is_built_under_a_device_context(tmp_path):
+    """load_model builds the model under `with torch.device(device)`: the host tier (and the NVMe file
+    maps) must still be host memory; a device context on a CPU-only machine is simulated with meta."""
+    for store in ("cpu", "nvme"):
+        cfg = OffloadConfig(store=store, slots_per_layer=1, nvme_path=str(tmp_path))
+        m = OffloadManager(cfg, plan_offload(cfg, ExpertShape(1, 4, 2, D, F, torch.float32)), torch.device("cpu"))
+        with torch.device("meta"):
+            s = OffloadedExpertStore(4, D, F, torch.float32, manager=m, router=_Router(2))
+        assert s.w13_E2FD.device.type == "cpu" and s.w2_EDF.device.type == "cpu", store
+        m.close()
+
+
+def test_a_single_moe_layer_releases_its_step_pins_between_steps():
+    """With one MoE layer no other layer's fetch comes between two of its steps: its own fetch must
+    release the previous step's pins, or the cache freezes (every later miss streams)."""
+    torch.set_num_threads(1)
+    m, (store,), _ = _stores(1, 6, 1, 2, miss_policy="wait")
+    x = torch.zeros(1, D)
+    for e in range(6):
+        ids = torch.tensor([[e]])
+        store.fetch(x, ids).run(x, ids, torch.ones(1, 1), _checking_compute(store, ids, set()))
+    total = m.summary()["total"]
+    assert total["copied"] == 6 and total["streamed"] == 0
