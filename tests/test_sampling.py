@@ -31,7 +31,7 @@ def draw(n=4000, **kw):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(n=2), "n must be 1"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(n=0), "n must be an int >= 1"),
     (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),

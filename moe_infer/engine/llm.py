@@ -171,11 +171,7 @@ class LLM:
 
         Empty when the statistics are off (`routing.collect_stats=False`).
         """
-        stats = self.engine.runner.stats
-        if stats is None:
-            return []
-        moe_layers = set(self.engine.runner.arch.moe_layer_ids)
-        return [row for row in stats.summary() if row["layer"] in moe_layers]
+        return self.engine.get_expert_load()
 
     def get_offload_stats(self) -> dict:
         """Offload stores: the plan, the measured cost model, and per layer and in total the hit rate,

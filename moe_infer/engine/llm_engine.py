@@ -1,9 +1,11 @@
 """The engine: requests in, RequestOutputs out; one `step()` is schedule -> run -> postprocess.
 
-Usable directly by a server: `add_request`, `abort_request`, `step`, `has_unfinished_requests`.
+Usable directly by a server: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
+`check_prompt` (the admission checks, for a server to answer 400 before adding), `get_stats`.
 A request that cannot run (malformed prompt, token ids outside the vocabulary, prompt too long for
 the model or the KV cache) finishes alone with finish_reason "error" and the reason in
-`outputs[0].error`; a step whose forward raises fails only the requests of that step.
+`outputs[i].error`; a step whose forward raises fails only the requests of that step. A request with
+`SamplingParams.n > 1` runs as n sequences (moe_infer/engine/request_state.py).
 """
 from __future__ import annotations
 
@@ -11,18 +13,18 @@ import itertools
 import logging
 import os
 import time
-from typing import Dict, List, Optional, Union
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.block_manager import BlockManager
-from moe_infer.engine.detokenizer import IncrementalDetokenizer
 from moe_infer.engine.model_runner import ModelRunner
-from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from moe_infer.engine.outputs import RequestOutput
+from moe_infer.engine.request_state import Child, RequestState
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
-from moe_infer.engine.sequence import Sequence
 from moe_infer.parallel.engine_hooks import init_engine_parallel, run_step
 
 logger = logging.getLogger(__name__)
@@ -55,13 +57,22 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-class _Request:
-    """Engine-side state of one request: its sequence, detokenizer and accumulated logprobs."""
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's counters (for a server's metrics; plain numbers, no tensors)."""
 
-    def __init__(self, seq: Sequence, detok: Optional[IncrementalDetokenizer]) -> None:
-        self.seq, self.detok = seq, detok
-        self.logprobs: Optional[List[Dict[int, Logprob]]] = [] if seq.params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+    num_requests: int  # unfinished requests (an n > 1 request counts once)
+    num_running: int  # sequences scheduled in the batch
+    num_waiting: int  # sequences queued (waiting for admission, or preempted)
+    num_kv_blocks: int
+    num_free_kv_blocks: int  # includes freed blocks kept for the prefix cache
+    num_prefix_queries: int  # full prompt blocks looked up at admission, total
+    num_prefix_hits: int  # of those, found in the prefix cache
+    num_preemptions: int  # total
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
 
 
 class LLMEngine:
@@ -75,16 +86,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         arch = self.runner.arch
         self.vocab_size = arch.vocab_size
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cfg.cache.block_size,
                                           cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
             self.runner.max_model_len, cfg.scheduler.enable_chunked_prefill, arch.eos_token_ids,
         )
-        self.requests: Dict[str, _Request] = {}
-        self._by_seq: Dict[int, _Request] = {}
+        self.requests: Dict[str, RequestState] = {}
+        self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()
-        self._pending: List[RequestOutput] = []  # outputs of requests that failed at admission
+        self._pending: List[RequestOutput] = []  # outputs of requests that finished outside a step
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
@@ -92,29 +104,51 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids, error = self._tokenize(prompt, params)
-        seq = Sequence(request_id, token_ids, params, prompt=text)
-        detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.stop_strings, params.skip_special_tokens,
-                                        params.include_stop_str_in_output) if self.tokenizer is not None else None)
-        req = self.requests[request_id] = self._by_seq[seq.seq_id] = _Request(seq, detok)
-        if error is None:
-            self.scheduler.add(seq)  # finishes seq with an error when it can never run
-        else:
-            seq.finish("error", error=error)
-        if seq.is_finished:
-            logger.warning("request %s rejected: %s", request_id, seq.error)
-            self._pending.append(self._output(req))
+        req = self.requests[request_id] = RequestState(request_id, text, token_ids, params, self.tokenizer)
+        for child in req.children:
+            self._by_seq[child.seq.seq_id] = (req, child)
+            if error is None:
+                self.scheduler.add(child.seq)  # finishes the seq with an error when it can never run
+            else:
+                child.seq.finish("error", error=error)
+        if req.is_finished:
+            logger.warning("request %s rejected: %s", request_id, req.children[0].seq.error)
+            self._pending.append(req.output())
             self._drop(req)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
+        """Finish the request (all its samples) with finish_reason "abort"; its blocks are free at once."""
         req = self.requests.get(request_id)
         if req is not None:
-            self.scheduler.abort(req.seq)
-            self._pending.append(self._output(req))
+            for seq in req.seqs:
+                self.scheduler.abort(seq)
+            self._pending.append(req.output())
             self._drop(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def check_prompt(self, token_ids: List[int], params: SamplingParams) -> Optional[str]:
+        """Why add_request would reject these prompt ids with params (None: they can run)."""
+        return (self._params_error(params) or self._ids_error(token_ids)
+                or self.scheduler.admission_error(len(token_ids)))
+
+    def get_stats(self) -> EngineStats:
+        bm, sch = self.block_manager, self.scheduler
+        return EngineStats(len(self.requests), len(sch.running), len(sch.waiting), bm.num_blocks,
+                           bm.num_free_blocks, bm.num_prefix_queries, bm.num_prefix_hits, sch.num_preemptions)
+
+    def get_expert_load(self) -> List[dict]:
+        """Per MoE layer: rows routed / dropped / rerouted per expert, imbalance, entropy (one host sync).
+
+        Empty when the statistics are off (`routing.collect_stats=False`).
+        """
+        stats = self.runner.stats
+        if stats is None:
+            return []
+        moe_layers = set(self.runner.arch.moe_layer_ids)
+        return [row for row in stats.summary() if row["layer"] in moe_layers]
 
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> List[RequestOutput]:
@@ -128,47 +162,52 @@ class LLMEngine:
             return outputs
         now = time.monotonic()
         for item in plan.seqs:
-            req = self._by_seq_id(item.seq_id)
-            if req.seq.metrics.first_scheduled_time is None:
-                req.seq.metrics.first_scheduled_time = now
+            seq = self._by_seq[item.seq_id][1].seq
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
         try:
             tokens, logprobs = run_step(self.parallel, self.runner, plan)  # EP: the plan goes to every rank
         except Exception as err:  # the step's requests fail; the engine and the other requests go on
-            logger.exception("forward failed for %d requests", len(plan.seqs))
-            for item in plan.seqs:
-                req = self._by_seq_id(item.seq_id)
-                self.scheduler.finish(req.seq, "error", error=f"{type(err).__name__}: {err}")
-                outputs.append(self._output(req))
+            logger.exception("forward failed for %d sequences", len(plan.seqs))
+            failed = {id(req): req for req, _ in (self._by_seq[item.seq_id] for item in plan.seqs)}
+            for req in failed.values():
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "error", error=f"{type(err).__name__}: {err}")
+                outputs.append(req.output())
                 self._drop(req)
             return outputs
         lp_by_seq = {item.seq_id: lp for item, lp in zip(plan.seqs, logprobs) if lp is not None}
         updated = self.scheduler.postprocess(plan, tokens)
         now = time.monotonic()
+        progressed: Dict[str, RequestState] = {}
         for seq in updated:
-            req = self._by_seq[seq.seq_id]
+            req, child = self._by_seq[seq.seq_id]
             m = seq.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             token = seq.token_ids[-1]
             if seq.seq_id in lp_by_seq:
-                self._add_logprobs(req, token, lp_by_seq[seq.seq_id])
-            if req.detok is not None:
-                _, stop = req.detok.add_token(token)
+                child.add_logprobs(token, lp_by_seq[seq.seq_id], self._decode_one)
+            if child.detok is not None:
+                _, stop = child.detok.add_token(token)
                 if stop is not None and not seq.is_finished:
                     self.scheduler.finish(seq, "stop", stop)
-            if seq.is_finished or not final_only:
-                outputs.append(self._output(req))
-            if seq.is_finished:
+            progressed[req.request_id] = req
+        for req in progressed.values():
+            finished = req.is_finished
+            if finished or not final_only:
+                outputs.append(req.output())
+            if finished:
                 self._drop(req)
         return outputs
 
     # ------------------------------------------------------------------ helpers
     def _tokenize(self, prompt: PromptType, params: SamplingParams):
         """(prompt text, token ids, error or None) of a prompt."""
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            return None, [], f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
-        if params.stop_strings and self.tokenizer is None:
-            return None, [], "stop strings need a tokenizer, and this checkpoint has none"
+        error = self._params_error(params)
+        if error is not None:
+            return None, [], error
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return prompt, [], ("a text prompt needs a tokenizer, and this checkpoint folder has none: "
@@ -179,9 +218,9 @@ class LLMEngine:
             text = prompt.get("prompt")
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
                 return text, [], f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                return text, [], f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            error = self._ids_error(ids)
+            if error is not None:
+                return text, [], error
             if text is None and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids)
             return text, list(ids), None
@@ -190,45 +229,21 @@ class LLMEngine:
         return None, [], ("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
                           f"{type(prompt).__name__}{' with keys ' + str(sorted(prompt)) if isinstance(prompt, dict) else ''}")
 
-    def _by_seq_id(self, seq_id: int) -> _Request:
-        return self._by_seq[seq_id]
+    def _params_error(self, params: SamplingParams) -> Optional[str]:
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            return f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
+        if params.stop_strings and self.tokenizer is None:
+            return "stop strings need a tokenizer, and this checkpoint has none"
+        return None
 
-    def _drop(self, req: _Request) -> None:
-        del self.requests[req.seq.request_id], self._by_seq[req.seq.seq_id]
+    def _ids_error(self, ids: List[int]) -> Optional[str]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        return f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})" if bad else None
 
-    def _add_logprobs(self, req: _Request, token: int, lp: tuple) -> None:
-        chosen, rank, top_ids, top_vals = lp
-        entry = {t: Logprob(v, r + 1, self._decode_one(t)) for r, (t, v) in enumerate(zip(top_ids, top_vals))}
-        entry.setdefault(token, Logprob(chosen, rank, self._decode_one(token)))
-        req.cumulative_logprob += chosen
-        req.logprobs.append(entry)
+    def _drop(self, req: RequestState) -> None:
+        del self.requests[req.request_id]
+        for seq in req.seqs:
+            del self._by_seq[seq.seq_id]
 
     def _decode_one(self, token: int) -> Optional[str]:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
-
-    @staticmethod
-    def _text(req: _Request) -> str:
-        if req.detok is None:
-            return ""
-        return req.detok.text if req.seq.is_finished else req.detok.stable_text
-
-    def _output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        m = seq.metrics
-        n_out = seq.num_output_tokens
-        metrics = RequestMetrics(
-            arrival_time=m.arrival_time,
-            time_to_first_token=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
-            time_per_output_token=((m.last_token_time - m.first_token_time) / (n_out - 1)
-                                   if n_out > 1 and m.first_token_time is not None else None),
-            e2e_latency=None if m.finished_time is None else m.finished_time - m.arrival_time,
-            num_preemptions=m.num_preemptions, num_cached_prompt_tokens=seq.num_cached_tokens,
-        )
-        completion = CompletionOutput(
-            index=0, text=self._text(req), token_ids=list(seq.output_token_ids),
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
-        )
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion],
-                             finished=seq.is_finished, metrics=metrics, num_cached_tokens=seq.num_cached_tokens)

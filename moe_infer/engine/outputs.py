@@ -19,7 +19,7 @@ class RequestMetrics:
     time_per_output_token: Optional[float] = None  # mean seconds between later tokens
     e2e_latency: Optional[float] = None  # arrival to finish
     num_preemptions: int = 0
-    num_cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    num_cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission (sum over n)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import List, Optional, Union
 
 @dataclass
 class SamplingParams:
-    n: int = 1  # completions per prompt (only 1 is supported)
+    n: int = 1  # independent samples of the prompt; with a seed, sample i uses seed + i (request_state.py)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus: smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # -1 = all tokens
@@ -27,8 +27,8 @@ class SamplingParams:
     stop_strings: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"SamplingParams.n must be 1 (several completions per prompt are not supported), got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0.0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

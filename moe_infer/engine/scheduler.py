@@ -10,6 +10,10 @@ cache). No new request is admitted in a step that preempted.
 
 A request that can never run (prompt longer than max_model_len, or than the whole KV cache) is
 finished at once with finish_reason "error" and the reason in `seq.error`; the others go on.
+
+The samples of an n > 1 request after the first (`seq.leader` set) are passed over at admission
+until the leader's prompt is computed, so that they find its blocks in the prefix cache instead of
+computing the prompt again (with prefix caching off they are admitted like any request).
 """
 from __future__ import annotations
 
@@ -38,24 +42,21 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
         """Queue seq, or finish it with an error when it can never run."""
-        error = self._admission_error(seq)
+        error = self.admission_error(len(seq))
         if error is not None:
             seq.finish("error", error=error)
             return
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
-        if seq.is_finished:
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.finish(seq, "abort")
+        if not seq.is_finished:
+            self.finish(seq, "abort")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: object = None, error: Optional[str] = None) -> None:
-        if seq in self.running:
+        if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.finish(reason, stop_reason, error)
         self._finished_ids.append(seq.seq_id)
@@ -86,8 +87,11 @@ class Scheduler:
             out.seqs.append(self._plan(seq, num_new))
             budget -= num_new
             i += 1
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting) if not preempted else []:  # arrival order
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self._waits_for_leader(seq):
+                continue
             cached_ids = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_ids) * self.block_manager.block_size
             num_new = min(len(seq) - num_cached, budget)
@@ -95,11 +99,10 @@ class Scheduler:
                 break
             if not self.block_manager.can_allocate(num_cached + num_new, cached_ids):
                 if not self.running:  # nothing will ever free a block: the cache is too small for it
-                    self.waiting.popleft()
                     self.finish(seq, "error", error=self._too_big(len(seq)))
                     continue
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, num_cached + num_new, cached_ids)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -167,16 +170,23 @@ class Scheduler:
             return "length", None  # the whole cache is full of this one sequence
         return None, None
 
-    def _admission_error(self, seq: Sequence) -> Optional[str]:
-        if len(seq) == 0:
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """An n > 1 sample whose leader has not computed the prompt yet (its KV is not in the cache)."""
+        lead = seq.leader
+        return (lead is not None and self.block_manager.enable_prefix_caching and not lead.is_finished
+                and lead.num_computed_tokens < lead.num_prompt_tokens)
+
+    def admission_error(self, num_tokens: int) -> Optional[str]:
+        """Why a prompt of num_tokens can never run here (None: it can)."""
+        if num_tokens == 0:
             return "the prompt is empty"
-        if len(seq) > self.max_model_len - 1:
-            return (f"prompt of {len(seq)} tokens is too long: max_model_len is {self.max_model_len} "
+        if num_tokens > self.max_model_len - 1:
+            return (f"prompt of {num_tokens} tokens is too long: max_model_len is {self.max_model_len} "
                     f"and at least one token must be generated")
-        if not self.block_manager.can_ever_fit(len(seq) + 1):
-            return self._too_big(len(seq))
-        if not self.enable_chunked_prefill and len(seq) > self.max_num_batched_tokens:
-            return (f"prompt of {len(seq)} tokens exceeds max_num_batched_tokens="
+        if not self.block_manager.can_ever_fit(num_tokens + 1):
+            return self._too_big(num_tokens)
+        if not self.enable_chunked_prefill and num_tokens > self.max_num_batched_tokens:
+            return (f"prompt of {num_tokens} tokens exceeds max_num_batched_tokens="
                     f"{self.max_num_batched_tokens} and chunked prefill is off")
         return None
 

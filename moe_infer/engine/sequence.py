@@ -52,6 +52,9 @@ class Sequence:
         self.stop_reason: Optional[object] = None  # the stop string or stop token id that matched
         self.error: Optional[str] = None
         self.metrics = SequenceMetrics(arrival_time=time.monotonic())
+        # n > 1: the request's first sample; this one is admitted once the leader's prompt is computed
+        # and takes the prompt's KV from the prefix cache (moe_infer/engine/request_state.py)
+        self.leader: Optional["Sequence"] = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
