@@ -1,4 +1,6 @@
 """The main job: `python -m moe_infer.launch [overrides]`, `torchrun ... -m moe_infer.launch`, or `moe-infer`.
+`moe-infer serve [overrides]` (`python -m moe_infer.launch serve ...`) starts the OpenAI-compatible
+server instead (moe_infer/server/launch.py).
 
 Composes conf/config.yaml with Hydra, builds the engine, generates from the prompts and prints the
 text, output tokens/s and the per-layer expert load. Under torchrun with parallel.ep > 1 every rank
@@ -77,6 +79,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":  # `moe-infer serve ...`: the OpenAI-compatible server
+        from moe_infer.server.launch import main as serve_main
+
+        del sys.argv[1]
+        serve_main()
+        return
     _hydra_main()
 
 

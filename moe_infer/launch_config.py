@@ -11,6 +11,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 
 from moe_infer.config import EngineConfig
+from moe_infer.server.config import ServeConfig
 
 
 @dataclass
@@ -36,6 +37,7 @@ class JobConfig(EngineConfig):
     prompt: Optional[str] = None  # a single prompt from the command line: replaces `prompts`
     show_expert_load: bool = True
     show_progress: bool = True  # vLLM's progress bar (finished requests, input/output tokens/s) on stderr
+    serve: ServeConfig = field(default_factory=ServeConfig)  # `moe-infer serve` (the OpenAI server)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -15,6 +15,7 @@ driver's outputs. Rank 0 alone prints (see `moe_infer.launch`).
     run_step(ctx, runner, plan)          LLMEngine.step, instead of runner.execute(plan)
     serve_steps(ctx, runner)             LLM.generate on ranks other than the driver
     end_steps(ctx, outputs)              LLM.generate on the driver, when it is done
+    keep_alive(ctx, empty_plan)          AsyncEngine on the driver while idle (no collective timeout)
 """
 from __future__ import annotations
 
@@ -81,3 +82,10 @@ def end_steps(ctx: ParallelContext, outputs: List[Any]) -> List[Any]:
         ctx.broadcast_object(_END)
         ctx.broadcast_object(outputs)
     return outputs
+
+
+def keep_alive(ctx: ParallelContext, empty_plan: Any) -> None:
+    """Driver, while a server is idle: an empty plan (a no-op step on every rank), so that the other
+    ranks' wait in `serve_steps` never reaches the collective timeout."""
+    if ctx.is_distributed:
+        ctx.broadcast_object(empty_plan)

@@ -1,0 +1,42 @@
+"""ServeConfig: the `serve` Hydra group (conf/serve/*.yaml); a plain dataclass, no server imports."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
+    port: int = 8000
+    api_key: Optional[str] = None  # clients send `Authorization: Bearer <key>` (also $MOE_INFER_API_KEY)
+    served_model_name: Optional[str] = None  # the `model` clients name; default: the checkpoint folder's name
+    max_queued_requests: int = 256  # requests waiting beyond scheduler.max_num_seqs; past it: 429
+    retry_after_s: int = 1  # the Retry-After header of a 429
+    max_request_bytes: int = 4 << 20  # a larger body is a 413
+    max_prompt_tokens: Optional[int] = None  # a longer prompt is a 400; default: max_model_len - 1
+    max_n: int = 16  # the largest `n` (and `best_of`) a request may ask for
+    max_logprobs: int = 20  # the largest `logprobs` / `top_logprobs`
+    drain_timeout_s: float = 30.0  # on shutdown: in-flight requests get this long, then are aborted
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"serve.port must be in [0, 65535], got {self.port}")
+        for name in ("max_queued_requests", "retry_after_s", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"serve.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_request_bytes", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"serve.max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"serve.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("serve.api_key must be a non-empty string or null")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"serve.log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

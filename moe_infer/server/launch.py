@@ -1,0 +1,89 @@
+"""The `serve` entry: `moe-infer serve [hydra overrides] [--port 8001 --api-key KEY ...]`.
+
+    moe-infer serve model=hf model.path=/ckpt/Qwen3-30B-A3B serve.port=8000
+    torchrun --nproc-per-node 4 -m moe_infer.launch serve model=hf model.path=... parallel=ep parallel.ep=4
+
+Composes the same conf/config.yaml as the main job (every group, plus `serve`); `--name value` and
+`--name=value` are shorthands for `serve.name=value` (vLLM's `--api-key`, `--port`, ...). Every rank
+builds the engine; the driver rank serves HTTP (uvicorn) and the other ranks run the driver's steps
+(`serve_steps`) until it shuts down. `serve(engine_cfg, serve_cfg)` is the same without Hydra.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import List, Optional
+
+from moe_infer.config import EngineConfig
+from moe_infer.server.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
+    import uvicorn
+
+    from moe_infer.engine.async_engine import AsyncEngine
+    from moe_infer.engine.llm_engine import LLMEngine
+    from moe_infer.parallel.engine_hooks import serve_steps
+    from moe_infer.server.app import build_app
+
+    path = engine_cfg.model.path
+    if path is None:
+        from moe_infer.assets import default_model_path
+
+        path = default_model_path()
+    engine = LLMEngine(engine_cfg, str(path))
+    try:
+        if not engine.parallel.is_driver:  # torchrun: the driver's steps until it shuts down
+            serve_steps(engine.parallel, engine.runner)
+            return
+        async_engine = AsyncEngine(engine, max_requests=engine_cfg.scheduler.max_num_seqs
+                                   + serve_cfg.max_queued_requests)
+        app = build_app(async_engine, serve_cfg, str(path))
+        config = uvicorn.Config(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level,
+                                access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s)
+        uvicorn.Server(config).run()
+    finally:
+        engine.parallel.shutdown()
+
+
+def flags_to_overrides(argv: List[str]) -> List[str]:
+    """`--port 8001`, `--api-key=K` -> `serve.port=8001`, `serve.api_key=K`; other arguments unchanged."""
+    fields = {f.name for f in dataclasses.fields(ServeConfig)}
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
+        if name in fields:
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                i += 1
+                value = argv[i]
+            else:
+                raise SystemExit(f"{arg} needs a value")
+            out.append(f"serve.{name}={value}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    from moe_infer.launch import CONF_DIR
+    from moe_infer.launch_config import JobConfig
+
+    sys.argv = [sys.argv[0]] + flags_to_overrides(sys.argv[1:] if argv is None else argv)
+
+    @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+    def _serve(cfg: DictConfig) -> None:
+        job = OmegaConf.to_object(cfg)
+        assert isinstance(job, JobConfig)
+        serve(job.engine_config(), job.serve)
+
+    _serve()
