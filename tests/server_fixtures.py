@@ -29,7 +29,8 @@ _ENGINES = {}
 def tiny_engine(**engine_kwargs) -> LLMEngine:
     """An LLMEngine over the shipped tiny MoE on CPU (cached per process for the same arguments)."""
     kw = dict(device="cpu", dtype="float32", block_size=16, num_kv_blocks=128, max_num_seqs=8,
-              max_num_batched_tokens=512, **engine_kwargs)
+              max_num_batched_tokens=512)
+    kw.update(engine_kwargs)
     key = tuple(sorted(kw.items()))
     if key not in _ENGINES:
         _ENGINES[key] = LLMEngine(build_config(model=default_model_path(), **kw), default_model_path())

@@ -15,14 +15,14 @@ from moe_infer.engine.outputs import Logprob
 from moe_infer.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, DeltaMessage,
                                        TokenLogprob, TopLogprob, now_s, random_id)
-from moe_infer.server.serving import (ERROR_RESPONSES, SSE_DONE, ApiError, Deltas, EventStream, ServerState,
+from moe_infer.server.serving import (GENERATE_RESPONSES, SSE_DONE, ApiError, Deltas, EventStream, ServerState,
                                       check_model, check_prompt, error_body, final_outputs, get_state, max_tokens_for,
                                       open_streams, sampling_params, sse, stop_reason, token_text, tokenize, usage)
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATE_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     check_model(state, body.model)

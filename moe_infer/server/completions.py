@@ -14,14 +14,14 @@ from moe_infer.engine.async_engine import RequestFailed
 from moe_infer.engine.outputs import Logprob, RequestOutput
 from moe_infer.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        now_s, random_id)
-from moe_infer.server.serving import (ERROR_RESPONSES, SSE_DONE, ApiError, Deltas, EventStream, ServerState,
+from moe_infer.server.serving import (GENERATE_RESPONSES, SSE_DONE, ApiError, Deltas, EventStream, ServerState,
                                       check_model, check_prompt, error_body, final_outputs, get_state, max_tokens_for,
                                       merged, open_streams, sampling_params, sse, stop_reason, token_text, tokenize, usage)
 
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATE_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request):
     state = get_state(request)
     check_model(state, body.model)

@@ -19,7 +19,8 @@ async def list_models(request: Request) -> ModelList:
                                      max_model_len=state.max_model_len)])
 
 
-@router.get("/health", responses={503: {"model": ErrorResponse}})
+@router.get("/health", response_class=Response, responses={200: {"description": "the engine loop runs"},
+                                                          503: {"model": ErrorResponse}})
 async def health(request: Request) -> Response:
     """200 while the engine loop runs; 503 once it stopped or the server is shutting down."""
     if get_state(request).engine.is_running:

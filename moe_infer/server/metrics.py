@@ -112,7 +112,9 @@ class ServerMetrics:
         self.rejected_total.labels(reason=reason).inc()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"description": "Prometheus text format",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     state = get_state(request)
     m: ServerMetrics = state.metrics

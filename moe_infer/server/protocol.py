@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 SEED_MAX = 2**63 - 1024  # sample i of a seeded request draws with seed + i: stay inside int64
 
@@ -39,41 +39,48 @@ class ErrorResponse(BaseModel):
 
 # ---------------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Optional[bool] = False
 
 
 class _SamplingRequest(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. A field sent as null takes its default, as OpenAI's API does."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=512)
-    n: int = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0: all tokens")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    n: Optional[int] = Field(1, ge=1)
+    temperature: Optional[float] = Field(1.0, ge=0.0)
+    top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(-1, ge=-1, description="-1 or 0: all tokens")
+    min_p: Optional[float] = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(1.0, gt=0.0)
     seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stream: bool = False
+    ignore_eos: Optional[bool] = False
+    min_tokens: Optional[int] = Field(0, ge=0)
+    skip_special_tokens: Optional[bool] = True
+    include_stop_str_in_output: Optional[bool] = False
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[Dict[str, float]] = None  # not supported: a non-empty one is a 400
     user: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0)
-    echo: bool = False
+    echo: Optional[bool] = False
     best_of: Optional[int] = Field(None, ge=1)  # only best_of == n (no ranking of extra samples)
     suffix: Optional[str] = None  # not supported: a 400
 
@@ -99,7 +106,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[List[dict]] = None  # not supported: a non-empty list is a 400

@@ -22,6 +22,10 @@ from moe_infer.server.protocol import ErrorInfo, ErrorResponse, PromptTokensDeta
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error"}
 ERROR_RESPONSES: Dict[int, Dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
+GENERATE_RESPONSES: Dict[int, Dict[str, Any]] = {  # + the JSON body of the route's response_model
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the completion; with `stream: true`, server-sent events ending in `data: [DONE]`"},
+    500: {"model": ErrorResponse, "description": "the generation failed"}, **ERROR_RESPONSES}
 SSE_DONE = "data: [DONE]\n\n"
 
 

@@ -1,0 +1,108 @@
+"""A short soak over loopback: Poisson arrivals of mixed requests (completions and chat, streamed or not,
+greedy and sampled with every knob, n up to 2, stop strings, logprobs, prompts of 15 to ~180 tokens),
+some clients disconnecting mid-stream, a KV cache small enough that sequences get preempted. Afterwards: no error but the intended disconnects, no request
+or KV block left in the engine, and the process memory flat between two equal phases.
+
+Bounded: two phases of PHASE_S seconds at RATE requests/s (about 45 s on 2 CPU cores); SOAK_S=...
+in the environment runs longer phases (e.g. on the device).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+from server_fixtures import MODEL, live_server  # noqa: E402
+
+PHASE_S = float(os.environ.get("SOAK_S", "12"))
+RATE = 4.0  # requests per second
+BASE = "def parse(line):\n    return line.split(',')\n"
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def request_kwargs(rng: random.Random) -> dict:
+    kw = dict(model=MODEL, max_tokens=rng.randint(4, 40), extra_body={"ignore_eos": rng.random() < 0.7})
+    if rng.random() < 0.5:
+        kw.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randint(0, 1000))
+        kw["extra_body"].update(top_k=rng.choice([-1, 20]), min_p=rng.choice([0.0, 0.05]),
+                                repetition_penalty=rng.choice([1.0, 1.1]))
+        kw.update(presence_penalty=rng.choice([0.0, 0.5]), frequency_penalty=rng.choice([0.0, 0.3]))
+    else:
+        kw["temperature"] = 0.0
+    if rng.random() < 0.2:
+        kw["n"] = 2
+    if rng.random() < 0.2:
+        kw["stop"] = ["\n\n", "return"]
+    return kw
+
+
+async def one(client, rng: random.Random, counts: dict) -> None:
+    kw = request_kwargs(rng)
+    chat, stream = rng.random() < 0.4, rng.random() < 0.6
+    prompt = BASE * rng.randint(1, 12)
+    cut = stream and rng.random() < 0.2  # this client goes away mid-stream (intended)
+    if chat:
+        call = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=stream,
+                                              logprobs=rng.random() < 0.2 or None, **kw)
+    else:
+        call = client.completions.create(prompt=prompt, stream=stream, logprobs=rng.choice([None, None, 2]), **kw)
+    try:
+        response = await call
+        if not stream:
+            assert all(c.finish_reason in ("length", "stop") for c in response.choices), response
+            counts["ok"] += 1
+            return
+        finished, chunks = 0, 0
+        async with response:
+            async for chunk in response:
+                chunks += 1
+                finished += sum(1 for c in chunk.choices if c.finish_reason is not None)
+                if cut and chunks == 3:
+                    counts["cut"] += 1
+                    return
+        assert finished == kw.get("n", 1), (finished, kw)
+        counts["ok"] += 1
+    except Exception as err:  # anything else is an unintended error
+        counts["errors"].append(f"{type(err).__name__}: {err}")
+
+
+async def phase(srv, seed: int) -> dict:
+    rng = random.Random(seed)
+    counts = {"ok": 0, "cut": 0, "errors": []}
+    client = openai.AsyncOpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+    tasks, t_end = [], time.monotonic() + PHASE_S
+    while time.monotonic() < t_end:
+        tasks.append(asyncio.ensure_future(one(client, random.Random(rng.random()), counts)))
+        await asyncio.sleep(rng.expovariate(RATE))
+    await asyncio.wait_for(asyncio.gather(*tasks), 180)
+    await client.close()
+    counts["sent"] = len(tasks)
+    return counts
+
+
+@pytest.mark.timeout(300)
+def test_soak_mixed_load_with_disconnects():
+    with live_server(serve=dict(max_n=2, max_queued_requests=64), max_num_seqs=8, num_kv_blocks=24,
+                     max_model_len=256) as srv:
+        first = asyncio.run(phase(srv, 1))
+        srv.wait_idle()
+        rss_after_first = rss_mb()
+        second = asyncio.run(phase(srv, 2))
+        srv.wait_idle()
+        growth = rss_mb() - rss_after_first
+        for counts in (first, second):
+            assert counts["errors"] == [] and counts["ok"] + counts["cut"] == counts["sent"], counts
+            assert counts["sent"] >= RATE * PHASE_S / 2 and counts["cut"] >= 1, counts
+        core = srv.core
+        assert not core.requests and not core.scheduler.running and not core.scheduler.waiting
+        assert core.get_stats().num_free_kv_blocks == core.block_manager.num_blocks
+        assert srv.engine.num_requests == 0
+        assert growth < 64, f"RSS grew {growth:.1f} MB in the second phase"
