@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import sys
 from typing import List, Optional
 
@@ -44,7 +45,14 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
         app = build_app(async_engine, serve_cfg, str(path))
         config = uvicorn.Config(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level,
                                 access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s)
-        uvicorn.Server(config).run()
+        # uvicorn drains on SIGINT/SIGTERM, then raises the signal again; with these handlers in place that
+        # last signal is a no-op, so the ranks are released and the process exits 0 after a clean drain
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            uvicorn.Server(config).run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         engine.parallel.shutdown()
 
