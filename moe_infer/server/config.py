@@ -22,6 +22,9 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # on shutdown: in-flight requests get this long, then are aborted
     log_level: str = "info"
     access_log: bool = False
+    # the engine thread gives the GIL up at every kernel launch and waits for it back while HTTP handlers
+    # run; CPython's default 5 ms switch interval would make each wait up to 5 ms (sys.setswitchinterval)
+    gil_switch_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,6 +35,8 @@ class ServeConfig:
         for name in ("max_request_bytes", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gil_switch_interval_s <= 0.1:
+            raise ValueError(f"serve.gil_switch_interval_s must be in (0, 0.1], got {self.gil_switch_interval_s}")
         if self.max_logprobs < 0:
             raise ValueError(f"serve.max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

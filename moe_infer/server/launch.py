@@ -47,6 +47,7 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
                                 access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s)
         # uvicorn drains on SIGINT/SIGTERM, then raises the signal again; with these handlers in place that
         # last signal is a no-op, so the ranks are released and the process exits 0 after a clean drain
+        sys.setswitchinterval(serve_cfg.gil_switch_interval_s)  # see ServeConfig
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             uvicorn.Server(config).run()

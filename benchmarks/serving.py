@@ -1,0 +1,294 @@
+"""Serving benchmark: the OpenAI server under a request-rate sweep, measured by an existing load generator
+(servebench), against the in-process `LLM.generate` on the same load, in one run.
+
+Model: Qwen3-30B-A3B's layer shape with 4 layers and random weights (benchmarks/e2e_generate.py's REAL),
+with the shipped tiny MoE's tokenizer copied in (its 6144 ids are valid ids of the 151936 vocabulary),
+so prompts are text, as an OpenAI client sends them. Steps, each engine in its own process (one GPU user
+at a time): build the checkpoint; offline: warm up, then `LLM.generate` over the saturation load (N
+prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> output tok/s; server: `serve()` in a child
+process, the same warm-up, then servebench at rates of 25/50/75/90 % of the offline request rate (Poisson
+arrivals, fresh prompts per level) and at rate=inf with the saturation load's own prompts. servebench
+streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
+TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms).
+Target: at saturation the server delivers >= 90 % of the offline output tok/s. The decode roofline
+(HBM bytes per step at the batch size, H100's measured 2.99 TB/s) is printed for scale.
+
+Why servebench: an OpenAI-compatible load generator with Poisson rate sweeps, goodput and a local HF
+tokenizer, in ~100 kB over aiohttp/pydantic/typer/rich; guidellm, inference-perf, aiperf, genai-bench
+and sglang.bench_serving all import `datasets` (pyarrow alone is ~40 MB), vLLM's `vllm bench` needs vLLM.
+
+    python benchmarks/serving.py [--out X.json]        # H100: ~4 min
+    python benchmarks/serving.py --tiny                # CPU: tiny dims, a smoke run (~1 min)
+
+Writes JSON (device named) to --out, else $OUT/serving_<device>.json, else benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from e2e_generate import REAL, TINY, build_checkpoint  # noqa: E402
+
+H100_HBM_BYTES_S = 2.99e12  # design.md: measured copy bandwidth
+
+
+def engine_kwargs(args) -> dict:
+    return dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16",
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(4096, args.input_len),
+                max_model_len=args.input_len + args.output_len + 64)
+
+
+# ---------------------------------------------------------------------- child processes
+def _build(dims: dict, device: str, out_dir: str) -> None:
+    import torch
+
+    build_checkpoint(dims, torch.float32 if device == "cpu" else torch.bfloat16, torch.device(device), out_dir)
+    from moe_infer.assets import default_model_path
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_path(), name), out_dir)
+
+
+def _offline(ckpt: str, kw: dict, warm: list, prompts: list, output_len: int, queue) -> None:
+    import torch
+
+    from moe_infer import LLM, SamplingParams
+
+    llm = LLM(model=ckpt, **kw)
+    llm.generate([p for p, _ in warm], [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for _, n in warm],
+                 use_tqdm=False)
+    sync = torch.cuda.synchronize if kw["device"] != "cpu" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0),
+                        use_tqdm=False)
+    sync()
+    elapsed = time.perf_counter() - start
+    bad = [o.outputs[0].error for o in outs if o.outputs[0].finish_reason != "length"]
+    assert not bad, f"{len(bad)} offline requests failed: {bad[0]}"
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    queue.put(dict(elapsed_s=elapsed, output_tokens=tokens, output_tok_s=tokens / elapsed,
+                   prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+                   device=torch.cuda.get_device_name() if kw["device"] != "cpu" else "cpu",
+                   torch=torch.__version__))
+
+
+def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float) -> None:
+    from moe_infer.engine.llm import build_config
+    from moe_infer.server.config import ServeConfig
+    from moe_infer.server.launch import serve
+
+    serve(build_config(model=ckpt, **kw), ServeConfig(port=port, log_level="warning", served_model_name="bench",
+                                                      max_queued_requests=max_queued, gil_switch_interval_s=switch_s))
+
+
+def run_child(target, *args, with_queue: bool = False):
+    """target(*args[, queue]) in a fresh (spawned) process: (process, queue)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue() if with_queue else None
+    proc = ctx.Process(target=target, args=(*args, queue) if with_queue else args)
+    proc.start()
+    return proc, queue
+
+
+# ---------------------------------------------------------------------- the load
+def prompts_from(ckpt: str, n: int, input_len: int, seed: int):
+    from servebench.prompts import synthetic
+
+    return synthetic(n, input_len, seed=seed, tokenizer=ckpt)
+
+
+def warm_load(ckpt: str, args) -> list:
+    """max_num_seqs prompts whose output lengths spread over 8..OUTPUT: decode batches of every size."""
+    ps = prompts_from(ckpt, args.max_num_seqs, args.input_len, seed=99)
+    n = len(ps)
+    return [(p.text, 8 + (args.output_len - 8) * i // max(n - 1, 1)) for i, p in enumerate(ps)]
+
+
+async def warm_server(base_url: str, warm: list) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async def one(text, n):
+            async with s.post(f"{base_url}/completions", json=dict(model="bench", prompt=text, max_tokens=n,
+                                                                   ignore_eos=True, temperature=0)) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+        await asyncio.gather(*(one(t, n) for t, n in warm))
+
+
+async def sweep(base_url: str, ckpt: str, args, rates: list, saturation_prompts) -> list:
+    from servebench.client import RequestSpec
+    from servebench.load import run_level
+    from servebench.tokens import make_counter
+
+    spec = RequestSpec(url=base_url, model="bench", endpoint="completions", output_len=args.output_len,
+                       ignore_eos=True, temperature=0.0)
+    counter = make_counter(ckpt)
+    levels = []
+    for i, rate in enumerate(rates):
+        if rate == float("inf"):
+            prompts = saturation_prompts
+        else:
+            prompts = prompts_from(ckpt, max(16, int(rate * args.level_s)), args.input_len, seed=1000 + i)
+        level = await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
+                                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+        levels.append(level)
+        print(f"  rate {rate:g} req/s: {level.summary.output_throughput:.0f} tok/s", flush=True)
+    return levels
+
+
+def wait_healthy(url: str, proc, timeout: float = 600) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.is_alive():
+            raise RuntimeError(f"the server process exited with {proc.exitcode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not come up")
+
+
+def decode_roofline_tok_s(dims: dict, batch: int, context: int) -> float:
+    """Tokens/s if a decode step of `batch` sequences only read its bytes from HBM (bf16): attention and
+    router weights, the experts the batch touches (expected distinct of E with K picks each), lm_head, KV."""
+    D, E, K, F = dims["hidden_size"], dims["num_experts"], dims["num_experts_per_tok"], dims["moe_intermediate_size"]
+    H, Hkv, hd, L, V = (dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"],
+                        dims["num_hidden_layers"], dims["vocab_size"])
+    experts = E * (1 - (1 - K / E) ** batch)
+    per_layer = D * hd * (2 * H + 2 * Hkv) + D * E + experts * 3 * D * F + batch * context * 2 * Hkv * hd
+    return batch / ((L * per_layer + V * D) * 2 / H100_HBM_BYTES_S)
+
+
+def summary_row(rate: float, level) -> dict:
+    s = level.summary
+    ms = lambda st, q: None if getattr(st, q) is None else getattr(st, q) * 1000  # noqa: E731
+    return dict(rate=rate, sent=len(level.requests), completed=s.completed, failed=s.failed, errors=s.errors,
+                duration_s=s.duration, output_tok_s=s.output_throughput, request_s=s.request_throughput,
+                goodput_req_s=s.goodput, slo_attainment=s.slo_attainment,
+                ttft_p50_ms=ms(s.ttft, "p50"), ttft_p99_ms=ms(s.ttft, "p99"),
+                tpot_p50_ms=ms(s.tpot, "p50"), tpot_p99_ms=ms(s.tpot, "p99"), itl_p99_ms=ms(s.itl, "p99"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU (a smoke run)")
+    ap.add_argument("--num-requests", type=int, default=None, help="the saturation load (default 512; tiny 64)")
+    ap.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 256; tiny 32)")
+    ap.add_argument("--output-len", type=int, default=None, help="output tokens (default 128; tiny 16)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default 128; tiny 16")
+    ap.add_argument("--rate-fractions", default="0.25,0.5,0.75,0.9", help="of the offline request rate")
+    ap.add_argument("--level-s", type=float, default=None, help="seconds of arrivals per rate (default 15; tiny 4)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--gil-switch-interval-s", type=float, default=_serve_default("gil_switch_interval_s"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    tiny = args.tiny
+    args.device = "cpu" if tiny else "cuda"
+    args.num_requests = args.num_requests or (64 if tiny else 512)
+    args.input_len = args.input_len or (32 if tiny else 256)
+    args.output_len = args.output_len or (16 if tiny else 128)
+    args.max_num_seqs = args.max_num_seqs or (16 if tiny else 128)
+    args.level_s = args.level_s or (4.0 if tiny else 15.0)
+    dims = dict(TINY, vocab_size=6144) if tiny else dict(REAL)  # >= the tokenizer's 6144 ids
+    kw = engine_kwargs(args)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="serving_ckpt_") as ckpt:
+        proc, _ = run_child(_build, dims, args.device, ckpt)
+        proc.join()
+        assert proc.exitcode == 0, "building the checkpoint failed"
+        warm = warm_load(ckpt, args)
+        saturation = prompts_from(ckpt, args.num_requests, args.input_len, seed=7)
+        proc, queue = run_child(_offline, ckpt, kw, warm, [p.text for p in saturation], args.output_len,
+                                with_queue=True)
+        offline = queue.get(timeout=900)
+        proc.join()
+        print(f"offline LLM.generate: {offline['output_tok_s']:.0f} output tok/s "
+              f"({args.num_requests} requests in {offline['elapsed_s']:.1f} s)", flush=True)
+        sat_rate = offline["output_tok_s"] / args.output_len
+        rates = [round(f * sat_rate, 2) for f in map(float, args.rate_fractions.split(","))] + [float("inf")]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server, _ = run_child(_server, ckpt, kw, port, args.num_requests + 64, args.gil_switch_interval_s)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, server)
+            asyncio.run(warm_server(f"{url}/v1", warm))
+            levels = asyncio.run(sweep(f"{url}/v1", ckpt, args, rates, saturation))
+        finally:
+            server.terminate()  # SIGTERM: the server drains and exits
+            server.join(60)
+    rows = [summary_row(r, lv) for r, lv in zip(rates, levels)]
+    sat = rows[-1]
+    ratio = sat["output_tok_s"] / offline["output_tok_s"]
+    roofline = decode_roofline_tok_s(dims, args.max_num_seqs, args.input_len + args.output_len // 2)
+    import servebench
+
+    result = dict(
+        benchmark="serving", device=offline["device"], torch=offline["torch"], servebench=servebench.__version__,
+        model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
+        load=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                  max_num_seqs=args.max_num_seqs, endpoint="/v1/completions (streamed)", ignore_eos=True),
+        slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), offline=offline, rates=rows,
+        server_over_offline_at_saturation=ratio, target=0.9, meets_target=ratio >= 0.9,
+        decode_roofline_tok_s_h100=roofline, uvicorn_extras=_uvicorn_extras(),
+        gil_switch_interval_s=args.gil_switch_interval_s,
+        wall_s=time.perf_counter() - t_start)
+    print(f"\nserving, {result['device']}, qwen3_moe x{dims['num_hidden_layers']} layers, {args.num_requests} "
+          f"requests x ({args.input_len} in, {args.output_len} out), max_num_seqs={args.max_num_seqs}; "
+          f"goodput SLO: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
+    print(f"{'rate req/s':>10} {'ok/sent':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+          f"{'out tok/s':>10} {'goodput':>8}")
+    for r in rows:
+        print(f"{r['rate']:>10g} {r['completed']:>4}/{r['sent']:<3} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} "
+              f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f}")
+    print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server at saturation {sat['output_tok_s']:.0f} "
+          f"tok/s = {ratio:.1%} of offline (target >= 90%); decode roofline at batch {args.max_num_seqs} "
+          f"(H100 HBM) {roofline:.0f} tok/s; wall {result['wall_s']:.0f} s")
+    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
+                                   f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+def _label(device_name: str) -> str:
+    return "cpu" if device_name == "cpu" else device_name.replace("NVIDIA ", "").replace(" ", "_").lower()
+
+
+def _serve_default(name: str):
+    from moe_infer.server.config import ServeConfig
+
+    return getattr(ServeConfig(), name)
+
+
+def _uvicorn_extras() -> dict:
+    import importlib.util
+
+    return {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
+
+
+if __name__ == "__main__":
+    main()
