@@ -139,14 +139,21 @@ class CompletionChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None  # the stop string or token id that ended it (vLLM's extra)
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """The envelope every completion body and chunk shares (subclasses narrow `object` and `choices`)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: List[CompletionChoice]
+    choices: list
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: List[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -176,14 +183,9 @@ class ChatChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: List[ChatChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
 
 
 class DeltaMessage(BaseModel):
@@ -203,14 +205,9 @@ class ChatStreamChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: List[ChatStreamChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
 
 
 class ModelCard(BaseModel):

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_infer.engine.async_engine import AsyncEngine, EngineClosed, EngineOverloaded, RequestStream
+from moe_infer.engine.async_engine import AsyncEngine, RequestStream
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.server.config import ServeConfig
@@ -145,11 +145,8 @@ def open_streams(state: ServerState, base_id: str,
             state.metrics.rejected("queue_full")
         raise ApiError(429, f"the server is at capacity ({engine.num_requests} requests in flight); retry later",
                        headers={"Retry-After": str(state.cfg.retry_after_s)})
-    try:
-        return [engine.open({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}")
-                for i, (text, ids, params) in enumerate(prompts)]
-    except (EngineOverloaded, EngineClosed) as err:  # not reached after the checks above; kept exact
-        raise ApiError(503, str(err)) from None
+    return [engine.open({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}")
+            for i, (text, ids, params) in enumerate(prompts)]  # no await since the checks: all are admitted
 
 
 async def final_outputs(request: Request, streams: List[RequestStream]) -> List[RequestOutput]:
