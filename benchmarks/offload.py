@@ -97,7 +97,7 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
     warm = 0
     while eng.has_unfinished_requests():
         eng.step()
-        if all(len(r.seq.output_token_ids) >= 1 for r in eng.requests.values()):
+        if all(len(s.output_token_ids) >= 1 for r in eng.requests.values() for s in r.seqs):
             warm += 1
             if warm == 2:
                 break
