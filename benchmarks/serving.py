@@ -1,9 +1,9 @@
 """Serving benchmark: the OpenAI server under a request-rate sweep, measured by an existing load generator
 (servebench), against the in-process `LLM.generate` on the same load, in one run.
 
-Model: Qwen3-30B-A3B's layer shape with 4 layers and random weights (benchmarks/e2e_generate.py's REAL),
-with the shipped tiny MoE's tokenizer copied in (its 6144 ids are valid ids of the 151936 vocabulary),
-so prompts are text, as an OpenAI client sends them. Steps, each engine in its own process (one GPU user
+Model: Qwen3-30B-A3B's layer shape with 4 layers and random weights (benchmarks/e2e_generate.py's REAL)
+and the shipped tiny MoE's tokenizer copied in, the vocabulary cut to that tokenizer's 6144 ids so that
+every generated token decodes to text (prompts are text, as an OpenAI client sends them). Steps, each engine in its own process (one GPU user
 at a time): build the checkpoint; offline: warm up, then `LLM.generate` over the saturation load (N
 prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> output tok/s; server: `serve()` in a child
 process, the same warm-up, then servebench at rates of 25/50/75/90 % of the offline request rate (Poisson
@@ -210,7 +210,10 @@ def main() -> None:
     args.output_len = args.output_len or (16 if tiny else 128)
     args.max_num_seqs = args.max_num_seqs or (16 if tiny else 128)
     args.level_s = args.level_s or (4.0 if tiny else 15.0)
-    dims = dict(TINY, vocab_size=6144) if tiny else dict(REAL)  # >= the tokenizer's 6144 ids
+    # the vocabulary is the tokenizer's 6144 ids: a random model over Qwen3's 151936 ids mostly samples ids
+    # the tiny tokenizer cannot decode, and a stream of empty text is what a client sees as an empty response
+    # (the first H100 run, 2026-11-23: 80 % of the requests "failed" that way; the offline count was by ids)
+    dims = dict(TINY if tiny else REAL, vocab_size=6144)
     kw = engine_kwargs(args)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving_ckpt_") as ckpt:
