@@ -7,7 +7,7 @@ a message naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -135,9 +135,12 @@ class OffloadConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
+    """The mesh (docs/scaling.md): torchrun starts pp * lcm(tp, ep) processes."""
+
+    tp: int = 1  # attention heads, dense / shared-expert intermediate and vocabulary split over tp ranks
+    pp: int = 1  # pipeline stages (layers split over them)
+    ep: int = 1  # routed experts split over ep ranks of a stage (ep = 1, tp > 1: each expert's F split)
+    pp_layer_partition: Optional[List[int]] = None  # decoder layers per stage; None: as even as possible
     dispatcher: str = "exact"  # all-to-all backend when ep > 1: exact | capacity
     overlap: bool = True
     # micro-batches only when a rank's dispatch payload (T*K*D elements) reaches this many MB: on 2
@@ -146,7 +149,9 @@ class ParallelConfig:
     overlap_min_mb: float = 128.0
     overlap_micro_batches: int = 2  # micro-batches (expert-slot groups) of an overlapped layer, >= 2
     placement_file: Optional[str] = None
-    timeout_s: float = 300.0
+    # every collective and transfer of a step: a rank that hangs longer is named in the error (gloo; NCCL:
+    # torch's watchdog aborts, see docs/scaling.md). Long enough for a cold Triton compile inside a step.
+    timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
@@ -160,6 +165,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.overlap_min_mb must be >= 0, got {self.overlap_min_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+        if self.pp_layer_partition is not None and (len(self.pp_layer_partition) != self.pp
+                                                    or any(n < 1 for n in self.pp_layer_partition)):
+            raise ValueError(f"parallel.pp_layer_partition must list pp={self.pp} positive layer counts, "
+                             f"got {list(self.pp_layer_partition)}")
 
 
 @dataclass

@@ -1,23 +1,11 @@
-"""ParallelDims validation, expert placements (contiguous, file, hot-expert replicas), single-rank init."""
+"""Expert placements (contiguous, file, hot-expert replicas), single-rank init (ParallelDims: test_mesh_units.py)."""
 import json
 
 import pytest
 
 from moe_infer.config import ParallelConfig
 from moe_infer.experts.local_dispatch import LocalDispatcher
-from moe_infer.parallel import (ExpertPlacement, ParallelDims, contiguous_placement, init, load_placement,
-                                replicate_hot_experts)
-
-
-def test_parallel_dims_validates_against_world_size():
-    dims = ParallelDims(world_size=8, pp=2, tp=2, ep=4)
-    assert (dims.dp, dims.ep_replicas, dims.stage_size) == (2, 1, 4)
-    with pytest.raises(ValueError, match="not divisible by pp\\*tp"):
-        ParallelDims(world_size=6, pp=4, tp=1)
-    with pytest.raises(ValueError, match="parallel.ep=3 must divide"):
-        ParallelDims(world_size=4, ep=3)
-    with pytest.raises(ValueError, match="ep must be positive"):
-        ParallelDims(world_size=4, ep=0)
+from moe_infer.parallel import ExpertPlacement, contiguous_placement, init, load_placement, replicate_hot_experts
 
 
 def test_contiguous_placement_matches_loader_contract():

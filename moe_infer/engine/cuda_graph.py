@@ -15,9 +15,9 @@ rows are harmless: they write no KV slot (slot -1), attend over one key of block
 out of the expert-load statistics through the forward context's `valid_T`; their outputs are
 never read.
 
-Used only where the step is capturable and padding cannot change the result: CUDA, the resident
-expert store (an offloading store decides copies on the host per layer), a local dispatcher (no
-expert parallelism), the dropless policy (a capacity would grow with padding) and
+Used only where the step is capturable and padding cannot change the result: CUDA, one rank (no
+tensor, pipeline or expert parallelism), the resident expert store (an offloading store decides
+copies on the host per layer), the dropless policy (a capacity would grow with padding) and
 an experts backend that runs without host syncs (one that declares `fused_experts`). Anything else,
 or a capture that fails, runs eagerly (the failure is logged once).
 
@@ -50,6 +50,8 @@ def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
         return f"offload.store={backends.store} decides on the host, per layer, which experts to move"
     if backends.dispatcher is not None:
         return "expert parallelism (all-to-all dispatchers run eagerly)"
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        return "tensor / pipeline parallelism (steps under a mesh run eagerly)"
     if backends.policy != "dropless":
         return f"routing.policy={backends.policy} (its capacity would count the padding rows)"
     if getattr(EXPERT_BACKENDS.get(backends.experts), "fused_experts", None) is None:

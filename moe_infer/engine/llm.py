@@ -18,7 +18,7 @@ from moe_infer.config import EngineConfig
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
-from moe_infer.parallel.engine_hooks import end_steps, serve_steps
+from moe_infer.parallel.engine_hooks import serve
 
 _GROUPS = ("model", "cache", "scheduler", "routing", "experts", "offload", "parallel")
 # LLM(model=PATH) is model.path, as in vLLM; LLM(offload="cpu") is offload.store
@@ -103,8 +103,8 @@ class LLM:
         """One RequestOutput per prompt, in order (stream=True: the generator of generate_stream)."""
         if stream:
             return self.generate_stream(prompts, sampling_params)
-        if not self.engine.parallel.is_driver:  # EP: run the driver's steps, return its outputs
-            return serve_steps(self.engine.parallel, self.engine.runner)
+        if not self.engine.parallel.is_driver:  # under a mesh: run the driver's steps, return its outputs
+            return serve(self.engine.parallel, self.engine.runner)
         prompts, params = self._normalize(prompts, sampling_params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: Dict[str, RequestOutput] = {}
@@ -122,14 +122,14 @@ class LLM:
             for rid in ids:  # an interrupted generate leaves nothing behind
                 if rid not in final:
                     self.engine.abort_request(rid)
-        return end_steps(self.engine.parallel, [final[rid] for rid in ids])
+        return self.engine.executor.finish([final[rid] for rid in ids])
 
     def generate_stream(self, prompts: Union[PromptType, Sequence[PromptType]],
                         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None
                         ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput (cumulative text and tokens so far) each time a request advances."""
-        if not self.engine.parallel.is_driver:  # EP: run the driver's steps
-            serve_steps(self.engine.parallel, self.engine.runner)
+        if not self.engine.parallel.is_driver:  # under a mesh: run the driver's steps
+            serve(self.engine.parallel, self.engine.runner)
             return
         prompts, params = self._normalize(prompts, sampling_params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -144,7 +144,7 @@ class LLM:
         finally:
             for rid in pending:
                 self.engine.abort_request(rid)
-            end_steps(self.engine.parallel, [])
+            self.engine.executor.finish([])
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -184,14 +184,13 @@ class LLM:
             self.engine.runner.offload.reset_stats()
 
     def reset_expert_load(self) -> None:
-        if self.engine.runner.stats is not None:
-            self.engine.runner.stats.reset()
+        self.engine.runner.reset_stats()
 
     def shutdown(self) -> None:
         """Under torchrun: wait for every rank, then tear the process groups down (no-op on one rank).
 
-        Call once, after the last `generate` of the process; the process group is shared by every
-        LLM of the process, so no LLM can run collectives afterwards.
+        Optional (done at exit otherwise). Call once, after the last `generate` of the process; the
+        process group is shared by every LLM of the process, so no LLM can run collectives afterwards.
         """
         if self.engine.runner.offload is not None:  # NVMe files deleted, pinned host memory unlocked
             self.engine.runner.offload.close()

@@ -25,7 +25,8 @@ from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.request_state import Child, RequestState
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
-from moe_infer.parallel.engine_hooks import init_engine_parallel, run_step
+from moe_infer.parallel.engine_hooks import init_engine_parallel, make_executor
+from moe_infer.parallel.pipeline import StepFailed
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_path: str) -> None:
         self.cfg = cfg
-        self.parallel = init_engine_parallel(cfg)  # EP process group first: it picks this rank's GPU
+        self.parallel = init_engine_parallel(cfg, model_path)  # the mesh first: it picks this rank's GPU
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.seed)
@@ -92,7 +93,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
             self.runner.max_model_len, cfg.scheduler.enable_chunked_prefill, arch.eos_token_ids,
+            num_batches=self.parallel.dims.pp,  # pipeline stages: pp batches in flight
         )
+        self.executor = make_executor(self.parallel, self.runner)
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()
@@ -157,26 +160,27 @@ class LLMEngine:
         and building one per request per step is wasted work when only the final one is read)."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            self.runner.sampler.forget(plan.finished_seq_ids)
-            return outputs
         now = time.monotonic()
         for item in plan.seqs:
             seq = self._by_seq[item.seq_id][1].seq
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        try:
-            tokens, logprobs = run_step(self.parallel, self.runner, plan)  # EP: the plan goes to every rank
-        except Exception as err:  # the step's requests fail; the engine and the other requests go on
-            logger.exception("forward failed for %d sequences", len(plan.seqs))
-            failed = {id(req): req for req, _ in (self._by_seq[item.seq_id] for item in plan.seqs)}
-            for req in failed.values():
+        try:  # under a mesh the plan goes to every rank; with pipeline stages an earlier batch may come back
+            done = self.executor.run(plan)
+        except StepFailed as failed:  # the step's requests fail; the engine and the other requests go on
+            logger.error("forward failed for %d sequences: %s", len(failed.plan.seqs), failed, exc_info=failed.cause)
+            entries = (self._by_seq.get(item.seq_id) for item in failed.plan.seqs)
+            failed_reqs = {id(e[0]): e[0] for e in entries if e is not None}  # None: aborted while in flight
+            for req in failed_reqs.values():
                 for seq in req.seqs:
                     if not seq.is_finished:
-                        self.scheduler.finish(seq, "error", error=f"{type(err).__name__}: {err}")
+                        self.scheduler.finish(seq, "error", error=str(failed))
                 outputs.append(req.output())
                 self._drop(req)
             return outputs
+        if done is None:
+            return outputs
+        plan, tokens, logprobs = done
         lp_by_seq = {item.seq_id: lp for item, lp in zip(plan.seqs, logprobs) if lp is not None}
         updated = self.scheduler.postprocess(plan, tokens)
         now = time.monotonic()

@@ -2,8 +2,14 @@
 
 It never decides policy: the plan (`SchedulerOutput`) says which tokens of which sequences run and
 which sequences sample. The step's tensors are built once, on the host then copied: input ids,
-positions, slot mapping, block tables, query_start_loc, seq lens. Logits are computed only for the
-last token of each sequence that samples (a decode, or the chunk that ends a prompt).
+positions, slot mapping, block tables, query_start_loc, seq lens (`step_inputs.py`). Logits are
+computed only for the last token of each sequence that samples (a decode, or the chunk that ends a
+prompt).
+
+On one rank `execute(plan)` is the whole step. Under a mesh the runner holds this rank's part of the
+model (`ModelShard`: its stage's layers, its heads and shards) and KV cache (its layers' KV heads,
+under the driver's block ids), and the step pipeline (`moe_infer.parallel.pipeline`) calls its
+pieces: `encode` (driver), `run_stage` (every rank), `sample_step` (the last stage).
 
 Legend: T tokens of the step, B sequences of the step, S sequences that sample, M max blocks per
 sequence, V vocabulary, D hidden.
@@ -12,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from typing import List, Optional, Tuple
 
 import torch
@@ -20,10 +25,14 @@ import torch
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
-from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
-from moe_infer.parallel.engine_hooks import agree_min, expert_dispatcher, init_engine_parallel
+from moe_infer.engine.step_inputs import (
+    StepDecoder, StepEncoder, StepInputs, decode_inputs, flat_inputs, message_sizes, per_plan_entry, plan_requests,
+)
+from moe_infer.layers.forward_context import forward_context
+from moe_infer.parallel.engine_hooks import expert_dispatcher, init_engine_parallel
+from moe_infer.parallel.step_message import FLAG_RESET_STATS, H_FLAGS, StepMessage
 from moe_infer.routing.stats import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
@@ -35,15 +44,17 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
                  parallel=None) -> None:
         from moe_infer.models import load_model
+        from moe_infer.models.arch import load_arch
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.block_size = cfg.cache.block_size
         self.backends = resolve_moe_backends(cfg, device)
-        self.parallel = parallel if parallel is not None else init_engine_parallel(cfg)
+        self.parallel = parallel if parallel is not None else init_engine_parallel(cfg, model_path)
         self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
         self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
+        shard = self.parallel.model_shard(load_arch(model_path)[0].num_layers)
         self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
-                                load_format=cfg.model.load_format)
+                                load_format=cfg.model.load_format, shard=shard)
         if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
             self.offload.finish_load()
         arch = self.model.arch
@@ -57,10 +68,11 @@ class ModelRunner:
         if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:
             raise ValueError(f"model.max_model_len={cfg.model.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings={arch.max_position_embeddings}")
-        self.num_kv_blocks = agree_min(self.parallel, self._num_kv_blocks())  # the same block ids on every rank
+        self.num_kv_blocks = self.parallel.agree_min(self._num_kv_blocks())  # the same block ids on every rank
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
+        self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
@@ -108,56 +120,18 @@ class ModelRunner:
                    * self.arch.vocab_size * 4 * 4) + (512 << 20)
 
     def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        a = self.arch
-        shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        """One (K, V) pair per layer of this rank's stage, for its KV heads."""
+        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.arch.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(a.num_layers)]
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.local_layers]
 
-    # ------------------------------------------------------------------ the step
-    def prepare(self, plan: SchedulerOutput) -> Tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids_T, the attention metadata and the row of each sampling sequence's last token.
-
-        Built as Python lists and moved to the device in one copy (one int64 buffer, sliced on the
-        device) instead of a host tensor op and a copy per field; host time per step in
-        benchmarks/results/engine_steps_*.json."""
-        seqs, bs = plan.seqs, self.block_size
-        B = len(seqs)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        ids: List[int] = []
-        positions: List[int] = []
-        slots: List[int] = []
-        tables: List[int] = []
-        query_start, seq_lens, sample_rows = [0], [], []
-        max_query_len = 0
-        for s in seqs:
-            start, table, n = s.start_pos, s.block_table, len(s.token_ids)
-            ids += s.token_ids
-            positions += range(start, start + n)
-            pos, end = start, start + n
-            while pos < end:  # the KV slots, one block at a time
-                i = pos // bs
-                stop, base = min(end, (i + 1) * bs), (table[i] - i) * bs
-                slots += range(base + pos, base + stop)
-                pos = stop
-            tables += table
-            tables += [-1] * (max_blocks - len(table))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            max_query_len = max(max_query_len, n)
-            if s.do_sample:
-                sample_rows.append(query_start[-1] - 1)
-        T, S = len(ids), len(sample_rows)
-        host = array("q", ids + positions + slots + query_start + seq_lens + sample_rows + tables)
-        flat = torch.frombuffer(host, dtype=torch.int64).to(self.device, non_blocking=True)  # no per-int boxing
-        input_ids_T, positions_T, slot_mapping_T, query_start_loc_B1, seq_lens_B, sample_rows_S, block_tables_BM = (
-            flat.split([T, T, T, B + 1, B, S, B * max_blocks]))
-        meta = AttentionMetadata(
-            positions_T=positions_T, slot_mapping_T=slot_mapping_T,
-            block_tables_BM=block_tables_BM.view(B, max_blocks).to(torch.int32),
-            query_start_loc_B1=query_start_loc_B1.to(torch.int32), seq_lens_B=seq_lens_B.to(torch.int32),
-            max_query_len=max_query_len, max_seq_len=max(seq_lens), block_size=bs,
-        )
-        return input_ids_T, meta, sample_rows_S
+    # ------------------------------------------------------------------ the step (one rank)
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        """input_ids_T, the attention metadata and the row of each sampling sequence's last token: one
+        int64 host buffer, copied to the device once and sliced there."""
+        flat, sizes = flat_inputs(plan, self.block_size)
+        flat_dev = torch.frombuffer(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        return decode_inputs(flat_dev, sizes, self.block_size)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
@@ -165,24 +139,53 @@ class ModelRunner:
         self.sampler.forget(plan.finished_seq_ids)
         if plan.is_empty:
             return [], []
-        input_ids_T, meta, sample_rows_S = self.prepare(plan)
+        inputs = self.prepare(plan)
         hidden_TD = None
-        if self.graphs is not None and self.graphs.can_run(input_ids_T.shape[0], meta):
-            hidden_TD = self.graphs.run(input_ids_T, meta)  # None: the capture failed, run eagerly
+        if self.graphs is not None and self.graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
+            hidden_TD = self.graphs.run(inputs.input_ids_T, inputs.meta)  # None: the capture failed, run eagerly
         if hidden_TD is None:
-            with forward_context(meta):
-                hidden_TD = self.model(input_ids_T, meta.positions_T)
-        sampling = [s for s in plan.seqs if s.do_sample]
-        tokens: List[Optional[int]] = [None] * len(plan.seqs)
-        logprobs: List[Optional[tuple]] = [None] * len(plan.seqs)
-        if not sampling:
-            return tokens, logprobs
-        logits_SV = self.model.compute_logits(hidden_TD[sample_rows_S])
-        reqs = [SampleRequest(s.seq_id, s.params, s.num_prompt_tokens,
-                              s.start_pos + len(s.token_ids) - s.num_prompt_tokens, s.history) for s in sampling]
-        out: SamplerOutput = self.sampler(logits_SV, reqs)
-        it = iter(zip(out.token_ids, out.logprobs))
-        for i, s in enumerate(plan.seqs):
-            if s.do_sample:
-                tokens[i], logprobs[i] = next(it)
-        return tokens, logprobs
+            with forward_context(inputs.meta):
+                hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
+        out = self._sample(inputs, hidden_TD, plan_requests(plan))
+        return per_plan_entry(plan, out.token_ids if out else [], out.logprobs if out else [])
+
+    def _sample(self, inputs: StepInputs, hidden_TD: torch.Tensor,
+                reqs: Optional[List[SampleRequest]]) -> Optional[SamplerOutput]:
+        """Logits of the sampling rows (a collective over tp), sampled where reqs are given."""
+        if inputs.sample_rows_S.numel() == 0:
+            return None
+        logits_SV = self.model.compute_logits(hidden_TD[inputs.sample_rows_S])
+        return None if reqs is None else self.sampler(logits_SV, reqs)
+
+    # ------------------------------------------------------------------ the step under a mesh
+    def encode(self, plan: SchedulerOutput) -> StepMessage:
+        """Driver: the plan as the message every rank runs (flat already on the device)."""
+        msg = self.encoder.encode(plan)
+        msg.flat = msg.flat.to(self.device, non_blocking=True)
+        return msg
+
+    @torch.inference_mode()
+    def run_stage(self, msg: StepMessage, hidden_TD: Optional[torch.Tensor]) -> Tuple[torch.Tensor, StepInputs]:
+        """This rank's layers on the step (hidden_TD: the previous stage's output; None on the first)."""
+        if msg.field(H_FLAGS) & FLAG_RESET_STATS and self.stats is not None:
+            self.stats.reset()
+        inputs = decode_inputs(msg.flat, message_sizes(msg), self.block_size)
+        with forward_context(inputs.meta):
+            return self.model(inputs.input_ids_T, inputs.meta.positions_T, hidden_TD), inputs
+
+    @torch.inference_mode()
+    def sample_step(self, inputs: StepInputs, hidden_TD: torch.Tensor,
+                    reqs: Optional[List[SampleRequest]]) -> Optional[SamplerOutput]:
+        """Last stage: logits on every rank of the stage, sampled on the rank given reqs (the sampler)."""
+        return self._sample(inputs, hidden_TD, reqs)
+
+    # the plan <-> sampled rows mapping, for the step pipeline (which knows no plan format)
+    plan_requests = staticmethod(plan_requests)
+    per_plan_entry = staticmethod(per_plan_entry)
+
+    def reset_stats(self) -> None:
+        """Zero the expert-load statistics here; under a mesh the next step tells the other ranks."""
+        if self.stats is not None:
+            self.stats.reset()
+            self.encoder.reset_stats = True
+

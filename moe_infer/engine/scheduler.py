@@ -14,9 +14,15 @@ finished at once with finish_reason "error" and the reason in `seq.error`; the o
 The samples of an n > 1 request after the first (`seq.leader` set) are passed over at admission
 until the leader's prompt is computed, so that they find its blocks in the prefix cache instead of
 computing the prompt again (with prefix caching off they are admitted like any request).
+
+Pipeline stages (num_batches = pp > 1): a step's batch is postprocessed pp steps later, so a
+sequence whose batch is still in flight is skipped (it needs that batch's token) and never preempted
+(its blocks are being written); each batch takes at most 1/pp of the unfinished sequences, so the pp
+batches in flight share them. With num_batches = 1 nothing is ever in flight at schedule time.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Deque, List, Optional
 
@@ -27,8 +33,9 @@ from moe_infer.engine.sequence import ScheduledSeq, SchedulerOutput, Sequence, S
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 eos_token_ids: Optional[List[int]] = None) -> None:
+                 eos_token_ids: Optional[List[int]] = None, num_batches: int = 1) -> None:
         self.block_manager = block_manager
+        self.num_batches = num_batches  # batches in flight at once (pipeline stages)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -68,27 +75,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput()
-        scheduled: List[Sequence] = []
-        preempted = False
+        preempted = blocked = False
+        max_seqs = math.ceil((len(self.running) + len(self.waiting)) / self.num_batches)  # this batch's share
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.seqs) < max_seqs:
             seq = self.running[i]
+            if seq.in_flight:
+                i += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
+                victim = self._victim()
+                if victim is None:  # every other sequence is in flight: wait for their blocks
+                    blocked = True
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
-            if seq.status != SequenceStatus.RUNNING:  # seq preempted itself
+            if blocked or seq.status != SequenceStatus.RUNNING:  # seq preempted itself
                 break
             self.block_manager.append(seq, seq.num_computed_tokens + num_new)
-            scheduled.append(seq)
             out.seqs.append(self._plan(seq, num_new))
             budget -= num_new
             i += 1
-        for seq in list(self.waiting) if not preempted else []:  # arrival order
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+        for seq in list(self.waiting) if not (preempted or blocked) else []:  # arrival order
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or len(out.seqs) >= max_seqs:
                 break
             if self._waits_for_leader(seq):
                 continue
@@ -123,6 +135,7 @@ class Scheduler:
             seq = by_id.get(item.seq_id)
             if seq is None:  # aborted while the step ran
                 continue
+            seq.in_flight = False
             seq.num_computed_tokens += len(item.token_ids)
             self.block_manager.cache_computed_blocks(seq)
             if token is None:
@@ -137,6 +150,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
     def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        seq.in_flight = True
         start = seq.num_computed_tokens
         do_sample = start + num_new == len(seq)
         return ScheduledSeq(
@@ -146,6 +160,10 @@ class Scheduler:
             history=seq.token_ids if do_sample and seq.params.has_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens,
         )
+
+    def _victim(self) -> Optional[Sequence]:
+        """The newest running sequence whose batch is not in flight (None: all are)."""
+        return next((seq for seq in reversed(self.running) if not seq.in_flight), None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -48,6 +48,7 @@ class Sequence:
         self.block_table: List[int] = []
         self.block_hashes: List[int] = []  # hashes of the leading full, computed blocks
         self.status = SequenceStatus.WAITING
+        self.in_flight = False  # scheduled in a batch that has not been postprocessed yet (pipeline stages)
         self.finish_reason: Optional[str] = None  # stop | length | abort | error
         self.stop_reason: Optional[object] = None  # the stop string or stop token id that matched
         self.error: Optional[str] = None

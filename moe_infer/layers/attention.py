@@ -1,48 +1,83 @@
 """Decoder self-attention on a paged KV cache: fused qkv projection (optional bias), q/k norm
 (per head: Qwen3-MoE; over the whole projection: OLMoE), clip_qkv (OLMoE), rotary, GQA.
 
+Tensor parallel over `tp` (a `ShardGroup`): each rank holds H / tp query heads (column-parallel
+q/k/v) and the KV heads they read: Hkv / tp of them, or, when there are fewer KV heads than ranks,
+the one its query heads share (replicated on tp / Hkv ranks). o_proj is row-parallel (one
+all-reduce). OLMoE's whole-projection q/k norm sums the squares over the ranks (one small
+all-reduce each). The KV cache of a rank holds its own KV heads.
+
 The K/V write + paged attention is one call of a backend from ATTENTION_BACKENDS ("torch": the
 float32 reference of paged_attention.py; "sdpa": the same gather with torch's SDPA). The step's
 attention metadata comes from `get_forward_context().attn`; the layer's (k_cache, v_cache) is
 bound once by the model runner through `MoEModel.bind_kv_cache`.
 
-Legend: T tokens, D hidden, H query heads, Hkv KV heads, d head_dim.
+Legend: T tokens, D hidden, H query heads, Hkv KV heads, d head_dim (the layer's: local heads).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from moe_infer.layers.forward_context import get_forward_context
-from moe_infer.layers.norm import RMSNorm
+from moe_infer.layers.norm import RMSNorm, ShardedRMSNorm
 from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
 from moe_infer.layers.rotary import RotaryEmbedding
+from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.models.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """This rank's heads: query heads [q_start, q_start + num_heads), KV heads [kv_start, kv_start + num_kv_heads)."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+    kv_replicas: int  # ranks holding each of these KV heads (1 when Hkv >= tp)
+
+
+def head_split(num_heads: int, num_kv_heads: int, shard: ShardGroup) -> HeadSplit:
+    tp, r = shard.size, shard.rank
+    H = shard.split(num_heads, "num_attention_heads")
+    if num_kv_heads >= tp:
+        Hkv = shard.split(num_kv_heads, "num_key_value_heads")
+        return HeadSplit(H, Hkv, r * H, r * Hkv, 1)
+    if tp % num_kv_heads:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} < tp={tp} must divide tp (KV heads are replicated)")
+    return HeadSplit(H, 1, r * H, r * num_kv_heads // tp, tp // num_kv_heads)
 
 
 class Attention(nn.Module):
     def __init__(
-        self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str = "torch"
+        self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str = "torch",
+        tp: ShardGroup = SINGLE,
     ) -> None:
         super().__init__()
         self._attend = ATTENTION_BACKENDS.get(backend)
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.heads = heads = head_split(arch.num_heads, arch.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = heads.num_heads * arch.head_dim, heads.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim ** -0.5
         self.clip_qkv = arch.clip_qkv
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, dtype, tp)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
-        elif arch.qk_norm == "proj":
+        elif arch.qk_norm == "proj" and tp.size == 1:
             self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, dtype)
+        elif arch.qk_norm == "proj":
+            self.q_norm = ShardedRMSNorm(self.q_size, arch.q_size, arch.rms_norm_eps, dtype, tp)
+            self.k_norm = ShardedRMSNorm(self.kv_size, arch.kv_size, arch.rms_norm_eps, dtype, tp, heads.kv_replicas)
         elif arch.qk_norm != "none":
             raise ValueError(f"qk_norm must be none, head or proj, got {arch.qk_norm!r}")
         self.rotary = rotary

@@ -1,6 +1,9 @@
 """The dense SwiGLU MLP of non-MoE layers (Qwen2/3-MoE `mlp_only_layers`, `decoder_sparse_step`).
 
-Legend: T tokens, D hidden, I dense intermediate. gate and up are one fused [2I, D] projection.
+Tensor parallel over `tp`: gate and up column-parallel (each rank its I / tp rows of both, fused as
+[gate; up]), down row-parallel (one all-reduce).
+
+Legend: T tokens, D hidden, I dense intermediate (the rank's share). gate and up are one fused [2I, D] projection.
 """
 from __future__ import annotations
 
@@ -8,12 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
+
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, tp: ShardGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        local = tp.split(intermediate_size, "intermediate_size")
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         gate_TI, up_TI = self.gate_up_proj(x_TD).chunk(2, dim=-1)

@@ -3,6 +3,10 @@
 Each piece is chosen by name from its registry through `MoEBackends`, so a fused kernel, an
 all-to-all dispatcher or an offloading store replaces exactly one piece.
 
+Tensor parallel: each routed expert's F is split over `moe_tp` (the store holds the rank's F / moe_tp
+rows of every local expert; ep = 1, tp > 1 is tensor-parallel MoE) and the shared expert's over `tp`;
+both give partial sums, all-reduced once when the two axes are the same ranks, else one each.
+
 Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatched rows.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.layers.forward_context import valid_tokens
 from moe_infer.offload.compute import slot_experts
+from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.offload.store import EXPERT_STORES
 from moe_infer.routing.capacity import CAPACITY_POLICIES
 from moe_infer.routing.select import ROUTING_BACKENDS
@@ -43,15 +48,19 @@ class MoEBackends:
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP run on every token (Qwen2-MoE: scaled by sigmoid(gate(x)))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, gated: bool, dtype: torch.dtype,
+                 tp: ShardGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        local = tp.split(intermediate_size, "shared_expert_intermediate_size")
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp)
         self.gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if gated else None
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sum (the caller all-reduces it with the routed experts')."""
         gate_TF, up_TF = self.gate_up_proj(x_TD).chunk(2, dim=-1)
-        y_TD = self.down_proj(F.silu(gate_TF) * up_TF)
+        act_TF = F.silu(gate_TF) * up_TF
+        y_TD = self.down_proj(act_TF) if reduce else F.linear(act_TF, self.down_proj.weight)
         if self.gate is not None:
             y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
         return y_TD
@@ -68,9 +77,13 @@ class MoELayer(nn.Module):
         dtype: torch.dtype,
         shared_intermediate_size: int = 0,
         shared_gated: bool = False,
+        tp: ShardGroup = SINGLE,
+        moe_tp: ShardGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
+        self.tp, self.moe_tp = tp, moe_tp
+        intermediate_size = moe_tp.split(intermediate_size, "moe_intermediate_size")
         self.dispatcher = backends.dispatcher or LocalDispatcher(spec.num_experts)
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype)
         if spec.has_score_bias:
@@ -83,7 +96,7 @@ class MoELayer(nn.Module):
             num_experts=spec.num_experts,
         )
         self.shared_expert = (
-            SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype)
+            SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype, tp)
             if shared_intermediate_size else None
         )
         self._select = ROUTING_BACKENDS.get(backends.routing)
@@ -128,6 +141,8 @@ class MoELayer(nn.Module):
             fused_fn = None if fused is None else (lambda x, ids, w: fused(x, ids, w, *self.store.weights(), 0))
             out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts,
                                                      fused_fn=fused_fn)
-        if self.shared_expert is not None:
-            out_TD = out_TD + self.shared_expert(x_TD)
-        return out_TD
+        if self.shared_expert is None:
+            return self.moe_tp.all_reduce(out_TD)
+        if self.tp == self.moe_tp:  # the same ranks: one all-reduce of both partial sums
+            return self.tp.all_reduce(out_TD + self.shared_expert(x_TD, reduce=False))
+        return self.moe_tp.all_reduce(out_TD) + self.shared_expert(x_TD)

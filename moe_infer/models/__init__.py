@@ -17,6 +17,7 @@ from moe_infer.models.decoder import MoEModel
 from moe_infer.models.dummy import init_dummy_weights
 from moe_infer.models.families import MODEL_FAMILIES
 from moe_infer.models.loader import load_weights
+from moe_infer.models.shard import WHOLE, ModelShard
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,20 +29,22 @@ def load_model(
     backends: Optional[MoEBackends] = None,
     attn_backend: str = "auto",
     load_format: str = "auto",
+    shard: ModelShard = WHOLE,
 ) -> MoEModel:
     """Build the model of the local checkpoint folder `path` on `device` in `dtype` and load its weights.
 
     Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read. attn_backend
     names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`; "auto": the first
     registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: "sdpa").
-    load_format "dummy": random weights, no safetensors read (moe_infer.models.dummy).
+    load_format "dummy": random weights, no safetensors read (moe_infer.models.dummy). shard: this rank's
+    stage layers and tensor shards (whole model by default); only those tensors are read.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
     attn_backend = resolve_attention_backend(attn_backend, device)
     arch, hf_config = load_arch(path)
     with torch.device(device):
-        model = MoEModel(arch, hf_config, dtype, backends, attn_backend)
+        model = MoEModel(arch, hf_config, dtype, backends, attn_backend, shard)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -49,4 +52,5 @@ def load_model(
     return model.eval()
 
 
-__all__ = ["ModelArch", "MoEModel", "MoEBackends", "MODEL_FAMILIES", "arch_from_config", "load_arch", "load_model"]
+__all__ = ["ModelArch", "ModelShard", "MoEModel", "MoEBackends", "MODEL_FAMILIES", "arch_from_config", "load_arch",
+           "load_model"]

@@ -4,6 +4,12 @@ One class serves every family of `families.py`; the ModelArch switches the diffe
 forward takes a step's flattened tokens and reads the paged-attention metadata from the forward
 context, so it knows nothing of sequences or scheduling.
 
+A `ModelShard` says which part this rank holds: its pipeline stage's layers (the others are
+`MissingLayer` placeholders, so parameter names keep the global layer index), the embedding on the
+first stage, the final norm and LM head on the last, and the tensor-parallel axes of its layers.
+A stage other than the first takes the previous stage's hidden states instead of token ids; a
+stage other than the last returns its hidden states un-normed (the residual stream).
+
 Legend: T tokens, D hidden, V vocab, B rows to compute logits for.
 """
 from __future__ import annotations
@@ -18,18 +24,20 @@ from moe_infer.layers.mlp import DenseMLP
 from moe_infer.layers.moe import MoEBackends, MoELayer
 from moe_infer.layers.norm import RMSNorm
 from moe_infer.layers.rotary import RotaryEmbedding
+from moe_infer.layers.tensor_parallel import ParallelLMHead, VocabParallelEmbedding
 from moe_infer.models.arch import ModelArch
+from moe_infer.models.shard import WHOLE, ModelShard
 from moe_infer.routing.spec import RoutingSpec
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, backends: MoEBackends, dtype: torch.dtype,
-        attn_backend: str = "torch",
+        attn_backend: str = "torch", shard: ModelShard = WHOLE,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, layer_idx, rotary, dtype, attn_backend)
+        self.self_attn = Attention(arch, layer_idx, rotary, dtype, attn_backend, shard.tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.is_moe = arch.is_moe_layer(layer_idx)
         if self.is_moe:
@@ -37,14 +45,23 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = MoELayer(
                 layer_idx, arch.hidden_size, arch.moe_intermediate_size, spec, backends, dtype,
                 shared_intermediate_size=arch.shared_expert_intermediate_size,
-                shared_gated=arch.shared_expert_gated,
+                shared_gated=arch.shared_expert_gated, tp=shard.tp, moe_tp=shard.moe_tp,
             )
         else:
-            self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype)
+            self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype, shard.tp)
 
     def forward(self, h_TD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         h_TD = h_TD + self.self_attn(self.input_layernorm(h_TD), positions_T)
         return h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+
+
+class MissingLayer(nn.Module):
+    """A decoder layer of another pipeline stage: no parameters, never called."""
+
+    is_moe = False
+
+    def forward(self, *args) -> torch.Tensor:
+        raise RuntimeError("a decoder layer of another pipeline stage was called")
 
 
 class MoEModel(nn.Module):
@@ -52,45 +69,60 @@ class MoEModel(nn.Module):
 
     def __init__(
         self, arch: ModelArch, hf_config: Any, dtype: torch.dtype, backends: Optional[MoEBackends] = None,
-        attn_backend: str = "torch",
+        attn_backend: str = "torch", shard: ModelShard = WHOLE,
     ) -> None:
         super().__init__()
-        self.arch, self.hf_config, self.dtype = arch, hf_config, dtype
+        self.arch, self.hf_config, self.dtype, self.shard = arch, hf_config, dtype, shard
         self.backends = backends or MoEBackends()
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.local_layers = shard.layer_range(arch.num_layers)
+        V, D, tp = arch.vocab_size, arch.hidden_size, shard.tp
+        self.embed_tokens = VocabParallelEmbedding(V, D, dtype, tp) if shard.is_first_stage else None
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, self.rotary, self.backends, dtype, attn_backend) for i in range(arch.num_layers)
+            DecoderLayer(arch, i, self.rotary, self.backends, dtype, attn_backend, shard)
+            if i in self.local_layers else MissingLayer() for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm = RMSNorm(D, arch.rms_norm_eps, dtype) if shard.is_last_stage else None
+        tied = self.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(V, D, dtype, tp, tied) if shard.is_last_stage else None
         for p in self.parameters():
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        """input_ids_T, positions_T [T] (int) -> final-norm hidden states [T, D] in the model dtype."""
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
+                hidden_TD: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids_T, positions_T [T] (int) -> hidden states [T, D] in the model dtype: final-normed on
+        the last stage, the residual stream elsewhere. hidden_TD: the previous stage's output (stages > 0)."""
         if input_ids_T.dim() != 1 or input_ids_T.shape != positions_T.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids_T.shape)} and positions {tuple(positions_T.shape)} must be equal 1-D"
             )
-        h_TD = self.embed_tokens(input_ids_T)
-        for layer in self.layers:
-            h_TD = layer(h_TD, positions_T)
-        return self.norm(h_TD)
+        if self.embed_tokens is not None:
+            h_TD = self.embed_tokens(input_ids_T)
+        elif hidden_TD is None:
+            raise ValueError("a pipeline stage other than the first needs the previous stage's hidden states")
+        else:
+            h_TD = hidden_TD
+        for i in self.local_layers:
+            h_TD = self.layers[i](h_TD, positions_T)
+        return h_TD if self.norm is None else self.norm(h_TD)
 
     @torch.no_grad()
     def compute_logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
-        """hidden [B, D] -> float32 logits [B, V]."""
+        """hidden [B, D] -> float32 logits [B, V] (last pipeline stage only)."""
         return self.lm_head(hidden_BD).float()
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held on this rank (tensor parallel: its share)."""
+        return self.layers[self.local_layers[0]].self_attn.num_kv_heads
+
     def bind_kv_cache(self, kv_caches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One (k_cache, v_cache) per layer, each [num_blocks, block_size, Hkv, d] in the model dtype."""
-        if len(kv_caches) != self.arch.num_layers:
-            raise ValueError(f"got {len(kv_caches)} KV caches for {self.arch.num_layers} layers")
-        want = (self.arch.num_kv_heads, self.arch.head_dim)
+        """One (k_cache, v_cache) per layer of this stage, each [num_blocks, block_size, Hkv, d] in the model
+        dtype (Hkv: this rank's KV heads)."""
+        if len(kv_caches) != len(self.local_layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.local_layers)} layers")
+        want = (self.num_kv_heads, self.arch.head_dim)
         for i, (k, v) in enumerate(kv_caches):
             if k.dim() != 4 or tuple(k.shape[2:]) != want or k.shape != v.shape:
                 raise ValueError(
@@ -99,13 +131,13 @@ class MoEModel(nn.Module):
                 )
             if k.dtype != self.dtype or v.dtype != self.dtype:
                 raise ValueError(f"layer {i}: KV cache dtype {k.dtype}/{v.dtype}, model dtype {self.dtype}")
-        for layer, kv in zip(self.layers, kv_caches):
-            layer.self_attn.kv_cache = (kv[0], kv[1])
+        for i, kv in zip(self.local_layers, kv_caches):
+            self.layers[i].self_attn.kv_cache = (kv[0], kv[1])
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of K and V of all layers for one block of block_size tokens."""
+        """Bytes of K and V of this rank's layers and KV heads for one block of block_size tokens."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.arch.num_layers * block_size * self.arch.num_kv_heads * self.arch.head_dim * itemsize
+        return 2 * len(self.local_layers) * block_size * self.num_kv_heads * self.arch.head_dim * itemsize
 
     def moe_layers(self) -> List[MoELayer]:
         return [layer.mlp for layer in self.layers if layer.is_moe]

@@ -9,9 +9,12 @@ store) and the shape the checkpoint must have. Expert tensors come in either nam
 and only the experts local to each layer's dispatcher are read: slot s of the store holds logical
 expert `dispatcher.local_expert_ids[s]` (contiguous `expert_start + s` by default; an EP placement
 with hot-expert replicas may list any experts, a fused tensor is then read in runs of rows).
+Under a mesh (`model.shard`) only this rank's part is read: its pipeline stage's layers (the others'
+tensors are known but skipped), its query / KV heads, its rows of the intermediate dimensions and
+of the vocabulary (tensor parallel), each routed expert's F / moe_tp rows.
 A missing, misshaped or unexpected tensor and an unreadable file raise naming the tensor or file.
 
-Legend: E experts, F expert intermediate, D hidden.
+Legend: E experts, F expert intermediate, D hidden, V vocabulary.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from safetensors import safe_open
 
+from moe_infer.layers.attention import head_split
+from moe_infer.layers.tensor_parallel import ShardGroup, padded_vocab
 from moe_infer.models.arch import ModelArch
 
 _INDEX = "model.safetensors.index.json"
@@ -66,31 +71,49 @@ def _open(file: str):
         raise ValueError(f"corrupt safetensors file {file}: {e}") from None
 
 
-def _attn_targets(arch: ModelArch, i: int) -> Dict[str, _Target]:
-    p, t, D = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn", arch.hidden_size
-    q, kv = arch.q_size, arch.kv_size
+def _part(total: int, shard: ShardGroup) -> slice:
+    """This rank's share [r * total / size, (r + 1) * total / size) of a dimension (all of it on one rank)."""
+    if shard.size == 1:
+        return _ALL
+    n = total // shard.size
+    return slice(shard.rank * n, (shard.rank + 1) * n)
+
+
+def _attn_targets(arch: ModelArch, i: int, tp: ShardGroup) -> Dict[str, _Target]:
+    p, t, D, d = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn", arch.hidden_size, arch.head_dim
+    heads = head_split(arch.num_heads, arch.num_kv_heads, tp)
+    q, kv = heads.num_heads * d, heads.num_kv_heads * d  # this rank's rows
+    full = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}
+    src = {"q": slice(heads.q_start * d, heads.q_start * d + q), "k": slice(heads.kv_start * d, heads.kv_start * d + kv)}
+    src["v"] = src["k"]
+    if tp.size == 1:
+        src = {name: _ALL for name in src}
     rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
     out = {}
     for name, r in rows.items():
-        out[f"{p}.{name}_proj.weight"] = _Target(f"{t}.qkv_proj.weight", (r.stop - r.start, D), (r,))
+        out[f"{p}.{name}_proj.weight"] = _Target(f"{t}.qkv_proj.weight", (full[name], D), (r,), (src[name],))
         if arch.qkv_bias:
-            out[f"{p}.{name}_proj.bias"] = _Target(f"{t}.qkv_proj.bias", (r.stop - r.start,), (r,))
-    out[f"{p}.o_proj.weight"] = _Target(f"{t}.o_proj.weight", (D, q))
+            out[f"{p}.{name}_proj.bias"] = _Target(f"{t}.qkv_proj.bias", (full[name],), (r,), (src[name],))
+    out[f"{p}.o_proj.weight"] = _Target(f"{t}.o_proj.weight", (D, arch.q_size), src=(_ALL, src["q"]))
     if arch.o_bias:
         out[f"{p}.o_proj.bias"] = _Target(f"{t}.o_proj.bias", (D,))
-    if arch.qk_norm != "none":
-        qn, kn = (arch.head_dim, arch.head_dim) if arch.qk_norm == "head" else (q, kv)
-        out[f"{p}.q_norm.weight"] = _Target(f"{t}.q_norm.weight", (qn,))
-        out[f"{p}.k_norm.weight"] = _Target(f"{t}.k_norm.weight", (kn,))
+    if arch.qk_norm == "head":
+        out[f"{p}.q_norm.weight"] = _Target(f"{t}.q_norm.weight", (d,))
+        out[f"{p}.k_norm.weight"] = _Target(f"{t}.k_norm.weight", (d,))
+    elif arch.qk_norm == "proj":
+        out[f"{p}.q_norm.weight"] = _Target(f"{t}.q_norm.weight", (arch.q_size,), src=(src["q"],))
+        out[f"{p}.k_norm.weight"] = _Target(f"{t}.k_norm.weight", (arch.kv_size,), src=(src["k"],))
     return out
 
 
-def _swiglu_targets(ckpt: str, param: str, D: int, F: int) -> Dict[str, _Target]:
-    """A dense gate/up/down MLP onto a module with a fused gate_up_proj [2F, D] and down_proj."""
+def _swiglu_targets(ckpt: str, param: str, D: int, F: int, tp: ShardGroup) -> Dict[str, _Target]:
+    """A dense gate/up/down MLP onto a module with a fused gate_up_proj [2F, D] and down_proj (this rank's
+    F / tp rows of gate and up, columns of down)."""
+    Fl, rows = F // tp.size, _part(F, tp)
     return {
-        f"{ckpt}.gate_proj.weight": _Target(f"{param}.gate_up_proj.weight", (F, D), (slice(0, F),)),
-        f"{ckpt}.up_proj.weight": _Target(f"{param}.gate_up_proj.weight", (F, D), (slice(F, 2 * F),)),
-        f"{ckpt}.down_proj.weight": _Target(f"{param}.down_proj.weight", (D, F)),
+        f"{ckpt}.gate_proj.weight": _Target(f"{param}.gate_up_proj.weight", (F, D), (slice(0, Fl),), (rows,)),
+        f"{ckpt}.up_proj.weight": _Target(f"{param}.gate_up_proj.weight", (F, D), (slice(Fl, 2 * Fl),), (rows,)),
+        f"{ckpt}.down_proj.weight": _Target(f"{param}.down_proj.weight", (D, F), src=(_ALL, rows)),
     }
 
 
@@ -105,21 +128,31 @@ def _runs(expert_ids: List[int]) -> List[Tuple[int, int, int]]:
     return runs
 
 
-def _expert_targets(arch: ModelArch, i: int, expert_ids: List[int], names: set) -> Dict[str, _Target]:
-    """expert_ids[s]: the logical expert held in local slot s of this layer's store."""
+def _expert_targets(arch: ModelArch, i: int, expert_ids: List[int], names: set, moe_tp: ShardGroup
+                    ) -> Dict[str, _Target]:
+    """expert_ids[s]: the logical expert held in local slot s of this layer's store (its F / moe_tp rows)."""
     p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp.store"
     E, F, D = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
+    Fl, f_rows = F // moe_tp.size, _part(F, moe_tp)
+    gate_dst, up_dst = (_ALL, slice(0, Fl)), (_ALL, slice(Fl, 2 * Fl))
     if f"{p}.experts.gate_up_proj" in names or f"{p}.experts.down_proj" in names:
-        places = tuple(((slice(s0, s0 + n),), (slice(e0, e0 + n),)) for s0, e0, n in _runs(expert_ids))
+        runs = [(slice(s0, s0 + n), slice(e0, e0 + n)) for s0, e0, n in _runs(expert_ids)]
+        up_rows = _ALL if moe_tp.size == 1 else slice(F + f_rows.start, F + f_rows.stop)
+        if moe_tp.size == 1:  # gate and up rows together, as stored
+            gate_up = [((dst,), (src,)) for dst, src in runs]
+        else:
+            gate_up = [pl for dst, src in runs for pl in (((dst, gate_dst[1]), (src, f_rows)),
+                                                          ((dst, up_dst[1]), (src, up_rows)))]
+        down = [((dst,), (src, _ALL, f_rows) if moe_tp.size > 1 else (src,)) for dst, src in runs]
 
-        def fused(param: str, shape: Tuple[int, ...]) -> _Target:
+        def fused(param: str, shape: Tuple[int, ...], places: list) -> _Target:
             if not places:
                 return _Target(None, shape)
-            return _Target(param, shape, places[0][0], places[0][1], places[1:])
+            return _Target(param, shape, places[0][0], places[0][1], tuple(places[1:]))
 
         return {
-            f"{p}.experts.gate_up_proj": fused(f"{t}.w13_E2FD", (E, 2 * F, D)),
-            f"{p}.experts.down_proj": fused(f"{t}.w2_EDF", (E, D, F)),
+            f"{p}.experts.gate_up_proj": fused(f"{t}.w13_E2FD", (E, 2 * F, D), gate_up),
+            f"{p}.experts.down_proj": fused(f"{t}.w2_EDF", (E, D, F), down),
         }
     mixtral = f"{p}.experts.0.w1.weight" in names
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -128,45 +161,64 @@ def _expert_targets(arch: ModelArch, i: int, expert_ids: List[int], names: set) 
     for e in range(E):
         slots = slots_of[e]
 
-        def tgt(param: str, shape: Tuple[int, ...], rows: tuple) -> _Target:
+        def tgt(param: str, shape: Tuple[int, ...], rows: tuple, src: tuple) -> _Target:
             if not slots:
                 return _Target(None, shape)
-            more = tuple(((s,) + rows, (_ALL,)) for s in slots[1:])
-            return _Target(param, shape, (slots[0],) + rows, (_ALL,), more)
+            more = tuple(((s,) + rows, src) for s in slots[1:])
+            return _Target(param, shape, (slots[0],) + rows, src, more)
 
-        out[f"{p}.experts.{e}.{gate}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (slice(0, F),))
-        out[f"{p}.experts.{e}.{up}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), (slice(F, 2 * F),))
-        out[f"{p}.experts.{e}.{down}.weight"] = tgt(f"{t}.w2_EDF", (D, F), ())
+        out[f"{p}.experts.{e}.{gate}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), gate_dst[1:], (f_rows,))
+        out[f"{p}.experts.{e}.{up}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), up_dst[1:], (f_rows,))
+        out[f"{p}.experts.{e}.{down}.weight"] = tgt(f"{t}.w2_EDF", (D, F), (), (_ALL, f_rows))
     return out
+
+
+def _vocab_target(param: Optional[str], V: int, D: int, tp: ShardGroup) -> _Target:
+    """This rank's rows of a [V, D] table (the last rank's share may run past V: padding rows stay zero)."""
+    if param is None or tp.size == 1:
+        return _Target(param, (V, D))
+    n = padded_vocab(V, tp) // tp.size
+    start = tp.rank * n
+    stop = min(start + n, V)
+    return _Target(param, (V, D), (slice(0, stop - start),), (slice(start, stop),))
 
 
 def weight_targets(model, names: set) -> Dict[str, _Target]:
     """Every tensor the checkpoint must (or may) hold, in the checkpoint's names (after
-    `block_sparse_moe` -> `mlp`), for this model's arch and local experts."""
+    `block_sparse_moe` -> `mlp`), for this model's arch, pipeline stage, tensor shards and local experts."""
     arch: ModelArch = model.arch
-    D, V = arch.hidden_size, arch.vocab_size
+    shard = model.shard
+    D, V, tp = arch.hidden_size, arch.vocab_size, shard.tp
+    first, last, tied = shard.is_first_stage, shard.is_last_stage, arch.tie_word_embeddings
+    embed_param = "embed_tokens.weight" if first else ("lm_head.weight" if tied and last else None)
     out = {
-        "model.embed_tokens.weight": _Target("embed_tokens.weight", (V, D)),
-        "model.norm.weight": _Target("norm.weight", (D,)),
-        "lm_head.weight": _Target(None if arch.tie_word_embeddings else "lm_head.weight", (V, D)),
+        "model.embed_tokens.weight": _vocab_target(embed_param, V, D, tp),
+        "model.norm.weight": _Target("norm.weight" if last else None, (D,)),
+        "lm_head.weight": _vocab_target("lm_head.weight" if last and not tied else None, V, D, tp),
     }
     for i, layer in enumerate(model.layers):
-        out[f"model.layers.{i}.input_layernorm.weight"] = _Target(f"layers.{i}.input_layernorm.weight", (D,))
-        out[f"model.layers.{i}.post_attention_layernorm.weight"] = _Target(
-            f"layers.{i}.post_attention_layernorm.weight", (D,)
-        )
-        out.update(_attn_targets(arch, i))
+        layer_out = {
+            f"model.layers.{i}.input_layernorm.weight": _Target(f"layers.{i}.input_layernorm.weight", (D,)),
+            f"model.layers.{i}.post_attention_layernorm.weight": _Target(
+                f"layers.{i}.post_attention_layernorm.weight", (D,)),
+        }
+        layer_out.update(_attn_targets(arch, i, tp))
         p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
-        if not layer.is_moe:
-            out.update(_swiglu_targets(p, t, D, arch.intermediate_size))
-            continue
-        out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
-        out.update(_expert_targets(arch, i, local_expert_ids(layer.mlp.dispatcher, arch.num_experts), names))
-        if arch.shared_expert_intermediate_size:
-            shared_F = arch.shared_expert_intermediate_size
-            out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, shared_F))
-            if arch.shared_expert_gated:
-                out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
+        if not arch.is_moe_layer(i):
+            layer_out.update(_swiglu_targets(p, t, D, arch.intermediate_size, tp))
+        else:
+            layer_out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
+            local = i in model.local_layers
+            expert_ids = local_expert_ids(layer.mlp.dispatcher, arch.num_experts) if local else []
+            layer_out.update(_expert_targets(arch, i, expert_ids, names, shard.moe_tp))
+            if arch.shared_expert_intermediate_size:
+                shared_F = arch.shared_expert_intermediate_size
+                layer_out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, shared_F, tp))
+                if arch.shared_expert_gated:
+                    layer_out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
+        if i not in model.local_layers:  # another stage's layer: known, not read
+            layer_out = {name: _Target(None, tgt.shape) for name, tgt in layer_out.items()}
+        out.update(layer_out)
     return out
 
 
@@ -201,8 +253,8 @@ def load_weights(model, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} is missing tensors: {_few(missing)}")
     params = dict(model.named_parameters(remove_duplicate=False))
     covered = {t.param for t in targets.values() if t.param is not None}
-    if model.arch.tie_word_embeddings:
-        covered.add("lm_head.weight")
+    if model.arch.tie_word_embeddings and model.embed_tokens is not None and model.lm_head is not None:
+        covered.add("lm_head.weight")  # the same parameter as the embedding
     uncovered = sorted(n for n in params if n not in covered)
     if uncovered:  # a parameter no checkpoint tensor maps to: a bug in weight_targets, not in the checkpoint
         raise RuntimeError(f"no checkpoint tensor maps to parameters: {_few(uncovered)}")
@@ -227,7 +279,7 @@ def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(tgt.shape)} (file {file})")
     for dst_idx, src_idx in tgt.places():
         try:
-            src = sl[src_idx] if src_idx != (_ALL,) else handle.get_tensor(name)
+            src = handle.get_tensor(name) if all(i == _ALL for i in src_idx) else sl[src_idx]
         except Exception as e:
             raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
         dst = param[dst_idx] if dst_idx != (_ALL,) else param

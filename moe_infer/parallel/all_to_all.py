@@ -134,6 +134,7 @@ class A2ADispatcher(LocalDispatcher):
         overlap_min_mb: float = 0.0,
         tokens_replicated: bool = False,
         overlap_micro_batches: int = 2,
+        on_error: Optional[Callable[[str, BaseException], BaseException]] = None,
     ) -> None:
         if dist.get_world_size(group) != placement.ep:
             raise ValueError(f"EP group has {dist.get_world_size(group)} ranks, placement expects {placement.ep}")
@@ -143,6 +144,7 @@ class A2ADispatcher(LocalDispatcher):
         self.tokens_replicated, self.overlap_micro_batches = tokens_replicated, overlap_micro_batches
         self.local_expert_ids = placement.local_experts(rank)
         self.slots = SlotTables(placement, rank)
+        self.on_error = on_error  # the mesh's: names the rank that did not come (ParallelContext.failure)
 
     def _slot_ranges(self, num_micro_batches: int) -> Tuple[Tuple[int, int], ...]:
         """min(M, S) contiguous groups of local slots, near-equal, the larger first."""
@@ -182,7 +184,9 @@ class A2ADispatcher(LocalDispatcher):
         except RuntimeError as err:
             raise self._comm_error(err) from err
 
-    def _comm_error(self, err: Exception) -> RuntimeError:
+    def _comm_error(self, err: Exception) -> BaseException:
+        if self.on_error is not None:
+            return self.on_error("EP all-to-all", err)
         return RuntimeError(
             f"EP all-to-all failed on EP rank {self.rank} of {self.ep}: a peer rank died, hung past the "
             f"collective timeout (parallel.timeout_s), or runs a different layer sequence ({err})"

@@ -1,28 +1,33 @@
-"""Process-group start-up for `torchrun ... -m moe_infer.launch parallel.ep=N`: `init(cfg) -> ParallelContext`.
+"""The mesh as one rank sees it: `ParallelContext`, built by `moe_infer.parallel.init` (startup.py).
 
-`init` starts torch.distributed from torchrun's environment (NCCL on CUDA, gloo on CPU) with
-`parallel.timeout_s` on every collective, builds the meshes (`ParallelDims`), checks that every
-rank was given the same config, and hands out the EP dispatcher (`make_dispatcher`) with the EP
-process group taken from the mesh. Rank 0 is the driver: it runs the scheduler and prints; the
-other ranks receive each step's plan through `broadcast_object`.
+It hands every part the process group it needs, taken from the named meshes of `ParallelDims`:
+the model its `ModelShard` (tensor-parallel axes, stage layers), the MoE layers their EP dispatcher,
+the step pipeline its transfer groups. Nothing else looks up a group.
+
+Groups beside the meshes (all gloo, CPU): `control_group` (world) and `stage_control_group` carry
+the step headers, start-up agreement and end-of-generate messages: they wait as long as a rank may
+sit idle between requests; `results_group` ([0, sampler rank], `parallel.timeout_s`) brings sampled
+tokens back to the driver when the last stage is elsewhere. Rank 0 is the driver (scheduler, printing);
+the first rank of the last stage samples.
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, is_dataclass
-from datetime import timedelta
 from functools import partial
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from moe_infer.config import ParallelConfig, RoutingConfig
 from moe_infer.experts.local_dispatch import LocalDispatcher
+from moe_infer.layers.tensor_parallel import SINGLE, ShardGroup
+from moe_infer.models.shard import ModelShard
 from moe_infer.parallel import capacity_dispatch, exact  # noqa: F401  (register the backends)
-from moe_infer.parallel.dims import ParallelDims
 from moe_infer.parallel.all_to_all import DISPATCHERS
+from moe_infer.parallel.dims import ParallelDims, stage_layers
+from moe_infer.parallel.health import MeshError, mesh_error
 from moe_infer.parallel.placement import ExpertPlacement, contiguous_placement, load_placement
 
 CAPACITY_POLICIES_FOR_A2A = ("drop", "reroute")
@@ -34,10 +39,16 @@ class ParallelContext:
     dims: ParallelDims
     rank: int
     device: torch.device
-    mesh: Any = None  # DeviceMesh (pp, dp, tp), None on a single rank
-    ep_mesh: Any = None  # DeviceMesh (pp, ep_replicas, ep)
+    mesh: Any = None  # DeviceMesh (pp, dp, tp); None on a single rank
+    moe_mesh: Any = None  # DeviceMesh (pp, moe_tp, ep)
+    stage_mesh: Any = None  # DeviceMesh (pp, stage)
     world_group: Optional[dist.ProcessGroup] = None
+    control_group: Optional[dist.ProcessGroup] = None
+    stage_control_group: Optional[dist.ProcessGroup] = None
+    results_group: Optional[dist.ProcessGroup] = None
+    failed: bool = False  # a MeshError was raised: exit without a collective teardown
 
+    # ---- where this rank sits -----------------------------------------------------------------
     @property
     def is_distributed(self) -> bool:
         return self.world_group is not None
@@ -48,12 +59,76 @@ class ParallelContext:
         return self.rank == 0
 
     @property
+    def stage(self) -> int:
+        return self.dims.coords(self.rank)[0]
+
+    @property
+    def stage_index(self) -> int:
+        return self.dims.coords(self.rank)[1]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.dims.pp - 1
+
+    @property
+    def sampler_rank(self) -> int:
+        """The rank that samples: the first of the last stage (rank 0 without pipeline stages)."""
+        return self.dims.rank_of(self.dims.pp - 1, 0)
+
+    @property
+    def next_rank(self) -> int:
+        return self.dims.rank_of(self.stage + 1, self.stage_index)
+
+    @property
+    def prev_rank(self) -> int:
+        return self.dims.rank_of(self.stage - 1, self.stage_index)
+
+    @property
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        return self.stage_mesh.get_group("stage") if self.stage_mesh is not None else None
+
+    @property
     def ep_group(self) -> Optional[dist.ProcessGroup]:
-        return self.ep_mesh.get_group("ep") if self.ep_mesh is not None else None
+        return self.moe_mesh.get_group("ep") if self.moe_mesh is not None else None
 
     @property
     def ep_rank(self) -> int:
-        return self.ep_mesh.get_local_rank("ep") if self.ep_mesh is not None else 0
+        return self.moe_mesh.get_local_rank("ep") if self.moe_mesh is not None else 0
+
+    # ---- failures -----------------------------------------------------------------------------
+    def failure(self, what: str, err: BaseException, ranks: Optional[List[int]] = None) -> MeshError:
+        """The MeshError naming the rank behind a failed collective over `ranks` (default: the world)."""
+        self.failed = True
+        ranks = list(range(self.dims.world_size)) if ranks is None else ranks
+        return mesh_error(what, err, ranks, self.rank, self.cfg.timeout_s)
+
+    def _on_error(self, group: dist.ProcessGroup):
+        ranks = dist.get_process_group_ranks(group)
+        return lambda what, err: self.failure(what, err, ranks)
+
+    def _axis(self, mesh: Any, axis: str, size: int) -> ShardGroup:
+        if size == 1:
+            return SINGLE
+        group = mesh.get_group(axis)
+        return ShardGroup(group, mesh.get_local_rank(axis), size, on_error=self._on_error(group))
+
+    # ---- what the model and the MoE layers get ------------------------------------------------
+    def model_shard(self, num_layers: int) -> ModelShard:
+        """This rank's stage layers and tensor-parallel axes."""
+        if not self.is_distributed:
+            return ModelShard()
+        start, end = stage_layers(num_layers, self.dims.pp, self.cfg.pp_layer_partition)[self.stage]
+        tp = self._axis(self.mesh, "tp", self.dims.tp)
+        moe_tp = self._axis(self.moe_mesh, "moe_tp", self.dims.moe_tp)
+        if tp.size > 1 and moe_tp.size > 1 and (dist.get_process_group_ranks(tp.group)
+                                                == dist.get_process_group_ranks(moe_tp.group)):
+            moe_tp = tp  # the same ranks: the MoE layer then sums routed and shared experts in one all-reduce
+        return ModelShard(tp=tp, moe_tp=moe_tp, layer_start=start, layer_end=end, is_first_stage=self.is_first_stage,
+                          is_last_stage=self.is_last_stage, stage=self.stage, num_stages=self.dims.pp)
 
     def placement(self, num_experts: int) -> ExpertPlacement:
         if self.cfg.placement_file:
@@ -64,8 +139,9 @@ class ParallelContext:
                         tokens_replicated: bool = True) -> LocalDispatcher:
         """The dispatcher for `MoEBackends.dispatcher` (shared by every MoE layer of the model).
 
-        tokens_replicated: every EP rank holds the same tokens (attention replicated, the engine's
-        case); each rank then routes 1/ep of them. False: each rank brings its own tokens.
+        tokens_replicated: every EP rank holds the same tokens (the engine's case: attention is tensor
+        parallel or replicated within a stage); each rank then routes 1/ep of them. False: each rank
+        brings its own tokens.
         """
         if self.dims.ep == 1:
             return LocalDispatcher(num_experts)
@@ -81,24 +157,39 @@ class ParallelContext:
         return DISPATCHERS.get(self.cfg.dispatcher)(
             self.placement(num_experts), self.ep_group, self.ep_rank, top_k, overlap=self.cfg.overlap,
             overlap_min_mb=self.cfg.overlap_min_mb, overlap_micro_batches=self.cfg.overlap_micro_batches,
-            tokens_replicated=tokens_replicated, **kwargs,
+            tokens_replicated=tokens_replicated, on_error=self._on_error(self.ep_group), **kwargs,
         )
 
+    # ---- control messages (CPU, gloo) ---------------------------------------------------------
     def broadcast_object(self, obj: Any) -> Any:
         """obj from rank 0 (the driver) to every rank; identity on a single rank."""
         if not self.is_distributed:
             return obj
         box = [obj if self.is_driver else None]
-        dist.broadcast_object_list(box, src=0, group=self.world_group, device=self._object_device())
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.control_group)
+        except RuntimeError as err:
+            raise self.failure("broadcast from the driver", err) from err
         return box[0]
+
+    def agree_min(self, value: int) -> int:
+        """The smallest value over the ranks (e.g. KV blocks: the driver's block ids must exist everywhere)."""
+        if not self.is_distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        except RuntimeError as err:
+            raise self.failure("start-up agreement", err) from err
+        return int(t.item())
 
     def check_same_config(self, config: Any) -> None:
         """Raise on every rank, naming the fields, if the ranks were not given the same config."""
         if not self.is_distributed:
             return
         flat = _flatten(asdict(config) if is_dataclass(config) else dict(config))
-        gathered: list = [None] * dist.get_world_size(self.world_group)
-        dist.all_gather_object(gathered, flat, group=self.world_group)
+        gathered: list = [None] * self.dims.world_size
+        dist.all_gather_object(gathered, flat, group=self.control_group)
         diffs = []
         for r, other in enumerate(gathered):
             for key in sorted(set(flat) | set(other)):
@@ -107,16 +198,12 @@ class ParallelContext:
         if diffs:
             raise ValueError("ranks were started with different configs: " + "; ".join(diffs[:10]))
 
-    def _object_device(self) -> Optional[torch.device]:
-        return self.device if self.device.type == "cuda" else None
-
     def shutdown(self) -> None:
-        """Barrier, then destroy every process group. Leaving gloo groups alive until interpreter exit
-        can abort a rank ("terminate called without an active exception") while its peers are gone."""
-        if self.is_distributed and dist.is_initialized():
-            dist.barrier(group=self.world_group)
+        """Barrier, then destroy every process group (also done at exit: see startup.py)."""
+        if self.is_distributed and dist.is_initialized() and not self.failed:
+            dist.barrier(group=self.control_group)
             dist.destroy_process_group()
-            self.world_group = None
+        self.world_group = None
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -127,38 +214,3 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = json.dumps(v, sort_keys=True, default=str)
     return out
-
-
-def init(cfg: ParallelConfig, device: str = "auto", config_to_check: Any = None) -> ParallelContext:
-    """Start the process group (under torchrun) or return a single-rank context (ep=tp=pp=1).
-
-    config_to_check: the whole engine config; every rank must hold the same (checked at start-up).
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    needed = cfg.tp * cfg.pp * cfg.ep
-    if world_size == 1 and needed == 1:
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
-        return ParallelContext(cfg=cfg, dims=ParallelDims(1), rank=0, device=dev)
-    if "RANK" not in os.environ:
-        raise RuntimeError(f"parallel.ep={cfg.ep} (tp={cfg.tp}, pp={cfg.pp}) needs several processes: "
-                           f"start with torchrun --nproc-per-node {needed} -m moe_infer.launch ...")
-    if cfg.tp != 1 or cfg.pp != 1:
-        raise NotImplementedError("parallel.tp and parallel.pp > 1 are not implemented yet (attention is "
-                                  "replicated over the EP ranks): use parallel.ep only")
-    dims = ParallelDims(world_size, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = (device == "auto" and torch.cuda.is_available()) or device.startswith("cuda")
-    if use_cuda:
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
-    world_group = dist.group.WORLD  # created here, by this function; everything else gets it injected
-    mesh, ep_mesh = dims.build_meshes(dev.type)
-    ctx = ParallelContext(cfg=cfg, dims=dims, rank=rank, device=dev, mesh=mesh, ep_mesh=ep_mesh,
-                          world_group=world_group)
-    ctx.check_same_config(config_to_check if config_to_check is not None else cfg)
-    return ctx

@@ -1,20 +1,29 @@
-"""Parallel degrees and the named-axis device meshes built from them (torchtitan style).
+"""Parallel degrees and the named-axis device meshes built from them (torchtitan's `ParallelDims`).
 
-`ParallelDims` holds pp (pipeline stages), tp (attention heads split), ep (experts split) and the
-derived dp (attention replicas per stage) and checks them against the world size in
-`__post_init__`. Two meshes over the same ranks:
+`ParallelDims` holds pp (pipeline stages), tp (attention heads split) and ep (experts split) and
+derives the rest; `__post_init__` checks them against the world size torchrun started. One
+pipeline stage has S = lcm(tp, ep) ranks, laid out row-major (rank = stage * S + index in stage):
 
-    mesh     (pp, dp, tp)                  attention: heads split over "tp"
-    ep_mesh  (pp, ep_replicas, ep)         experts: split over "ep", which spans the tp and dp
-                                           ranks of one stage (as in vLLM and SGLang)
+    mesh        (pp, dp, tp)       attention, dense MLPs, shared experts, embedding and LM head:
+                                   heads / intermediate / vocab split over "tp"; dp = S / tp
+                                   replicas run the same requests (tp < ep)
+    moe_mesh    (pp, moe_tp, ep)   routed experts: split over "ep" (which spans the tp and dp ranks
+                                   of the stage, as vLLM and SGLang do); each expert's intermediate
+                                   dimension F split over moe_tp = S / ep ranks (ep = 1, tp > 1:
+                                   tensor-parallel MoE)
+    stage_mesh  (pp, stage)        "pp": the same in-stage index of every stage (hidden states go
+                                   from stage s to s + 1 along it); "stage": every rank of a stage
 
-Ranks are laid out row-major, so the "ep" axis of `ep_mesh` holds consecutive ranks of one stage.
-Process groups come from the meshes (`mesh.get_group(axis)`) and are handed to whatever needs one;
-nothing looks up a global group.
+The world must be exactly pp * S ranks: more would run duplicate engines, fewer cannot hold the
+layout. Attention data parallelism (replicas with their own requests) is not built: dp > 1 only
+appears when ep > tp, and those replicas share the requests (the EP dispatcher then routes 1/ep of
+the tokens on each rank).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -30,34 +39,65 @@ class ParallelDims:
         for name in ("world_size", "pp", "tp", "ep"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.world_size % (self.pp * self.tp):
-            raise ValueError(f"world size {self.world_size} is not divisible by pp*tp = {self.pp}*{self.tp}")
-        if self.stage_size % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide the ranks of one pipeline stage "
-                             f"(world {self.world_size} / pp {self.pp} = {self.stage_size})")
+        if self.world_size != self.pp * self.stage_size:
+            raise ValueError(
+                f"torchrun started {self.world_size} process(es) (WORLD_SIZE) but parallel.pp={self.pp} x "
+                f"lcm(parallel.tp={self.tp}, parallel.ep={self.ep})={self.stage_size} needs {self.pp * self.stage_size}: "
+                f"start {self.pp * self.stage_size} (torchrun --nnodes N --nproc-per-node G with N*G = "
+                f"{self.pp * self.stage_size}) or change the parallel sizes")
 
     @property
     def stage_size(self) -> int:
-        return self.world_size // self.pp
+        """Ranks of one pipeline stage: lcm(tp, ep)."""
+        return self.tp * self.ep // math.gcd(self.tp, self.ep)
 
     @property
     def dp(self) -> int:
-        """Attention replicas per stage."""
+        """Attention replicas per stage (running the same requests)."""
         return self.stage_size // self.tp
 
     @property
-    def ep_replicas(self) -> int:
-        """Copies of the full expert set per stage."""
+    def moe_tp(self) -> int:
+        """Ranks each routed expert's intermediate dimension is split over."""
         return self.stage_size // self.ep
 
     @property
-    def is_ep(self) -> bool:
-        return self.ep > 1
+    def is_single(self) -> bool:
+        return self.world_size == 1
 
-    def build_meshes(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """(mesh, ep_mesh); collective over the whole world (every rank must call it)."""
+    def coords(self, rank: int) -> Tuple[int, int]:
+        """(stage, index within the stage) of a global rank."""
+        return divmod(rank, self.stage_size)
+
+    def rank_of(self, stage: int, index: int) -> int:
+        return stage * self.stage_size + index
+
+    def build_meshes(self, device_type: str) -> Tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+        """(mesh, moe_mesh, stage_mesh); collective over the whole world (every rank must call it)."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
-        ep_mesh = init_device_mesh(
-            device_type, (self.pp, self.ep_replicas, self.ep), mesh_dim_names=("pp", "ep_replicas", "ep")
-        )
-        return mesh, ep_mesh
+        moe_mesh = init_device_mesh(device_type, (self.pp, self.moe_tp, self.ep),
+                                    mesh_dim_names=("pp", "moe_tp", "ep"))
+        stage_mesh = init_device_mesh(device_type, (self.pp, self.stage_size), mesh_dim_names=("pp", "stage"))
+        return mesh, moe_mesh, stage_mesh
+
+
+def stage_layers(num_layers: int, pp: int, partition: Optional[Sequence[int]] = None) -> List[Tuple[int, int]]:
+    """[start, end) of the decoder layers of each stage.
+
+    partition: layers per stage (must sum to num_layers, each >= 1). Default: as even as possible, the
+    extra layers on the stages before the last (the last also computes the LM head and samples).
+    """
+    if partition is not None:
+        sizes = [int(n) for n in partition]
+        if len(sizes) != pp or any(n < 1 for n in sizes) or sum(sizes) != num_layers:
+            raise ValueError(f"parallel.pp_layer_partition={list(partition)} must list pp={pp} positive layer "
+                             f"counts summing to the model's {num_layers} layers")
+    else:
+        if num_layers < pp:
+            raise ValueError(f"parallel.pp={pp} stages for a model of {num_layers} layers: every stage needs a layer")
+        base, extra = divmod(num_layers, pp)
+        sizes = [base] * pp
+        for i in range(extra):
+            sizes[(pp - 2 - i) % pp] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [(s, s + n) for s, n in zip(starts, sizes)]

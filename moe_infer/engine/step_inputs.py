@@ -1,0 +1,181 @@
+"""A step's plan as the model's input tensors, and as the `StepMessage` the driver sends the other ranks.
+
+`flat_inputs(plan)` builds every integer input of the step in one host buffer (token ids, positions,
+KV slots, query starts, sequence lengths, sample rows, block tables); `decode_inputs` slices it, once
+on the device, into the model's inputs. On one rank that is the whole story. Under a mesh the driver
+also encodes what the sampling rank needs on the host (`StepEncoder`): finished ids, per sampling
+sequence its id and lengths (and token history with penalties), and, the first time a sequence
+samples, its SamplingParams (pickled: rare); `StepDecoder` rebuilds the SampleRequests from that.
+
+Legend: T tokens of the step, B sequences, S sequences that sample, M max blocks per sequence.
+"""
+from __future__ import annotations
+
+import pickle
+from array import array
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+from moe_infer.engine.sampler import SampleRequest
+from moe_infer.engine.sampling_params import SamplingParams
+from moe_infer.engine.sequence import SchedulerOutput
+from moe_infer.layers.forward_context import AttentionMetadata
+from moe_infer.parallel.step_message import (
+    FLAG_RESET_STATS, H_FLAGS, H_KIND, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, H_NUM_FLAT, H_NUM_HOST,
+    H_NUM_SAMPLE, H_NUM_SEQS, H_NUM_SIDE, H_NUM_TOKENS, HEADER_LEN, KIND_STEP, StepMessage,
+)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids_T: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows_S: torch.Tensor
+
+
+# (T, B, S, M, max_query_len, max_seq_len)
+Sizes = Tuple[int, int, int, int, int, int]
+
+
+def flat_inputs(plan: SchedulerOutput, block_size: int) -> Tuple[array, Sizes]:
+    """The step's integer inputs in one int64 host buffer, built as Python lists (no per-int boxing into
+    tensors); host time per step in benchmarks/results/engine_steps_*.json."""
+    seqs, bs = plan.seqs, block_size
+    max_blocks = max(len(s.block_table) for s in seqs)
+    ids: List[int] = []
+    positions: List[int] = []
+    slots: List[int] = []
+    tables: List[int] = []
+    query_start, seq_lens, sample_rows = [0], [], []
+    max_query_len = 0
+    for s in seqs:
+        start, table, n = s.start_pos, s.block_table, len(s.token_ids)
+        ids += s.token_ids
+        positions += range(start, start + n)
+        pos, end = start, start + n
+        while pos < end:  # the KV slots, one block at a time
+            i = pos // bs
+            stop, base = min(end, (i + 1) * bs), (table[i] - i) * bs
+            slots += range(base + pos, base + stop)
+            pos = stop
+        tables += table
+        tables += [-1] * (max_blocks - len(table))
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(start + n)
+        max_query_len = max(max_query_len, n)
+        if s.do_sample:
+            sample_rows.append(query_start[-1] - 1)
+    host = array("q", ids + positions + slots + query_start + seq_lens + sample_rows + tables)
+    return host, (len(ids), len(seqs), len(sample_rows), max_blocks, max_query_len, max(seq_lens))
+
+
+def decode_inputs(flat: torch.Tensor, sizes: Sizes, block_size: int) -> StepInputs:
+    """The model inputs from the step's flat int64 buffer (already on the compute device)."""
+    T, B, S, M, max_query_len, max_seq_len = sizes
+    input_ids_T, positions_T, slot_mapping_T, query_start_loc_B1, seq_lens_B, sample_rows_S, block_tables_BM = (
+        flat.split([T, T, T, B + 1, B, S, B * M]))
+    meta = AttentionMetadata(
+        positions_T=positions_T, slot_mapping_T=slot_mapping_T,
+        block_tables_BM=block_tables_BM.view(B, M).to(torch.int32),
+        query_start_loc_B1=query_start_loc_B1.to(torch.int32), seq_lens_B=seq_lens_B.to(torch.int32),
+        max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=block_size,
+    )
+    return StepInputs(input_ids_T, meta, sample_rows_S)
+
+
+def message_sizes(msg: StepMessage) -> Sizes:
+    h = msg.header.tolist()
+    return (h[H_NUM_TOKENS], h[H_NUM_SEQS], h[H_NUM_SAMPLE], h[H_MAX_BLOCKS], h[H_MAX_QUERY_LEN], h[H_MAX_SEQ_LEN])
+
+
+def plan_requests(plan: SchedulerOutput) -> List[SampleRequest]:
+    """The SampleRequests of a plan's sampling sequences (on the driver, which holds the plan)."""
+    return [SampleRequest(s.seq_id, s.params, s.num_prompt_tokens, s.start_pos + len(s.token_ids) - s.num_prompt_tokens,
+                          s.history) for s in plan.seqs if s.do_sample]
+
+
+def per_plan_entry(plan: SchedulerOutput, tokens_S: List[int], logprobs_S: List[Optional[tuple]]
+                   ) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
+    """The sampled tokens of a plan's sampling sequences spread over all its entries (None: no sample)."""
+    tokens: List[Optional[int]] = [None] * len(plan.seqs)
+    logprobs: List[Optional[tuple]] = [None] * len(plan.seqs)
+    it = iter(zip(tokens_S, logprobs_S))
+    for i, s in enumerate(plan.seqs):
+        if s.do_sample:
+            tokens[i], logprobs[i] = next(it)
+    return tokens, logprobs
+
+
+class StepEncoder:
+    """Driver side: SchedulerOutput -> StepMessage. Remembers which sequences' params the ranks hold and
+    the finished ids not sent yet (steps with an empty plan send nothing)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.known: Set[int] = set()
+        self.finished: List[int] = []
+        self.reset_stats = False
+
+    def note_finished(self, seq_ids: List[int]) -> None:
+        self.finished += seq_ids
+
+    def encode(self, plan: SchedulerOutput) -> StepMessage:
+        self.note_finished(plan.finished_seq_ids)
+        flat, sizes = flat_inputs(plan, self.block_size)
+        host = [len(self.finished)] + self.finished
+        self.known.difference_update(self.finished)
+        self.finished = []
+        new_params: Dict[int, SamplingParams] = {}
+        histories: List[int] = []
+        for s in plan.seqs:
+            if not s.do_sample:
+                continue
+            hist = s.history or []
+            host += (s.seq_id, s.num_prompt_tokens, s.start_pos + len(s.token_ids) - s.num_prompt_tokens, len(hist))
+            histories += hist
+            if s.seq_id not in self.known:
+                new_params[s.seq_id] = s.params
+                self.known.add(s.seq_id)
+        host += histories
+        side = pickle.dumps(new_params) if new_params else b""
+        header = [0] * HEADER_LEN
+        header[H_KIND] = KIND_STEP
+        for index, value in zip((H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN),
+                                sizes):
+            header[index] = value
+        header[H_NUM_HOST], header[H_NUM_SIDE], header[H_NUM_FLAT] = len(host), len(side), len(flat)
+        header[H_FLAGS] = FLAG_RESET_STATS if self.reset_stats else 0
+        self.reset_stats = False
+        return StepMessage(
+            torch.tensor(header, dtype=torch.int64), torch.tensor(host, dtype=torch.int64),
+            torch.frombuffer(bytearray(side), dtype=torch.uint8) if side else torch.empty(0, dtype=torch.uint8),
+            torch.frombuffer(flat, dtype=torch.int64),
+        )
+
+
+class StepDecoder:
+    """Receiving side: the finished ids and SampleRequests of a StepMessage (keeps the params it was sent)."""
+
+    def __init__(self) -> None:
+        self.params: Dict[int, SamplingParams] = {}
+
+    def decode(self, msg: StepMessage) -> Tuple[List[int], Optional[List[SampleRequest]]]:
+        host = msg.host.tolist()
+        num_finished = host[0]
+        finished = host[1:1 + num_finished]
+        for seq_id in finished:
+            self.params.pop(seq_id, None)
+        if msg.side.numel():
+            self.params.update(pickle.loads(msg.side.numpy().tobytes()))
+        S = msg.field(H_NUM_SAMPLE)
+        rows = host[1 + num_finished:1 + num_finished + 4 * S]
+        hist_at = 1 + num_finished + 4 * S
+        reqs = []
+        for i in range(S):
+            seq_id, num_prompt, num_output, num_hist = rows[4 * i:4 * i + 4]
+            history = host[hist_at:hist_at + num_hist] if num_hist else None
+            hist_at += num_hist
+            reqs.append(SampleRequest(seq_id, self.params[seq_id], num_prompt, num_output, history))
+        return finished, reqs
