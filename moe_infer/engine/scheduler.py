@@ -77,6 +77,7 @@ class Scheduler:
         out = SchedulerOutput()
         preempted = blocked = False
         max_seqs = math.ceil((len(self.running) + len(self.waiting)) / self.num_batches)  # this batch's share
+        can_wait = any(seq.in_flight for seq in self.running)  # a batch in flight will bring blocks back
         i = 0
         while i < len(self.running) and budget > 0 and len(out.seqs) < max_seqs:
             seq = self.running[i]
@@ -85,8 +86,8 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_append(seq, seq.num_computed_tokens + num_new):
-                victim = self._victim()
-                if victim is None:  # every other sequence is in flight: wait for their blocks
+                victim = self._victim(seq, can_wait)
+                if victim is None:  # wait for the batches in flight rather than preempt
                     blocked = True
                     break
                 self._preempt(victim)
@@ -161,9 +162,11 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
         )
 
-    def _victim(self) -> Optional[Sequence]:
-        """The newest running sequence whose batch is not in flight (None: all are)."""
-        return next((seq for seq in reversed(self.running) if not seq.in_flight), None)
+    def _victim(self, seq: Sequence, can_wait: bool) -> Optional[Sequence]:
+        """The newest running sequence not in flight; None to wait instead: when that is seq itself (or
+        there is none) while batches in flight will bring blocks back."""
+        victim = next((s for s in reversed(self.running) if not s.in_flight), None)
+        return None if can_wait and victim in (seq, None) else victim
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

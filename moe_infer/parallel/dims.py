@@ -85,7 +85,8 @@ def stage_layers(num_layers: int, pp: int, partition: Optional[Sequence[int]] = 
     """[start, end) of the decoder layers of each stage.
 
     partition: layers per stage (must sum to num_layers, each >= 1). Default: as even as possible, the
-    extra layers on the stages before the last (the last also computes the LM head and samples).
+    extra layers on the stages before the last, from the second-to-last back (the first stage also
+    embeds, the last computes the LM head and samples).
     """
     if partition is not None:
         sizes = [int(n) for n in partition]
