@@ -76,3 +76,44 @@ def test_mesh_greedy_equals_single_rank(world, checkpoints, tmp_path):
             assert r["preemptions"] == preemptions, name
         # the driver reports every layer's expert load, the other stages' included
         assert all(sum(row["routed"]) > 0 for row in r["load"]), name
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(spec_paths, out_path, timeout=300):
+    """Two torchrun launches (--nnodes 2, one process each) meeting through c10d rendezvous on localhost."""
+    import subprocess
+
+    from tests.dist.launch import ROOT
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"mesh{port}",
+         os.path.join(ROOT, "tests", "dist", "mesh_worker.py"), str(spec), str(out_path)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for spec in spec_paths]
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], "\n".join(logs)
+
+
+def test_two_nodes_through_c10d_rendezvous(checkpoints, tmp_path):
+    """Two "machines" (one torchrun each, --nnodes 2) run two pipeline stages; a node started with another
+    config fails at start on both, naming the field."""
+    case = dict(family="qwen3_moe", checkpoint=checkpoints["qwen3_moe"], tp=1, pp=2, ep=1)
+    spec, out = tmp_path / "spec.json", tmp_path / "tokens.json"
+    spec.write_text(json.dumps({"cases": [case]}))
+    rcs, log = two_nodes([spec, spec], out)
+    assert rcs == [0, 0] and "MESH DONE 1" in log, log[-4000:]
+    assert json.loads(out.read_text())["results"][0]["tokens"] == single_rank(case["checkpoint"])[0]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"cases": [dict(case, max_num_seqs=7)]}))
+    rcs, log = two_nodes([spec, other], tmp_path / "none.json")
+    assert rcs[0] != 0 and rcs[1] != 0, log[-4000:]
+    assert "ranks were started with different configs: scheduler.max_num_seqs" in log, log[-4000:]

@@ -8,7 +8,8 @@
 
 Header, host and side parts go over the CPU (gloo) control groups, which wait as long as a rank
 idles between requests; flat and hidden over the device groups (NCCL on GPU), which time out after
-`parallel.timeout_s`. Sends are asynchronous (`isend`): the sender goes on with its next batch, and
+`parallel.timeout_s`. The host ints ride in the header's message when they fit (HOST_INLINE: 256
+decoding sequences), so a step is usually two messages: header + host, then flat. Sends are asynchronous (`isend`): the sender goes on with its next batch, and
 keeps the buffers until `retire` sees them through. A failed transfer raises the mesh's `MeshError`
 naming the peer.
 
@@ -24,8 +25,25 @@ import torch.distributed as dist
 
 from moe_infer.parallel.step_message import H_NUM_FLAT, H_NUM_HOST, H_NUM_SIDE, HEADER_LEN, StepMessage
 
-_EMPTY_HOST = torch.empty(0, dtype=torch.int64)
 _EMPTY_SIDE = torch.empty(0, dtype=torch.uint8)
+HOST_INLINE = 1040  # host ints sent inside the header's fixed-size message (8.4 KB)
+
+
+def _head(msg: StepMessage) -> torch.Tensor:
+    """The fixed-size first message: the header, then the host ints when they fit."""
+    head = torch.zeros(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
+    head[:HEADER_LEN] = msg.header
+    if msg.host.numel() <= HOST_INLINE:
+        head[HEADER_LEN:HEADER_LEN + msg.host.numel()] = msg.host
+    return head
+
+
+def _split(head: torch.Tensor):
+    """(header, host or None when it comes in its own message, header as a list)."""
+    header = head[:HEADER_LEN]
+    h = header.tolist()
+    n = h[H_NUM_HOST]
+    return header, (head[HEADER_LEN:HEADER_LEN + n] if n <= HOST_INLINE else None), h
 
 
 class StepChannel:
@@ -47,13 +65,13 @@ class StepChannel:
         ctx = self.ctx
         ctrl, data = ctx.stage_control_group, ctx.stage_group
         try:
-            header = msg.header if msg is not None else torch.empty(HEADER_LEN, dtype=torch.int64)
-            dist.broadcast(header, src=0, group=ctrl)
-            h = header.tolist()
-            host = msg.host if msg is not None else torch.empty(h[H_NUM_HOST], dtype=torch.int64)
-            side = msg.side if msg is not None else torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
-            if h[H_NUM_HOST]:
+            head = _head(msg) if msg is not None else torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
+            dist.broadcast(head, src=0, group=ctrl)
+            header, host, h = _split(head)
+            if host is None:
+                host = msg.host if msg is not None else torch.empty(h[H_NUM_HOST], dtype=torch.int64)
                 dist.broadcast(host, src=0, group=ctrl)
+            side = msg.side if msg is not None else torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
             if h[H_NUM_SIDE]:
                 dist.broadcast(side, src=0, group=ctrl)
             flat = msg.flat if msg is not None else torch.empty(h[H_NUM_FLAT], dtype=torch.int64, device=self.device)
@@ -67,8 +85,8 @@ class StepChannel:
     # ---- stage s -> stage s + 1 ----------------------------------------------------------------
     def send(self, msg: StepMessage, dst: int) -> None:
         h = msg.header.tolist()
-        parts = [(msg.header, self.ctx.control_group)]
-        parts += [(msg.host, self.ctx.control_group)] if h[H_NUM_HOST] else []
+        parts = [(_head(msg), self.ctx.control_group)]
+        parts += [(msg.host, self.ctx.control_group)] if h[H_NUM_HOST] > HOST_INLINE else []
         parts += [(msg.side, self.ctx.control_group)] if h[H_NUM_SIDE] else []
         parts += [(msg.flat, self.ctx.world_group)] if h[H_NUM_FLAT] else []
         self._isend(parts, dst, "the step plan")
@@ -76,11 +94,11 @@ class StepChannel:
     def recv(self, src: int) -> StepMessage:
         ctrl, data = self.ctx.control_group, self.ctx.world_group
         try:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
-            dist.recv(header, src, group=ctrl)
-            h = header.tolist()
-            host, side = _EMPTY_HOST, _EMPTY_SIDE
-            if h[H_NUM_HOST]:
+            head = torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
+            dist.recv(head, src, group=ctrl)
+            header, host, h = _split(head)
+            side = _EMPTY_SIDE
+            if host is None:
                 host = torch.empty(h[H_NUM_HOST], dtype=torch.int64)
                 dist.recv(host, src, group=ctrl)
             if h[H_NUM_SIDE]:
