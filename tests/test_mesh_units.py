@@ -63,6 +63,7 @@ def test_head_split_replicates_kv_heads_below_tp():
     s = head_split(8, 2, _group(3, 4))  # 2 KV heads, 4 ranks: ranks 2, 3 share KV head 1
     assert (s.num_heads, s.num_kv_heads, s.q_start, s.kv_start, s.kv_replicas) == (2, 1, 6, 1, 2)
     assert 6 // (8 // 2) == s.kv_start  # query head 6 reads KV head 6 // G
+    assert head_split(8, 2, _group(1, 4)).kv_start == 0  # query heads 2, 3 read KV head 0
     with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible"):
         head_split(6, 2, _group(0, 4))
     with pytest.raises(ValueError, match="num_key_value_heads=3 < tp=4 must divide tp"):
