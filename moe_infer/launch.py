@@ -3,8 +3,8 @@
 server instead (moe_infer/server/launch.py).
 
 Composes conf/config.yaml with Hydra, builds the engine, generates from the prompts and prints the
-text, output tokens/s and the per-layer expert load. Under torchrun with parallel.ep > 1 every rank
-runs the engine over its share of the experts and rank 0 prints.
+text, output tokens/s and the per-layer expert load. Under torchrun (parallel.tp, pp or ep > 1) every rank
+runs its share of the model (docs/scaling.md) and rank 0 prints.
 """
 from __future__ import annotations
 
