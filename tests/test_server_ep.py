@@ -1,5 +1,5 @@
 """`moe-infer serve` under torchrun (EP=2, gloo): rank 0 serves HTTP, rank 1 runs its steps; an idle server
-outlives the collective timeout (keep-alive plans); SIGTERM to rank 0 drains and every rank exits 0."""
+outlives the collective timeout (ranks idle on the control group); SIGTERM to rank 0 drains and every rank exits 0."""
 from __future__ import annotations
 
 import os
@@ -74,7 +74,7 @@ def test_torchrun_serves_on_the_driver_and_exits_cleanly():
         ref = LLM(device="cpu", dtype="float32", num_kv_blocks=64).generate(
             PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
         assert r.choices[0].text == ref.outputs[0].text
-        time.sleep(12)  # idle past parallel.timeout_s: only the keep-alive plans keep rank 1's wait alive
+        time.sleep(12)  # idle past parallel.timeout_s: rank 1 waits for the next step without a timeout
         chunks = list(client.chat.completions.create(model="tiny_moe", messages=[{"role": "user", "content": "x"}],
                                                      n=2, max_tokens=6, stream=True, seed=1))
         assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 2

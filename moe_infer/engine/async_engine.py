@@ -18,9 +18,9 @@ whose engine step raises gets its error as an output (finish_reason "error"); an
 fails the requests in flight with `RequestFailed` and the loop goes on. Past `max_requests` unfinished
 requests, `generate` raises `EngineOverloaded` at once (the server answers 429).
 
-Under torchrun (parallel.ep > 1) this runs on the driver rank; the other ranks run `serve_steps`.
-While idle the loop sends an empty plan every `keepalive_s` so their wait never reaches the
-collective timeout, and `shutdown` releases them (`end_steps`).
+Under torchrun (a mesh: parallel.tp, pp or ep > 1) this runs on the driver rank; the other ranks run
+the driver's steps (`moe_infer.parallel.pipeline.serve`), waiting between requests on a control group
+that has no step timeout, and `shutdown` releases them (the executor's `finish`).
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ from typing import AsyncIterator, Callable, Dict, List, Optional
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
-from moe_infer.engine.sequence import SchedulerOutput
-from moe_infer.parallel.engine_hooks import end_steps, keep_alive
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +77,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_requests: int = 1024, keepalive_s: Optional[float] = None,
+    def __init__(self, engine: LLMEngine, max_requests: int = 1024,
                  on_finished: Optional[List[Callable[[RequestOutput], None]]] = None) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.engine, self.max_requests = engine, max_requests
-        self.keepalive_s = keepalive_s if keepalive_s is not None else engine.cfg.parallel.timeout_s / 4
         self.on_finished = list(on_finished or [])
         self._streams: Dict[str, _Stream] = {}
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -178,7 +175,7 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(_resolve, fut, None, error)
 
     def _serve(self) -> None:
-        engine, idle_since = self.engine, time.monotonic()
+        engine = self.engine
         while True:
             cmds, stop = self._take_commands(wait=not engine.has_unfinished_requests())
             for fn, fut in cmds:
@@ -187,17 +184,13 @@ class AsyncEngine:
                 break
             if engine.has_unfinished_requests():
                 self._step()
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= self.keepalive_s:
-                keep_alive(engine.parallel, SchedulerOutput())
-                idle_since = time.monotonic()
-        end_steps(engine.parallel, [])
+        engine.executor.finish([])
 
     def _take_commands(self, wait: bool):
-        """(the queued commands, whether the stop marker came); waits up to keepalive_s for one if asked."""
+        """(the queued commands, whether the stop marker came); waits for one if asked."""
         cmds = []
         try:
-            item = self._commands.get(timeout=self.keepalive_s) if wait else self._commands.get_nowait()
+            item = self._commands.get() if wait else self._commands.get_nowait()
             while item is not None:
                 cmds.append(item)
                 item = self._commands.get_nowait()

@@ -10,13 +10,16 @@ Exit: gloo's worker threads may still hold the last collective's tensors when th
 shuts down; dropping them then needs the GIL, which a finalizing interpreter no longer gives, and
 the process aborts ("terminate called without an active exception", seen in 2 of 15 torchrun runs
 of the Python API). So `init` registers an atexit hook that destroys the process groups while the
-interpreter is still whole (skipped after a MeshError: a collective teardown could then hang).
+interpreter is still whole, drops this module's references to them, and releases the GIL for a
+moment so that a worker still dropping a tensor can finish (skipped after a MeshError: a collective
+teardown could then hang).
 """
 from __future__ import annotations
 
 import atexit
 import math
 import os
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -41,6 +44,8 @@ def needed_processes(cfg: ParallelConfig) -> int:
 def _teardown() -> None:
     if dist.is_initialized() and not any(ctx.failed for ctx in _contexts):
         dist.destroy_process_group()
+        _contexts.clear()
+        time.sleep(0.1)  # the GIL, released: gloo's workers drop their last work objects now, not in finalization
 
 
 def _device(device: str, local_rank: int) -> torch.device:

@@ -6,7 +6,7 @@
 Composes the same conf/config.yaml as the main job (every group, plus `serve`); `--name value` and
 `--name=value` are shorthands for `serve.name=value` (vLLM's `--api-key`, `--port`, ...). Every rank
 builds the engine; the driver rank serves HTTP (uvicorn) and the other ranks run the driver's steps
-(`serve_steps`) until it shuts down. `serve(engine_cfg, serve_cfg)` is the same without Hydra.
+(`moe_infer.parallel.pipeline.serve`) until it shuts down. `serve(engine_cfg, serve_cfg)` is the same without Hydra.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
 
     from moe_infer.engine.async_engine import AsyncEngine
     from moe_infer.engine.llm_engine import LLMEngine
-    from moe_infer.parallel.engine_hooks import serve_steps
+    from moe_infer.parallel.pipeline import serve as run_driver_steps
     from moe_infer.server.app import build_app
 
     path = engine_cfg.model.path
@@ -38,7 +38,7 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
     engine = LLMEngine(engine_cfg, str(path))
     try:
         if not engine.parallel.is_driver:  # torchrun: the driver's steps until it shuts down
-            serve_steps(engine.parallel, engine.runner)
+            run_driver_steps(engine.parallel, engine.runner)
             return
         async_engine = AsyncEngine(engine, max_requests=engine_cfg.scheduler.max_num_seqs
                                    + serve_cfg.max_queued_requests)
