@@ -185,14 +185,19 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('ours_eager_tok_s', float('nan')):>12.1f} "
               f"{(format(r['ours_attention_tok_s'], '.1f') if args.attention else ''):>14} "
               f"{r['hf_tok_s']:>10.1f} {r['speedup']:>7.2f}x {r['same_tokens']:>8.0%}")
-    out = args.out
+    write_result(result, f"e2e_generate_{label}{'_tiny' if args.tiny else ''}.json", args.out)
+
+
+def write_result(result: dict, name: str, out: str = None) -> str:
+    """The JSON to `out`, else $OUT/name, else benchmarks/results/name; returns the path."""
     if out is None:
         folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        out = os.path.join(folder, f"e2e_generate_{label}{'_tiny' if args.tiny else ''}.json")
+        out = os.path.join(folder, name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
+    return out
 
 
 if __name__ == "__main__":

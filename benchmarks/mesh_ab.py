@@ -95,7 +95,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, HEAD_TREE)
-    from benchmarks.e2e_generate import REAL, TINY, build_checkpoint, device_label
+    from benchmarks.e2e_generate import REAL, TINY, build_checkpoint, device_label, write_result
 
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (the question is the single-GPU speed); --tiny runs on CPU")
@@ -142,12 +142,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:>12} {r['base_tok_s']:>9.1f} {r['head_tok_s']:>9.1f} {r['head_over_base']:>9.3f} "
               f"{str(r['same_tokens']):>11}")
-    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
-                                   f"mesh_ab_{device_label(device)}{'_tiny' if args.tiny else ''}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_result(result, f"mesh_ab_{device_label(device)}{'_tiny' if args.tiny else ''}.json", args.out)
 
 
 if __name__ == "__main__":

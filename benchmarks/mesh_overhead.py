@@ -16,7 +16,6 @@ Rank 0 prints a table and writes JSON (device in the name) to --out, else $OUT, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -159,14 +158,9 @@ def main() -> None:
     for name, e in engines.items():
         print(f"{name:>5}: step {e['step_us']:.0f}, in the driver's model calls {e['model_us']:.0f}, "
               f"rest {e['driver_overhead_us']:.0f} ({e['driver_overhead_us'] / e['step_us']:.0%})")
-    out = args.out
-    if out is None:
-        folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        out = os.path.join(folder, "mesh_overhead_cpu_gloo_2ranks.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    from benchmarks.e2e_generate import write_result
+
+    write_result(result, "mesh_overhead_cpu_gloo_2ranks.json", args.out)
 
 
 if __name__ == "__main__":
