@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_infer import LLM
 from moe_infer.config import ParallelConfig
 from moe_infer.engine.block_manager import BlockManager
 from moe_infer.engine.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ def test_start_up_checks_name_the_fix(monkeypatch):
         init(ParallelConfig(tp=2), device="cpu")
     with pytest.raises(RuntimeError, match="run as 8 processes"):
         init(ParallelConfig(tp=2, pp=2, ep=4), device="cpu")
+    with pytest.raises(ValueError, match="offloaded experts work with expert parallelism only"):
+        LLM(offload="cpu", tp=2, device="cpu")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun --nproc-per-node 2 with no parallel sizes
     with pytest.raises(ValueError, match=r"torchrun started 2 process\(es\) \(WORLD_SIZE\)"):

@@ -44,6 +44,9 @@ def checkpoint_fingerprint(path: str) -> str:
 def init_engine_parallel(cfg: EngineConfig, model_path: Optional[str] = None) -> ParallelContext:
     """The mesh when launched under torchrun with tp, pp or ep > 1; checks every rank has the same config
     and checkpoint (compared by content: the folder may sit at another path on another machine)."""
+    if cfg.offload.store != "resident" and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        raise ValueError(f"offload.store={cfg.offload.store!r} with parallel.tp={cfg.parallel.tp}, parallel.pp="
+                         f"{cfg.parallel.pp}: offloaded experts work with expert parallelism only (tp = pp = 1)")
     check = asdict(cfg)
     if model_path is not None and os.path.isdir(model_path):
         check["model"]["path"] = checkpoint_fingerprint(model_path)
