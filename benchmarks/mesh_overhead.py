@@ -148,7 +148,8 @@ def main() -> None:
         return
     shutil.rmtree(tmp, ignore_errors=True)
     result = dict(benchmark="mesh_overhead", device="cpu", backend="gloo", ranks=2, torch=torch.__version__,
-                  threads=torch.get_num_threads(), plans=plans, engines=engines)
+                  threads=torch.get_num_threads(), cpus=os.cpu_count(), load_average=os.getloadavg(), plans=plans,
+                  engines=engines)
     print("plan of one step, driver -> 1 rank (gloo, loopback), median us")
     print(f"{'step':>14} {'tokens':>6} {'tensor B':>9} {'pickle B':>9} {'encode':>7} {'tensors':>8} {'pickle':>8} {'floor':>7}")
     for r in plans:
