@@ -74,8 +74,15 @@ class RoutingConfig:
     min_capacity: int = 4
     drop_by: str = "position"  # position (DeepSpeed) | score
     collect_stats: bool = True
+    trace: bool = False  # record every token's chosen experts and weights (LLM.save_routing_trace)
+    trace_logits: bool = False  # ... and the router logits (E values a token per layer)
+    trace_max_tokens: int = 1_000_000  # recording stops after this many token rows
 
     def __post_init__(self) -> None:
+        if self.trace_max_tokens <= 0:
+            raise ValueError(f"routing.trace_max_tokens must be positive, got {self.trace_max_tokens}")
+        if self.trace_logits and not self.trace:
+            raise ValueError("routing.trace_logits=true needs routing.trace=true")
         if self.capacity_factor <= 0:
             raise ValueError(f"routing.capacity_factor must be positive, got {self.capacity_factor}")
         if self.drop_by not in ("position", "score"):

@@ -50,6 +50,8 @@ def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
         return f"offload.store={backends.store} decides on the host, per layer, which experts to move"
     if backends.dispatcher is not None:
         return "expert parallelism (all-to-all dispatchers run eagerly)"
+    if backends.trace is not None:
+        return "routing.trace=true (the recorder copies each step's routing eagerly)"
     if backends.policy != "dropless":
         return f"routing.policy={backends.policy} (its capacity would count the padding rows)"
     if getattr(EXPERT_BACKENDS.get(backends.experts), "fused_experts", None) is None:

@@ -25,6 +25,7 @@ from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.parallel.engine_hooks import agree_min, expert_dispatcher, init_engine_parallel
 from moe_infer.routing.stats import ExpertLoadStats
+from moe_infer.routing.trace_recorder import RoutingTraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class ModelRunner:
         if cfg.routing.collect_stats:
             self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
             self.backends.stats = self.stats  # the MoE layers share this MoEBackends object
+        self.trace: Optional[RoutingTraceRecorder] = None
+        if cfg.routing.trace and self.parallel.is_driver:  # every EP rank routes the same tokens
+            self.trace = RoutingTraceRecorder(arch.moe_layer_ids, arch.num_experts, arch.top_k, device,
+                                              cfg.routing.trace_logits, cfg.routing.trace_max_tokens)
+            self.backends.trace = self.trace
         self.max_model_len = min(cfg.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:
@@ -170,6 +176,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(input_ids_T.shape[0], meta):
             hidden_TD = self.graphs.run(input_ids_T, meta)  # None: the capture failed, run eagerly
         if hidden_TD is None:
+            if self.trace is not None:
+                self.trace.begin_step(meta.positions_T, input_ids_T.shape[0])
             with forward_context(meta):
                 hidden_TD = self.model(input_ids_T, meta.positions_T)
         sampling = [s for s in plan.seqs if s.do_sample]
