@@ -34,6 +34,10 @@ def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:
 
 
 def run(job: JobConfig) -> list:
+    if job.task != "generate":  # a load-balance lab task (moe_infer/experiments)
+        from moe_infer.experiments import run_task
+
+        return run_task(job)
     from moe_infer import LLM, SamplingParams
 
     is_printer = int(os.environ.get("RANK", "0")) == 0
@@ -63,6 +67,9 @@ def run(job: JobConfig) -> list:
             print(f"offload: hit rate {t['hit_rate']:.2f}, misses copied {t['copied']} / streamed {t['streamed']} / "
                   f"on the CPU {t['cpu']}, {t['gb_h2d']:.2f} GB to the GPU, pre-gate recall per token "
                   f"{t['prefetch_token_recall']:.2f}")
+        if job.trace_out:
+            trace = llm.save_routing_trace(job.trace_out, prompts=prompts)
+            print(f"routing trace: {trace.num_tokens} tokens x {trace.num_layers} MoE layers -> {job.trace_out}")
     llm.shutdown()
     return outputs
 
