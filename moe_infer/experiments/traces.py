@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 
 from moe_infer.experiments import TASKS
 from moe_infer.experiments.common import heldout_windows, out_dir
@@ -51,7 +52,8 @@ def record_trace(job) -> RoutingTrace:
     trace = None
     if llm.engine.parallel.is_driver:
         path = os.path.join(out, lab.record.out)
-        trace = llm.save_routing_trace(path, prompts={"kind": "held-out windows", "data": vars(lab.data)},
+        trace = llm.save_routing_trace(path, prompts={"kind": "held-out windows", "data": vars(lab.data),
+                                                      "python": platform.python_version()},
                                        new_tokens_per_prompt=lab.record.max_tokens,
                                        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens)
         summarize(trace, out, "engine", lab.record.out)
