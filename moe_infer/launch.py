@@ -33,8 +33,9 @@ def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:
     return "\n".join(lines)
 
 
-def run(job: JobConfig) -> list:
-    if job.task != "generate":  # a load-balance lab task (moe_infer/experiments)
+def run(job: JobConfig):
+    """The job: generate (the outputs), or a load-balance lab task (what the task returns)."""
+    if job.task != "generate":  # moe_infer/experiments
         from moe_infer.experiments import run_task
 
         return run_task(job)
@@ -79,6 +80,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
     outputs = run(job)
+    if job.task != "generate":  # a lab task: it raised if it failed
+        return
     failed = [o for o in outputs if o.outputs[0].finish_reason == "error"]
     if failed:  # a batch job whose requests failed must not look like a success
         print(f"{len(failed)} of {len(outputs)} requests failed", file=sys.stderr)

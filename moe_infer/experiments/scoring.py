@@ -19,7 +19,7 @@ import torch
 
 from moe_infer.config import EngineConfig, RoutingConfig
 from moe_infer.engine.backends import resolve_moe_backends
-from moe_infer.engine.forward_context import AttentionMetadata, forward_context
+from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 from moe_infer.models import load_model
 from moe_infer.routing.stats import ExpertLoadStats
 from moe_infer.routing.trace_recorder import RoutingTraceRecorder
