@@ -19,7 +19,7 @@ import numpy as np
 
 from moe_infer.config import RoutingConfig
 from moe_infer.experiments import TASKS
-from moe_infer.experiments.common import heldout_windows, model_path, out_dir
+from moe_infer.experiments.common import heldout_windows, model_path, out_dir, write_run_info
 from moe_infer.lab import plots
 from moe_infer.lab.loads import imbalance
 from moe_infer.lab.quality import QualityMeter, next_token_targets
@@ -69,6 +69,7 @@ def cf_sweep(job) -> Dict:
            "imbalance_routed": [round(float(v), 4) for v in imbalance(routed)],
            "imbalance_processed": [round(float(v), 4) for v in imbalance([s["processed"] for s in stats])],
            **meter.result(), "stats": stats}
+    row["commit"] = write_run_info(out, job)["commit"]
     write_json(os.path.join(out, "result.json"), row)
     if test.trace is not None:
         save_trace(test.routing_trace({"source": "cf_sweep policy run", "policy": dict(vars(r))}),
@@ -100,7 +101,7 @@ def finish_sweep(rows: List[Dict], folder: str) -> Section:
              for t in table]
     section = Section(
         title="Capacity-factor sweep",
-        text=(f"{len(table)} runs on {table[0]['windows']} held-out windows, {table[0]['tokens_per_forward']} tokens "
+        text=(f"Commit {table[0].get('commit')}. {len(table)} runs on {table[0]['windows']} held-out windows, {table[0]['tokens_per_forward']} tokens "
               "per forward (the tokens each capacity-policy call counts over). Quality against dropless on the "
               "same inputs: KL(dropless || policy) in nats per position, top-1 agreement, perplexity. "
               "Imbalance columns: the worst layer's (max - mean) / mean, of the router's choice and of the "

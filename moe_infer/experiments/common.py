@@ -73,3 +73,20 @@ def model_path(job) -> str:
     from moe_infer.assets import default_model_path
 
     return default_model_path()
+
+
+def write_run_info(out: str, job, **extra) -> dict:
+    """`run.json` in the output folder: the code's commit, versions and the job's lab config."""
+    import platform
+    import time
+
+    import torch
+
+    from moe_infer.lab.tables import write_json
+    from moe_infer.routing.trace import source_commit
+
+    info = {"task": job.task, "commit": source_commit(), "python": platform.python_version(),
+            "torch": torch.__version__, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "routing": dataclasses.asdict(job.routing), "lab": dataclasses.asdict(job.lab), **extra}
+    write_json(os.path.join(out, "run.json"), info)
+    return info

@@ -12,7 +12,7 @@ import os
 from typing import Dict, List
 
 from moe_infer.experiments import TASKS
-from moe_infer.experiments.common import out_dir, split_load, trace_input
+from moe_infer.experiments.common import out_dir, split_load, trace_input, write_run_info
 from moe_infer.lab import plots
 from moe_infer.lab.eplb import contiguous_plan, plan_auto
 from moe_infer.lab.loads import imbalance
@@ -76,6 +76,7 @@ def plan_rows(label: str, plan_load, eval_load, cfg, trace_has_tokens: bool, out
 @TASKS.register("eplb")
 def eplb(job) -> List[Dict]:
     lab, out = job.lab, out_dir(job.lab)
+    commit = write_run_info(out, job)["commit"]
     rows = []
     for name in lab.traces:
         label, trace, load_LE = trace_input(name, lab.synthetic)
@@ -87,7 +88,7 @@ def eplb(job) -> List[Dict]:
     c = lab.eplb
     section = Section(
         title="EPLB placements",
-        text=(f"GPU imbalance (max - mean) / mean of each layer's GPU loads (a replicated expert's rows split evenly "
+        text=(f"Commit {commit}. GPU imbalance (max - mean) / mean of each layer's GPU loads (a replicated expert's rows split evenly "
               f"over its replicas), mean and max over layers, on the {1 - c.plan_fraction:.0%} of each trace's tokens "
               f"the plan did not see (`imbalance_planned_on`: on the tokens it was planned on). Memory: replica slots "
               f"over logical experts; `plan_nodes`: the nodes the planner packed onto (1: one global pool). Target: imbalance <= {c.target_imbalance} with <= {c.target_memory:.0%} extra "

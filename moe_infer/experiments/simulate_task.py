@@ -16,7 +16,7 @@ from functools import partial
 from typing import Dict, List
 
 from moe_infer.experiments import TASKS
-from moe_infer.experiments.common import REPO_RESULTS, out_dir, split_load, trace_input
+from moe_infer.experiments.common import REPO_RESULTS, out_dir, split_load, trace_input, write_run_info
 from moe_infer.experiments.eplb_task import replica_counts
 from moe_infer.lab import plots
 from moe_infer.lab.calibration_check import ep_rows, single_gpu_rows
@@ -90,6 +90,7 @@ def gains(rows: List[Dict], num_gpus: int = 64, max_memory: float = 0.10) -> Lis
 def simulate_task(job) -> List[Dict]:
     lab, out = job.lab, out_dir(job.lab)
     cfg = lab.simulate
+    commit = write_run_info(out, job)["commit"]
     results_dir = cfg.results_dir or str(REPO_RESULTS)
     cost = calibrate(results_dir, cfg.shape, cfg.device, cfg.network_gbps, cfg.network_alpha_us, cfg.gpus_per_node)
     write_json(os.path.join(out, "cost_model.json"), cost.to_json())
@@ -109,7 +110,7 @@ def simulate_task(job) -> List[Dict]:
     worst = max((max(r, 1 / r) for r in ratios if r), default=float("nan"))
     section = Section(
         title=f"Cluster simulation ({cost.shape} experts, {cost.device} calibration)",
-        text=(f"MoE-layer time per step (all {trace.num_layers} layers of each trace) with {cfg.tokens_per_gpu} "
+        text=(f"Commit {commit}. MoE-layer time per step (all {trace.num_layers} layers of each trace) with {cfg.tokens_per_gpu} "
               f"tokens per GPU, {cfg.num_steps} steps. Assumptions: " + "; ".join(cost.assumptions) + ". "
               f"Against the benchmarks (calibration.csv) the simulated times are within a factor {worst:.3f} "
               f"of the measured ones. Step-time gain of EPLB at 64 GPUs: " +

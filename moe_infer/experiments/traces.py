@@ -6,7 +6,7 @@ import os
 import platform
 
 from moe_infer.experiments import TASKS
-from moe_infer.experiments.common import heldout_windows, out_dir
+from moe_infer.experiments.common import heldout_windows, out_dir, write_run_info
 from moe_infer.lab import plots
 from moe_infer.lab.loads import expert_load, imbalance
 from moe_infer.lab.report import Section, save_section, write_report
@@ -45,6 +45,7 @@ def record_trace(job) -> RoutingTrace:
     lab, out = job.lab, out_dir(job.lab)
     cfg = job.engine_config()
     cfg.routing = dataclasses.replace(cfg.routing, trace=True, trace_logits=lab.record.logits)
+    write_run_info(out, job)
     llm = LLM.from_config(cfg)
     windows = heldout_windows(job, llm.get_tokenizer())
     params = SamplingParams(max_tokens=lab.record.max_tokens, temperature=0.0, ignore_eos=True)
@@ -65,6 +66,7 @@ def record_trace(job) -> RoutingTrace:
 @TASKS.register("synthetic_trace")
 def synthetic_trace(job) -> RoutingTrace:
     lab, out = job.lab, out_dir(job.lab)
+    write_run_info(out, job)
     trace = generate(lab.synthetic)
     path = os.path.join(out, lab.record.out)
     save_trace(trace, path)
