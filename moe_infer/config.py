@@ -153,6 +153,9 @@ class ParallelConfig:
     overlap_min_mb: float = 128.0
     overlap_micro_batches: int = 2  # micro-batches (expert-slot groups) of an overlapped layer, >= 2
     placement_file: Optional[str] = None
+    num_redundant_experts: int = 0  # without a placement file: replica slots (a multiple of ep) to start from
+    enable_eplb: bool = False  # online re-balancing: re-plan the placement from live load statistics ...
+    eplb_step_interval: int = 1000  # ... every this many steps, and move the expert weights between ranks
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -167,6 +170,11 @@ class ParallelConfig:
             raise ValueError(f"parallel.overlap_min_mb must be >= 0, got {self.overlap_min_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+        if self.num_redundant_experts < 0 or self.num_redundant_experts % self.ep:
+            raise ValueError(f"parallel.num_redundant_experts={self.num_redundant_experts} must be a non-negative "
+                             f"multiple of parallel.ep={self.ep} (every rank holds the same number of slots)")
+        if self.eplb_step_interval <= 0:
+            raise ValueError(f"parallel.eplb_step_interval must be positive, got {self.eplb_step_interval}")
 
 
 @dataclass

@@ -10,7 +10,7 @@ from moe_infer.lab.loads import expert_load, imbalance, load_from_stats, step_lo
 from moe_infer.lab.migration import align, moves
 from moe_infer.lab.plan_eval import evaluate, model_wide_plan, placements, write_placement
 from moe_infer.lab.synthetic import SyntheticSpec, generate
-from moe_infer.parallel.placement import load_placement
+from moe_infer.parallel.placement import load_layer_placements, load_placement
 
 
 def _check_plan(plan: Plan, E: int, N: int, R: int, num_nodes: int = 1):
@@ -109,11 +109,17 @@ def test_placement_file_loads_in_the_ep_dispatcher_format(tmp_path):
     plan, wide = plan_auto(load, 4, 4), model_wide_plan(load, 4, 4)
     assert (wide.phy2log_LP == wide.phy2log_LP[0]).all()
     path = str(tmp_path / "p.json")
-    write_placement(path, plan, wide, {"note": "test"})
+    write_placement(path, plan, wide, {"note": "test"}, layer_ids=[1, 3, 5, 7])
     placement = load_placement(path, 16, 4)
     assert placement.slots_per_rank == 5 and placement.num_redundant == 4
+    layers = load_layer_placements(path, 16, 4)
+    assert sorted(layers) == [1, 3, 5, 7]
+    assert [layers[i].phys_to_logical() for i in (1, 3, 5, 7)] == plan.phy2log_LP.tolist()
     data = json.load(open(path))
-    assert [sorted(sum(layer, [])) for layer in data["layers"]] == [sorted(row.tolist()) for row in plan.phy2log_LP]
+    data["layers"]["3"] = data["layers"]["3"][:-1] + [data["layers"]["3"][-1][:-1]]
+    json.dump(data, open(path, "w"))
+    with pytest.raises(ValueError, match="layer 3"):
+        load_layer_placements(path, 16, 4)
     ev = evaluate(plan, load, expert_bytes=1000)
     assert ev["memory_overhead"] == 0.25 and ev["replica_bytes_per_gpu"] == 4 * 1000 * 1  # one extra slot, 4 layers
     assert ev["imbalance_mean"] == pytest.approx(imbalance(plan.gpu_load(load)).mean())

@@ -68,6 +68,14 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.graphs = self._decode_graphs()
+        self.rebalancer = None
+        if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
+            if self.parallel.dims.ep == 1:
+                raise ValueError("parallel.enable_eplb=true needs expert parallelism (parallel.ep > 1)")
+            from moe_infer.parallel.rebalance import OnlineRebalancer
+
+            self.rebalancer = OnlineRebalancer(self.parallel, self.model.moe_layers(), self.stats,
+                                               cfg.parallel.eplb_step_interval)
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
         """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
@@ -171,6 +179,8 @@ class ModelRunner:
         self.sampler.forget(plan.finished_seq_ids)
         if plan.is_empty:
             return [], []
+        if self.rebalancer is not None:  # between steps: every EP rank runs the same plans in order
+            self.rebalancer.step()
         input_ids_T, meta, sample_rows_S = self.prepare(plan)
         hidden_TD = None
         if self.graphs is not None and self.graphs.can_run(input_ids_T.shape[0], meta):

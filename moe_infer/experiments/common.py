@@ -5,7 +5,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 
@@ -32,21 +32,33 @@ def out_dir(lab: LabConfig) -> str:
     return path
 
 
-def trace_input(name: str, synthetic: SyntheticSpec) -> Tuple[str, Optional[RoutingTrace], Optional[np.ndarray]]:
-    """(label, trace or None, load_LE or None) of a `lab.traces` entry."""
+class TraceInput(NamedTuple):
+    label: str
+    trace: Optional[RoutingTrace]  # None for load statistics
+    load_LE: Optional[np.ndarray]  # statistics only (a trace's load comes from the trace)
+    layer_ids: List[int]  # the model's layer index of each MoE layer
+
+
+def trace_input(name: str, synthetic: SyntheticSpec) -> TraceInput:
+    """A `lab.traces` entry, loaded."""
     if name == "example":
         if not EXAMPLE_TRACE.is_file():
             raise FileNotFoundError(f"the example trace {EXAMPLE_TRACE} is missing (package data not installed?)")
-        return "tiny_moe", load_trace(str(EXAMPLE_TRACE)), None
+        trace = load_trace(str(EXAMPLE_TRACE))
+        return TraceInput("tiny_moe", trace, None, trace.moe_layers)
     if name.startswith("synthetic:"):
         spec = dataclasses.replace(synthetic, pattern=name.split(":", 1)[1])
         spec.__post_init__()
-        return f"synthetic_{spec.pattern}", generate(spec), None
+        trace = generate(spec)
+        return TraceInput(f"synthetic_{spec.pattern}", trace, None, trace.moe_layers)
     if name.startswith("stats:"):
         path = name.split(":", 1)[1]
         with open(path) as f:
-            return Path(path).stem, None, load_from_stats(json.load(f))
-    return Path(name).stem, load_trace(name), None
+            rows = json.load(f)
+        load_LE = load_from_stats(rows)
+        return TraceInput(Path(path).stem, None, load_LE, [int(r.get("layer", i)) for i, r in enumerate(rows)])
+    trace = load_trace(name)
+    return TraceInput(Path(name).stem, trace, None, trace.moe_layers)
 
 
 def split_load(trace: Optional[RoutingTrace], load_LE: Optional[np.ndarray], fraction: float):

@@ -37,7 +37,7 @@ def replica_counts(num_experts: int, num_gpus: int, max_overhead: float, max_cou
     return counts
 
 
-def plan_rows(label: str, plan_load, eval_load, cfg, trace_has_tokens: bool, out: str) -> List[Dict]:
+def plan_rows(label: str, plan_load, eval_load, cfg, trace_has_tokens: bool, out: str, layer_ids: List[int]) -> List[Dict]:
     L, E = eval_load.shape
     rows = []
     for N in cfg.num_gpus:
@@ -68,7 +68,8 @@ def plan_rows(label: str, plan_load, eval_load, cfg, trace_has_tokens: bool, out
                             {"trace": label, "imbalance_mean": best_row["imbalance_mean"],
                              "model_wide_imbalance_mean": rows[-1]["imbalance_mean"],
                              "memory_overhead": best_row["memory_overhead"],
-                             "evaluated_on": "held-out tokens" if trace_has_tokens else "the planning statistics"})
+                             "evaluated_on": "held-out tokens" if trace_has_tokens else "the planning statistics"},
+                            layer_ids)
             best_row["placement_file"] = name
     return rows
 
@@ -79,9 +80,9 @@ def eplb(job) -> List[Dict]:
     commit = write_run_info(out, job)["commit"]
     rows = []
     for name in lab.traces:
-        label, trace, load_LE = trace_input(name, lab.synthetic)
-        plan_load, eval_load = split_load(trace, load_LE, lab.eplb.plan_fraction)
-        rows += plan_rows(label, plan_load, eval_load, lab.eplb, trace is not None, out)
+        src = trace_input(name, lab.synthetic)
+        plan_load, eval_load = split_load(src.trace, src.load_LE, lab.eplb.plan_fraction)
+        rows += plan_rows(src.label, plan_load, eval_load, lab.eplb, src.trace is not None, out, src.layer_ids)
     write_table(rows, out, "eplb")
     plots.imbalance_vs_replicas(rows, os.path.join(out, "imbalance_vs_replicas.png"),
                                 lab.eplb.target_imbalance, lab.eplb.target_memory)

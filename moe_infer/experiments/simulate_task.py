@@ -98,7 +98,7 @@ def simulate_task(job) -> List[Dict]:
     write_table(check, out, "calibration")
     rows = []
     for name in lab.traces:
-        label, trace, _ = trace_input(name, lab.synthetic)
+        label, trace, _, _ = trace_input(name, lab.synthetic)
         if trace is None:
             raise ValueError(f"lab.traces entry {name!r}: the simulator replays traces, not load statistics")
         rows += simulate_trace(label, trace, cost, cfg)

@@ -11,7 +11,7 @@ Legend: L MoE layers, E experts, N GPUs, P physical slots.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -55,14 +55,19 @@ def placements(plan: Plan) -> list:
             for row in plan.phy2log_LP]
 
 
-def write_placement(path: str, per_layer: Plan, model_wide: Plan, info: Optional[Dict[str, Any]] = None) -> None:
+def write_placement(path: str, per_layer: Plan, model_wide: Plan, info: Optional[Dict[str, Any]] = None,
+                    layer_ids: Optional[Sequence[int]] = None) -> None:
     """The placement file: "ranks" from `model_wide` (layer 0; all its layers are equal), "layers" from
-    `per_layer`. Both are validated (every expert placed, no expert twice on a rank)."""
+    `per_layer`, keyed by the model's layer index of each plan row (`layer_ids`, default 0..L-1).
+    Both are validated (every expert placed, no expert twice on a rank)."""
     if (per_layer.num_experts, per_layer.num_gpus) != (model_wide.num_experts, model_wide.num_gpus):
         raise ValueError("the per-layer and model-wide plans must have the same experts and GPUs")
     shared = placements(Plan(model_wide.phy2log_LP[:1], model_wide.num_experts, model_wide.num_gpus))[0]
     data = json.loads(shared.to_json())
-    data["layers"] = [[list(s) for s in p.slots] for p in placements(per_layer)]
+    ids = list(range(per_layer.phy2log_LP.shape[0])) if layer_ids is None else list(layer_ids)
+    if len(ids) != per_layer.phy2log_LP.shape[0]:
+        raise ValueError(f"{len(ids)} layer ids for a plan of {per_layer.phy2log_LP.shape[0]} layers")
+    data["layers"] = {str(i): [list(s) for s in p.slots] for i, p in zip(ids, placements(per_layer))}
     data["info"] = info or {}
     with open(path, "w") as f:
         json.dump(data, f)

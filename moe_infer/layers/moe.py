@@ -73,7 +73,7 @@ class MoELayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
-        self.dispatcher = backends.dispatcher or LocalDispatcher(spec.num_experts)
+        self.dispatcher = (backends.dispatcher or LocalDispatcher(spec.num_experts)).for_layer(layer_idx)
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype)
         if spec.has_score_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))

@@ -54,9 +54,10 @@ X rows of the send buffer (all micro-batches).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,25 @@ class A2ADispatcher(LocalDispatcher):
         self.tokens_replicated, self.overlap_micro_batches = tokens_replicated, overlap_micro_batches
         self.local_expert_ids = placement.local_experts(rank)
         self.slots = SlotTables(placement, rank)
+        self.layer_placements: Dict[int, ExpertPlacement] = {}  # per-layer placements (placement file "layers")
+
+    def for_layer(self, layer_idx: int) -> "A2ADispatcher":
+        """This dispatcher for one MoE layer: a copy with its own placement (the layer's entry of
+        `layer_placements`, else the shared one), which online re-balancing may change alone."""
+        twin = copy.copy(self)
+        twin.layer_placements = {}
+        twin.set_placement(self.layer_placements.get(layer_idx, self.placement))
+        return twin
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by `placement` from the next call on (between steps: the caller moves the weights)."""
+        if (placement.ep, placement.slots_per_rank, placement.num_experts) != (
+                self.ep, self.num_local_experts, self.num_experts):
+            raise ValueError(f"placement with ep={placement.ep}, S={placement.slots_per_rank}, E={placement.num_experts} "
+                             f"does not fit this dispatcher (ep={self.ep}, S={self.num_local_experts}, E={self.num_experts})")
+        self.placement = placement
+        self.local_expert_ids = placement.local_experts(self.rank)
+        self.slots = SlotTables(placement, self.rank)
 
     def _slot_ranges(self, num_micro_batches: int) -> Tuple[Tuple[int, int], ...]:
         """min(M, S) contiguous groups of local slots, near-equal, the larger first."""

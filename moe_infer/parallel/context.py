@@ -23,7 +23,8 @@ from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel import capacity_dispatch, exact  # noqa: F401  (register the backends)
 from moe_infer.parallel.dims import ParallelDims
 from moe_infer.parallel.all_to_all import DISPATCHERS
-from moe_infer.parallel.placement import ExpertPlacement, contiguous_placement, load_placement
+from moe_infer.parallel.placement import (ExpertPlacement, contiguous_placement, load_layer_placements,
+                                          load_placement, replicate_hot_experts)
 
 CAPACITY_POLICIES_FOR_A2A = ("drop", "reroute")
 
@@ -56,8 +57,12 @@ class ParallelContext:
         return self.ep_mesh.get_local_rank("ep") if self.ep_mesh is not None else 0
 
     def placement(self, num_experts: int) -> ExpertPlacement:
+        """The placement file's shared placement, else contiguous (+ `num_redundant_experts` replicas
+        spread over the ranks: a starting point for online re-balancing to move)."""
         if self.cfg.placement_file:
             return load_placement(self.cfg.placement_file, num_experts, self.dims.ep)
+        if self.cfg.num_redundant_experts:
+            return replicate_hot_experts([1.0] * num_experts, self.dims.ep, self.cfg.num_redundant_experts)
         return contiguous_placement(num_experts, self.dims.ep)
 
     def make_dispatcher(self, num_experts: int, top_k: int, routing: RoutingConfig,
@@ -78,11 +83,14 @@ class ParallelContext:
 
             kwargs["capacity_fn"] = partial(expert_capacity, top_k=top_k, num_experts=num_experts,
                                             capacity_factor=routing.capacity_factor, min_capacity=routing.min_capacity)
-        return DISPATCHERS.get(self.cfg.dispatcher)(
+        dispatcher = DISPATCHERS.get(self.cfg.dispatcher)(
             self.placement(num_experts), self.ep_group, self.ep_rank, top_k, overlap=self.cfg.overlap,
             overlap_min_mb=self.cfg.overlap_min_mb, overlap_micro_batches=self.cfg.overlap_micro_batches,
             tokens_replicated=tokens_replicated, **kwargs,
         )
+        if self.cfg.placement_file:  # per-layer placements (each MoE layer takes its own: `for_layer`)
+            dispatcher.layer_placements = load_layer_placements(self.cfg.placement_file, num_experts, self.dims.ep)
+        return dispatcher
 
     def broadcast_object(self, obj: Any) -> Any:
         """obj from rank 0 (the driver) to every rank; identity on a single rank."""
