@@ -145,10 +145,14 @@ class A2ADispatcher(LocalDispatcher):
         self.local_expert_ids = placement.local_experts(rank)
         self.slots = SlotTables(placement, rank)
         self.layer_placements: Dict[int, ExpertPlacement] = {}  # per-layer placements (placement file "layers")
+        self.per_layer = False  # True: every MoE layer gets its own copy (per-layer files, online re-balancing)
 
     def for_layer(self, layer_idx: int) -> "A2ADispatcher":
-        """This dispatcher for one MoE layer: a copy with its own placement (the layer's entry of
-        `layer_placements`, else the shared one), which online re-balancing may change alone."""
+        """This dispatcher for one MoE layer: with `per_layer`, a copy with its own placement (the
+        layer's entry of `layer_placements`, else the shared one) that online re-balancing may change
+        alone; otherwise this one, shared by every layer."""
+        if not self.per_layer:
+            return self
         twin = copy.copy(self)
         twin.layer_placements = {}
         twin.set_placement(self.layer_placements.get(layer_idx, self.placement))

@@ -90,6 +90,7 @@ class ParallelContext:
         )
         if self.cfg.placement_file:  # per-layer placements (each MoE layer takes its own: `for_layer`)
             dispatcher.layer_placements = load_layer_placements(self.cfg.placement_file, num_experts, self.dims.ep)
+        dispatcher.per_layer = bool(dispatcher.layer_placements) or self.cfg.enable_eplb
         return dispatcher
 
     def broadcast_object(self, obj: Any) -> Any:
