@@ -79,15 +79,15 @@ def test_cf_sweep_counts_are_the_policys_own(tmp_path, policy, drop_by):
 @pytest.mark.timeout(600)
 def test_cf_sweep_multirun_writes_one_table(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "moe_infer.launch", "--multirun", "+experiment=cf_sweep", "routing.policy=drop",
-           "routing.drop_by=position", "routing.min_capacity=0", "routing.capacity_factor=0.5,8.0",
+    cmd = [sys.executable, "-m", "moe_infer.launch", "--multirun", "+experiment=cf_sweep", "routing=drop",
+           "routing.min_capacity=0", "routing.capacity_factor=0.5,8.0",
            f"hydra.sweep.dir={sweep}", *SMALL_DATA]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((sweep / "cf_sweep.json").read_text())
     assert [r["capacity_factor"] for r in rows] == [0.5, 8.0]  # 8 = E / K: capacity = T, nothing can drop
     assert rows[0]["dropped_frac"] > rows[1]["dropped_frac"] == 0.0 and rows[1]["kl"] < 1e-9
-    assert (sweep / "cf_curves.png").is_file()
+    assert (sweep / "cf_curves.png").is_file() and (sweep / "dropless_reference.pt").is_file()
     assert (sweep / "cf_sweep.csv").read_text().splitlines()[0].startswith("policy,drop_by,capacity_factor")
     assert "| drop | position |" in (sweep / "report.md").read_text()
 

@@ -2,7 +2,7 @@
 
 The model runs teacher-forced over the held-out windows twice: dropless, and under the job's
 `routing` config (policy, capacity_factor, min_capacity, drop_by), the same windows in the same
-forwards. The job writes its row (`result.json`) into its folder; under `--multirun` the Hydra
+forwards (in a multirun the dropless logits are computed once and shared through the sweep folder). The job writes its row (`result.json`) into its folder; under `--multirun` the Hydra
 callback `SweepTable` gathers the rows of every job into one table (`cf_sweep.csv/json`), figures
 and a report page in the sweep folder. A single run writes the one-row table itself.
 
@@ -12,6 +12,7 @@ policy) of the next-token distributions, top-1 agreement, perplexity of both.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, List
 
@@ -50,13 +51,14 @@ def cf_sweep(job) -> Dict:
     torch.manual_seed(job.seed)
     windows = heldout_windows(job, load_tokenizer(path))
     d = lab.data
-    ref = PrefillScorer(path, RoutingConfig(backend=job.routing.backend), d.windows_per_forward, d.seq_len,
-                        device, dtype)
     test = PrefillScorer(path, job.routing, d.windows_per_forward, d.seq_len, device, dtype,
                          record_trace=lab.sweep.save_trace)
+    key = {"model": path, "data": vars(d), "dtype": str(dtype), "device": device, "backend": job.routing.backend}
+    refs = _dropless_logits(key, windows, lambda: PrefillScorer(
+        path, RoutingConfig(backend=job.routing.backend), d.windows_per_forward, d.seq_len, device, dtype))
     meter = QualityMeter()
-    for chunk, ref_logits in ref.batches(windows):
-        meter.update(ref_logits, test.logits(chunk), next_token_targets(chunk).to(ref_logits.device))
+    for (chunk, test_logits), ref_logits in zip(test.batches(windows), refs):
+        meter.update(ref_logits, test_logits, next_token_targets(chunk).to(ref_logits.device))
     moe = test.model.arch.moe_layer_ids
     stats = [row for row in test.stats.summary() if row["layer"] in moe]
     routed = np.array([r["routed"] for r in stats], dtype=np.float64)
@@ -79,6 +81,28 @@ def cf_sweep(job) -> Dict:
     print(f"{r.policy}/{r.drop_by} cf={r.capacity_factor} min={r.min_capacity}: dropped {row['dropped_frac']:.4f}, "
           f"KL {row['kl']:.5f}, top-1 {row['top1_agreement']:.4f}, ppl {row['ppl']:.3f} (dropless {row['ppl_dropless']:.3f})")
     return row
+
+
+def _dropless_logits(key: Dict, windows, make_scorer) -> List:
+    """The dropless model's logits of every forward. In a multirun the first job saves them in the sweep
+    folder (`dropless_reference.pt`, with `key`: model, data, dtype, device) and the others load them:
+    the reference is the same for every job of a sweep."""
+    import torch
+
+    cache = None
+    if _in_multirun():
+        from hydra.core.hydra_config import HydraConfig
+
+        cache = os.path.join(HydraConfig.get().sweep.dir, "dropless_reference.pt")
+        if os.path.isfile(cache):
+            saved = torch.load(cache, weights_only=True)
+            if saved["key"] == json.dumps(key, sort_keys=True):
+                return saved["logits"]
+    logits = [out for _, out in make_scorer().batches(windows)]
+    if cache is not None:
+        torch.save({"key": json.dumps(key, sort_keys=True), "logits": logits}, cache + ".tmp")
+        os.replace(cache + ".tmp", cache)
+    return logits
 
 
 def _in_multirun() -> bool:
