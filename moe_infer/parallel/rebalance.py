@@ -84,6 +84,8 @@ class OnlineRebalancer:
     def __init__(self, ctx, moe_layers: Sequence, stats, interval: int, min_gain: float = 0.05) -> None:
         if stats is None:
             raise ValueError("parallel.enable_eplb needs the load statistics: routing.collect_stats=true")
+        if any(not getattr(layer.store, "is_resident", True) for layer in moe_layers):
+            raise ValueError("parallel.enable_eplb moves resident expert weights: it needs offload.store=resident")
         self.ctx, self.layers, self.stats, self.interval, self.min_gain = ctx, list(moe_layers), stats, interval, min_gain
         self.layer_ids = [layer.layer_idx for layer in self.layers]
         self.seen_LE = stats.routed_LE[self.layer_ids].clone()
