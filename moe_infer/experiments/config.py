@@ -60,6 +60,8 @@ class EplbConfig:
     target_memory: float = 0.10
     plan_fraction: float = 0.5  # plan on this first share of a trace's tokens, evaluate on the rest
     write_placements: bool = True
+    expert_bytes: Optional[int] = None  # one expert's weights (3 x hidden x intermediate x dtype bytes): the
+    # replicas' memory is also reported in bytes per GPU (all layers) at this size
 
     def __post_init__(self) -> None:
         if not self.num_gpus or min(self.num_gpus) <= 0 or self.gpus_per_node <= 0:

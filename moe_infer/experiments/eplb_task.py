@@ -50,7 +50,7 @@ def plan_rows(label: str, plan_load, eval_load, cfg, trace_has_tokens: bool, out
         tried = []
         for R in replica_counts(E, N, cfg.max_memory_overhead, cfg.max_replica_counts):
             plan = plan_auto(plan_load, N, R, cfg.gpus_per_node, cfg.hierarchical)
-            row = {"trace": label, "num_gpus": N, "planner": "eplb", **evaluate(plan, eval_load)}
+            row = {"trace": label, "num_gpus": N, "planner": "eplb", **evaluate(plan, eval_load, cfg.expert_bytes)}
             row["imbalance_planned_on"] = float(imbalance(plan.gpu_load(plan_load)).mean())
             row["meets_target"] = (row["imbalance_mean"] <= cfg.target_imbalance
                                    and row["memory_overhead"] <= cfg.target_memory + 1e-12)

@@ -4,11 +4,13 @@
     loads       expert load per layer / step from a trace or from the engine's load statistics
     eplb        the EPLB planner: replicate hot experts, pack them onto nodes then GPUs
     plan_eval   a plan's imbalance, memory cost and placement files
+    migration   from one placement to the next with the fewest weight copies
     capacity    replay of the engine's capacity policies on a trace (drop / reroute counts)
     quality     quality cost of a policy against dropless: KL, top-1 agreement, perplexity
     cost_model  step-time model calibrated from benchmarks/results (expert GEMMs, all-to-all)
     simulate    replay a trace over N GPUs: step time, straggler share, throughput per policy
-    sweep_table one table per Hydra multirun sweep (CSV + JSON)
+    calibration_check  the simulator re-running the benchmarks it was calibrated on
+    tables      CSV + JSON tables, and the rows of a Hydra multirun's jobs
     plots       matplotlib figures, saved next to the results; report: the page that shows them
 
 The engine records traces (`moe_infer.routing.trace`) and loads placements; the experiments that

@@ -3,8 +3,8 @@
 `evaluate` scores a plan on a load it was not necessarily planned on (plan on the first part of a
 trace, evaluate on the rest: that is what a deployment sees). `write_placement` writes the JSON
 the EP dispatcher loads (`moe_infer.parallel.placement`): "ranks" is one placement for every
-layer (planned on the layers' summed, per-layer-normalised load, which is what `load_placement`
-reads today); "layers" adds each layer's own plan; "info" says what it was planned on.
+layer (planned on the layers' summed, per-layer-normalised load: what a layer without an entry of
+its own uses); "layers" gives each layer its own plan; "info" says what it was planned on.
 
 Legend: L MoE layers, E experts, N GPUs, P physical slots.
 """
