@@ -106,3 +106,22 @@ def test_engine_trace_is_the_routers_choice_and_matches_the_statistics(tmp_path)
         np.testing.assert_allclose(tr.topk_weights_LTK[layer, rows], (w / w.sum(-1, keepdim=True)).numpy(), atol=2e-3)
         np.testing.assert_allclose(tr.router_logits_LTE[layer, rows], logits.reshape(len(ids), -1).numpy(), atol=1e-4)
     json.dumps(tr.info)  # metadata stays JSON
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_engine_trace_on_cuda_rolls_chunks_over_and_matches_the_statistics():
+    """On CUDA the recorder copies full chunks to pinned host memory asynchronously; small chunks force
+    several roll-overs. Decode steps run eagerly while recording (no CUDA graphs)."""
+    from moe_infer import LLM, SamplingParams
+
+    llm = LLM(routing_trace=True, device="cuda", num_kv_blocks=256)
+    assert llm.engine.runner.graphs is None
+    llm.engine.runner.trace.chunk_tokens = 16
+    prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(8)]
+    llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    tr = llm.get_routing_trace()
+    assert tr.info["device"].startswith("cuda") and tr.num_tokens > 8 * 24
+    assert (np.diff(tr.step_T) >= 0).all() and tr.step_T.max() >= 23
+    for layer, row in enumerate(llm.get_expert_load()):
+        assert np.bincount(tr.topk_ids_LTK[layer].ravel(), minlength=tr.num_experts).tolist() == row["routed"]
