@@ -110,7 +110,7 @@ def simulate_task(job) -> List[Dict]:
     worst = max((max(r, 1 / r) for r in ratios if r), default=float("nan"))
     section = Section(
         title=f"Cluster simulation ({cost.shape} experts, {cost.device} calibration)",
-        text=(f"Commit {commit}. MoE-layer time per step (all {trace.num_layers} layers of each trace) with {cfg.tokens_per_gpu} "
+        text=(f"Commit {commit}. MoE-layer time per step (all the MoE layers of each trace) with {cfg.tokens_per_gpu} "
               f"tokens per GPU, {cfg.num_steps} steps. Assumptions: " + "; ".join(cost.assumptions) + ". "
               f"Against the benchmarks (calibration.csv) the simulated times are within a factor {worst:.3f} "
               f"of the measured ones. Step-time gain of EPLB at 64 GPUs: " +
