@@ -74,8 +74,15 @@ class RoutingConfig:
     min_capacity: int = 4
     drop_by: str = "position"  # position (DeepSpeed) | score
     collect_stats: bool = True
+    trace: bool = False  # record every token's chosen experts and weights (LLM.save_routing_trace)
+    trace_logits: bool = False  # ... and the router logits (E values a token per layer)
+    trace_max_tokens: int = 1_000_000  # recording stops after this many token rows
 
     def __post_init__(self) -> None:
+        if self.trace_max_tokens <= 0:
+            raise ValueError(f"routing.trace_max_tokens must be positive, got {self.trace_max_tokens}")
+        if self.trace_logits and not self.trace:
+            raise ValueError("routing.trace_logits=true needs routing.trace=true")
         if self.capacity_factor <= 0:
             raise ValueError(f"routing.capacity_factor must be positive, got {self.capacity_factor}")
         if self.drop_by not in ("position", "score"):
@@ -149,6 +156,9 @@ class ParallelConfig:
     overlap_min_mb: float = 128.0
     overlap_micro_batches: int = 2  # micro-batches (expert-slot groups) of an overlapped layer, >= 2
     placement_file: Optional[str] = None
+    num_redundant_experts: int = 0  # without a placement file: replica slots (a multiple of ep) to start from
+    enable_eplb: bool = False  # online re-balancing: re-plan the placement from live load statistics ...
+    eplb_step_interval: int = 1000  # ... every this many steps, and move the expert weights between ranks
     # every collective and transfer of a step: a rank that hangs longer is named in the error (gloo; NCCL:
     # torch's watchdog aborts, see docs/scaling.md). Long enough for a cold Triton compile inside a step.
     timeout_s: float = 120.0
@@ -169,6 +179,11 @@ class ParallelConfig:
                                                     or any(n < 1 for n in self.pp_layer_partition)):
             raise ValueError(f"parallel.pp_layer_partition must list pp={self.pp} positive layer counts, "
                              f"got {list(self.pp_layer_partition)}")
+        if self.num_redundant_experts < 0 or self.num_redundant_experts % self.ep:
+            raise ValueError(f"parallel.num_redundant_experts={self.num_redundant_experts} must be a non-negative "
+                             f"multiple of parallel.ep={self.ep} (every rank holds the same number of slots)")
+        if self.eplb_step_interval <= 0:
+            raise ValueError(f"parallel.eplb_step_interval must be positive, got {self.eplb_step_interval}")
 
 
 @dataclass

@@ -33,7 +33,12 @@ def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:
     return "\n".join(lines)
 
 
-def run(job: JobConfig) -> list:
+def run(job: JobConfig):
+    """The job: generate (the outputs), or a load-balance lab task (what the task returns)."""
+    if job.task != "generate":  # moe_infer/experiments
+        from moe_infer.experiments import run_task
+
+        return run_task(job)
     from moe_infer import LLM, SamplingParams
 
     is_printer = int(os.environ.get("RANK", "0")) == 0
@@ -63,6 +68,9 @@ def run(job: JobConfig) -> list:
             print(f"offload: hit rate {t['hit_rate']:.2f}, misses copied {t['copied']} / streamed {t['streamed']} / "
                   f"on the CPU {t['cpu']}, {t['gb_h2d']:.2f} GB to the GPU, pre-gate recall per token "
                   f"{t['prefetch_token_recall']:.2f}")
+        if job.trace_out:
+            trace = llm.save_routing_trace(job.trace_out, prompts=prompts)
+            print(f"routing trace: {trace.num_tokens} tokens x {trace.num_layers} MoE layers -> {job.trace_out}")
     llm.shutdown()
     return outputs
 
@@ -72,6 +80,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
     outputs = run(job)
+    if job.task != "generate":  # a lab task: it raised if it failed
+        return
     failed = [o for o in outputs if o.outputs[0].finish_reason == "error"]
     if failed:  # a batch job whose requests failed must not look like a success
         print(f"{len(failed)} of {len(outputs)} requests failed", file=sys.stderr)

@@ -5,6 +5,7 @@ every composed config is checked against these dataclasses (unknown key or wrong
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -12,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 
 from moe_infer.config import EngineConfig
 from moe_infer.server.config import ServeConfig
+from moe_infer.experiments.config import TASK_NAMES, LabConfig
 
 
 @dataclass
@@ -38,10 +40,18 @@ class JobConfig(EngineConfig):
     show_expert_load: bool = True
     show_progress: bool = True  # vLLM's progress bar (finished requests, input/output tokens/s) on stderr
     serve: ServeConfig = field(default_factory=ServeConfig)  # `moe-infer serve` (the OpenAI server)
+    trace_out: Optional[str] = None  # write the run's routing trace here (turns routing.trace on)
+    task: str = "generate"  # generate | a lab task (moe_infer.experiments): record_trace, cf_sweep, eplb, ...
+    lab: LabConfig = field(default_factory=LabConfig)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"task={self.task!r} is not one of {', '.join(TASK_NAMES)}")
 
     def engine_config(self) -> EngineConfig:
+        routing = dataclasses.replace(self.routing, trace=True) if self.trace_out else self.routing
         return EngineConfig(
-            model=self.model, cache=self.cache, scheduler=self.scheduler, routing=self.routing,
+            model=self.model, cache=self.cache, scheduler=self.scheduler, routing=routing,
             experts=self.experts, offload=self.offload, parallel=self.parallel, seed=self.seed,
         )
 

@@ -52,6 +52,8 @@ def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
         return "expert parallelism (all-to-all dispatchers run eagerly)"
     if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
         return "tensor / pipeline parallelism (steps under a mesh run eagerly)"
+    if backends.trace is not None:
+        return "routing.trace=true (the recorder copies each step's routing eagerly)"
     if backends.policy != "dropless":
         return f"routing.policy={backends.policy} (its capacity would count the padding rows)"
     if getattr(EXPERT_BACKENDS.get(backends.experts), "fused_experts", None) is None:

@@ -12,13 +12,16 @@ A request that cannot run finishes alone with finish_reason "error" (reason in `
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.parallel.engine_hooks import serve
+
+if TYPE_CHECKING:
+    from moe_infer.routing.trace import RoutingTrace
 
 _GROUPS = ("model", "cache", "scheduler", "routing", "experts", "offload", "parallel")
 # LLM(model=PATH) is model.path, as in vLLM; LLM(offload="cpu") is offload.store
@@ -185,6 +188,38 @@ class LLM:
 
     def reset_expert_load(self) -> None:
         self.engine.runner.reset_stats()
+
+    def get_routing_trace(self, **info) -> "RoutingTrace":
+        """Every token's routed experts and weights since the start or the last reset (`routing.trace=true`).
+
+        info: free-form metadata stored with the trace (prompts, notes); model, policy, dtype, device
+        and the code's commit are filled in.
+        """
+        from moe_infer.routing.trace import source_commit
+
+        recorder = self.engine.runner.trace
+        if recorder is None:
+            raise RuntimeError("routing traces are off: build the LLM with routing_trace=True "
+                               "(Hydra: routing.trace=true or trace_out=PATH)")
+        r = self.cfg.routing
+        meta = {"model": str(self.cfg.model.path or "tiny_moe (embedded)"), "dtype": str(self.engine.dtype),
+                "device": str(self.engine.device), "commit": source_commit(), "source": "moe_infer engine",
+                "policy": {"policy": r.policy, "capacity_factor": r.capacity_factor,
+                           "min_capacity": r.min_capacity, "drop_by": r.drop_by}}
+        meta.update(info)
+        return recorder.trace(meta)
+
+    def save_routing_trace(self, path: str, **info) -> "RoutingTrace":
+        """Write `get_routing_trace(**info)` to `path` (format: moe_infer/routing/trace.py)."""
+        from moe_infer.routing.trace import save_trace
+
+        trace = self.get_routing_trace(**info)
+        save_trace(trace, path)
+        return trace
+
+    def reset_routing_trace(self) -> None:
+        if self.engine.runner.trace is not None:
+            self.engine.runner.trace.reset()
 
     def shutdown(self) -> None:
         """Under torchrun: wait for every rank, then tear the process groups down (no-op on one rank).

@@ -34,6 +34,7 @@ from moe_infer.layers.forward_context import forward_context
 from moe_infer.parallel.engine_hooks import expert_dispatcher, init_engine_parallel
 from moe_infer.parallel.step_message import FLAG_RESET_STATS, H_FLAGS, StepMessage
 from moe_infer.routing.stats import ExpertLoadStats
+from moe_infer.routing.trace_recorder import RoutingTraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ class ModelRunner:
         if cfg.routing.collect_stats:
             self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
             self.backends.stats = self.stats  # the MoE layers share this MoEBackends object
+        self.trace: Optional[RoutingTraceRecorder] = None
+        if cfg.routing.trace and self.parallel.dims.pp > 1:
+            raise ValueError("routing.trace=true with pipeline stages (parallel.pp > 1) is not supported yet: the "
+                             "driver records its own stage's MoE layers only")
+        if cfg.routing.trace and self.parallel.is_driver:  # every EP rank routes the same tokens
+            self.trace = RoutingTraceRecorder(arch.moe_layer_ids, arch.num_experts, arch.top_k, device,
+                                              cfg.routing.trace_logits, cfg.routing.trace_max_tokens)
+            self.backends.trace = self.trace
         self.max_model_len = min(cfg.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:
@@ -74,6 +83,16 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.graphs = self._decode_graphs()
+        self.rebalancer = None
+        if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
+            if self.parallel.dims.ep == 1:
+                raise ValueError("parallel.enable_eplb=true needs expert parallelism (parallel.ep > 1)")
+            if self.parallel.dims.pp > 1:  # the driver plans from its own statistics: one stage's layers
+                raise ValueError("parallel.enable_eplb=true with pipeline stages (parallel.pp > 1) is not supported yet")
+            from moe_infer.parallel.rebalance import OnlineRebalancer
+
+            self.rebalancer = OnlineRebalancer(self.parallel, self.model.moe_layers(), self.stats,
+                                               cfg.parallel.eplb_step_interval)
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
         """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
@@ -140,6 +159,7 @@ class ModelRunner:
         if plan.is_empty:
             return [], []
         inputs = self.prepare(plan)
+        self._before_forward(inputs)
         hidden_TD = None
         if self.graphs is not None and self.graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
             hidden_TD = self.graphs.run(inputs.input_ids_T, inputs.meta)  # None: the capture failed, run eagerly
@@ -148,6 +168,14 @@ class ModelRunner:
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
         out = self._sample(inputs, hidden_TD, plan_requests(plan))
         return per_plan_entry(plan, out.token_ids if out else [], out.logprobs if out else [])
+
+    def _before_forward(self, inputs: StepInputs) -> None:
+        """Between steps, on every rank in the same order: online re-balancing moves expert weights; the
+        routing recorder opens the step's rows (it blocks graph replay, so the forward is eager)."""
+        if self.rebalancer is not None:
+            self.rebalancer.step()
+        if self.trace is not None:
+            self.trace.begin_step(inputs.meta.positions_T, inputs.input_ids_T.shape[0])
 
     def _sample(self, inputs: StepInputs, hidden_TD: torch.Tensor,
                 reqs: Optional[List[SampleRequest]]) -> Optional[SamplerOutput]:
@@ -170,6 +198,7 @@ class ModelRunner:
         if msg.field(H_FLAGS) & FLAG_RESET_STATS and self.stats is not None:
             self.stats.reset()
         inputs = decode_inputs(msg.flat, message_sizes(msg), self.block_size)
+        self._before_forward(inputs)
         with forward_context(inputs.meta):
             return self.model(inputs.input_ids_T, inputs.meta.positions_T, hidden_TD), inputs
 

@@ -44,6 +44,10 @@ class LocalDispatcher:
         self.local_expert_ids = list(range(expert_start, expert_start + self.num_local_experts))
         self.permute_backend = permute_backend  # PERMUTE_BACKENDS name; "auto": Triton on CUDA, torch on CPU
 
+    def for_layer(self, layer_idx: int) -> "LocalDispatcher":
+        """The dispatcher of one MoE layer (this one: a local dispatcher has no per-layer state)."""
+        return self
+
     def sort_rows(self, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_tokens: int) -> DispatchMetadata:
         perm = permute_rows(
             topk_ids_TK, topk_weights_TK, self.num_local_experts, self.expert_start, backend=self.permute_backend

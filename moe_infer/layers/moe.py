@@ -29,6 +29,7 @@ from moe_infer.routing.capacity import CAPACITY_POLICIES
 from moe_infer.routing.select import ROUTING_BACKENDS
 from moe_infer.routing.spec import RoutingSpec
 from moe_infer.routing.stats import ExpertLoadStats
+from moe_infer.routing.trace_recorder import RoutingTraceRecorder
 
 
 @dataclass
@@ -43,6 +44,7 @@ class MoEBackends:
     dispatcher: Optional[LocalDispatcher] = None  # None: a LocalDispatcher over all experts
     stats: Optional[ExpertLoadStats] = None
     offload: Any = None  # the OffloadManager of an offloading store (moe_infer.offload), shared by the layers
+    trace: Optional[RoutingTraceRecorder] = None  # records the router's choice per token (routing.trace)
 
 
 class SharedExpert(nn.Module):
@@ -84,7 +86,7 @@ class MoELayer(nn.Module):
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
         self.tp, self.moe_tp = tp, moe_tp
         intermediate_size = moe_tp.split(intermediate_size, "moe_intermediate_size")
-        self.dispatcher = backends.dispatcher or LocalDispatcher(spec.num_experts)
+        self.dispatcher = (backends.dispatcher or LocalDispatcher(spec.num_experts)).for_layer(layer_idx)
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype)
         if spec.has_score_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
@@ -127,6 +129,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE, topk_weights_TK, topk_ids_TK = self.route(x_TD)
+        if self.backends.trace is not None:
+            self.backends.trace.record(self.layer_idx, topk_ids_TK, topk_weights_TK, logits_TE)
         kept_ids_TK, kept_weights_TK = self._policy(
             topk_ids_TK, topk_weights_TK, logits_TE=logits_TE, spec=self.spec, **self.backends.policy_kwargs
         )

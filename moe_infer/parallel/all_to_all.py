@@ -54,9 +54,10 @@ X rows of the send buffer (all micro-batches).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,29 @@ class A2ADispatcher(LocalDispatcher):
         self.local_expert_ids = placement.local_experts(rank)
         self.slots = SlotTables(placement, rank)
         self.on_error = on_error  # the mesh's: names the rank that did not come (ParallelContext.failure)
+        self.layer_placements: Dict[int, ExpertPlacement] = {}  # per-layer placements (placement file "layers")
+        self.per_layer = False  # True: every MoE layer gets its own copy (per-layer files, online re-balancing)
+
+    def for_layer(self, layer_idx: int) -> "A2ADispatcher":
+        """This dispatcher for one MoE layer: with `per_layer`, a copy with its own placement (the
+        layer's entry of `layer_placements`, else the shared one) that online re-balancing may change
+        alone; otherwise this one, shared by every layer."""
+        if not self.per_layer:
+            return self
+        twin = copy.copy(self)
+        twin.layer_placements = {}
+        twin.set_placement(self.layer_placements.get(layer_idx, self.placement))
+        return twin
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by `placement` from the next call on (between steps: the caller moves the weights)."""
+        if (placement.ep, placement.slots_per_rank, placement.num_experts) != (
+                self.ep, self.num_local_experts, self.num_experts):
+            raise ValueError(f"placement with ep={placement.ep}, S={placement.slots_per_rank}, E={placement.num_experts} "
+                             f"does not fit this dispatcher (ep={self.ep}, S={self.num_local_experts}, E={self.num_experts})")
+        self.placement = placement
+        self.local_expert_ids = placement.local_experts(self.rank)
+        self.slots = SlotTables(placement, self.rank)
 
     def _slot_ranges(self, num_micro_batches: int) -> Tuple[Tuple[int, int], ...]:
         """min(M, S) contiguous groups of local slots, near-equal, the larger first."""

@@ -28,7 +28,8 @@ from moe_infer.parallel import capacity_dispatch, exact  # noqa: F401  (register
 from moe_infer.parallel.all_to_all import DISPATCHERS
 from moe_infer.parallel.dims import ParallelDims, stage_layers
 from moe_infer.parallel.health import MeshError, mesh_error
-from moe_infer.parallel.placement import ExpertPlacement, contiguous_placement, load_placement
+from moe_infer.parallel.placement import (ExpertPlacement, contiguous_placement, load_layer_placements,
+                                          load_placement, replicate_hot_experts)
 
 CAPACITY_POLICIES_FOR_A2A = ("drop", "reroute")
 
@@ -131,8 +132,12 @@ class ParallelContext:
                           is_last_stage=self.is_last_stage, stage=self.stage, num_stages=self.dims.pp)
 
     def placement(self, num_experts: int) -> ExpertPlacement:
+        """The placement file's shared placement, else contiguous (+ `num_redundant_experts` replicas
+        spread over the ranks: a starting point for online re-balancing to move)."""
         if self.cfg.placement_file:
             return load_placement(self.cfg.placement_file, num_experts, self.dims.ep)
+        if self.cfg.num_redundant_experts:
+            return replicate_hot_experts([1.0] * num_experts, self.dims.ep, self.cfg.num_redundant_experts)
         return contiguous_placement(num_experts, self.dims.ep)
 
     def make_dispatcher(self, num_experts: int, top_k: int, routing: RoutingConfig,
@@ -154,11 +159,15 @@ class ParallelContext:
 
             kwargs["capacity_fn"] = partial(expert_capacity, top_k=top_k, num_experts=num_experts,
                                             capacity_factor=routing.capacity_factor, min_capacity=routing.min_capacity)
-        return DISPATCHERS.get(self.cfg.dispatcher)(
+        dispatcher = DISPATCHERS.get(self.cfg.dispatcher)(
             self.placement(num_experts), self.ep_group, self.ep_rank, top_k, overlap=self.cfg.overlap,
             overlap_min_mb=self.cfg.overlap_min_mb, overlap_micro_batches=self.cfg.overlap_micro_batches,
             tokens_replicated=tokens_replicated, on_error=self._on_error(self.ep_group), **kwargs,
         )
+        if self.cfg.placement_file:  # per-layer placements (each MoE layer takes its own: `for_layer`)
+            dispatcher.layer_placements = load_layer_placements(self.cfg.placement_file, num_experts, self.dims.ep)
+        dispatcher.per_layer = bool(dispatcher.layer_placements) or self.cfg.enable_eplb
+        return dispatcher
 
     # ---- control messages (CPU, gloo) ---------------------------------------------------------
     def broadcast_object(self, obj: Any) -> Any:

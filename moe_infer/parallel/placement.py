@@ -10,13 +10,19 @@ Placement file (JSON), one list of logical experts per rank, all of the same len
 
     {"num_experts": 8, "ep": 2, "ranks": [[0, 1, 2, 3, 7], [4, 5, 6, 7, 0]]}
 
+Optionally "layers" gives MoE layers their own placement (same S), keyed by the model's layer
+index; a layer not listed uses "ranks". The lab's EPLB planner writes both
+(`python -m moe_infer.launch +experiment=eplb`):
+
+    {..., "layers": {"0": [[0, 1, 2, 5, 7], [3, 4, 5, 6, 0]], "1": [...]}}
+
 Legend: E logical experts, P = ep * S physical slots, K top-k, T tokens, N = T*K routed rows.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -99,6 +105,26 @@ def load_placement(path: str, num_experts: int, ep: int) -> ExpertPlacement:
         raise ValueError(f"placement file {path} is for num_experts={data['num_experts']}, ep={data['ep']}; "
                          f"the model has num_experts={num_experts} and parallel.ep={ep}")
     return ExpertPlacement(num_experts, ep, tuple(tuple(int(e) for e in r) for r in data["ranks"]))
+
+
+def load_layer_placements(path: str, num_experts: int, ep: int) -> Dict[int, ExpertPlacement]:
+    """The file's per-layer placements ({} without a "layers" key); each must have the shared S."""
+    shared = load_placement(path, num_experts, ep)
+    with open(path) as f:
+        layers = json.load(f).get("layers") or {}
+    if not isinstance(layers, dict):
+        raise ValueError(f"placement file {path}: \"layers\" must map layer index -> ranks, got {type(layers).__name__}")
+    out = {}
+    for key, ranks in layers.items():
+        try:
+            p = ExpertPlacement(num_experts, ep, tuple(tuple(int(e) for e in r) for r in ranks))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"placement file {path}, layer {key}: {err}") from err
+        if p.slots_per_rank != shared.slots_per_rank:
+            raise ValueError(f"placement file {path}, layer {key}: {p.slots_per_rank} slots per rank, "
+                             f"\"ranks\" has {shared.slots_per_rank} (every layer must hold the same number)")
+        out[int(key)] = p
+    return out
 
 
 def replicate_hot_experts(load_E: Sequence[float], ep: int, num_redundant: int) -> ExpertPlacement:

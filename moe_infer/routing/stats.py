@@ -15,17 +15,23 @@ class ExpertLoadStats:
         self.routed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.dropped_LE = torch.zeros_like(self.routed_LE)
         self.rerouted_LE = torch.zeros_like(self.routed_LE)
+        self.processed_LE = torch.zeros_like(self.routed_LE)  # rows each expert runs, after the policy
 
     def record(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None,
                valid_T: torch.Tensor | None = None) -> None:
         """topk_ids_TK: the router's choice; kept_ids_TK: after the capacity policy (-1 = dropped);
-        valid_T: bool, rows that are padding (False) are not counted (None: all rows count)."""
+        valid_T: bool, rows that are padding (False) are not counted (None: all rows count).
+        Counted per expert: routed (the router's choice), dropped and rerouted (by the router's
+        choice), processed (by the expert that runs the row: kept and rerouted-to rows)."""
         ids_N = topk_ids_TK.reshape(-1).long()
         count_N = (torch.ones_like(ids_N) if valid_T is None
                    else valid_T[:, None].expand(topk_ids_TK.shape).reshape(-1).long())
         self.routed_LE[layer].scatter_add_(0, ids_N, count_N)
-        if kept_ids_TK is not None and kept_ids_TK is not topk_ids_TK:
+        if kept_ids_TK is None or kept_ids_TK is topk_ids_TK:
+            self.processed_LE[layer].scatter_add_(0, ids_N, count_N)
+        else:
             kept_N = kept_ids_TK.reshape(-1).long()
+            self.processed_LE[layer].scatter_add_(0, kept_N.clamp_min(0), (kept_N >= 0).long() * count_N)
             dropped_N = (kept_N < 0).long() * count_N
             self.dropped_LE[layer].scatter_add_(0, ids_N, dropped_N)
             moved_N = ((kept_N >= 0) & (kept_N != ids_N)).long() * count_N
@@ -38,13 +44,13 @@ class ExpertLoadStats:
         return torch.where(mean_L > 0, routed_LE.amax(dim=1) / mean_L.clamp_min(1e-30), torch.zeros_like(mean_L))
 
     def reset(self) -> None:
-        for t in (self.routed_LE, self.dropped_LE, self.rerouted_LE):
+        for t in (self.routed_LE, self.dropped_LE, self.rerouted_LE, self.processed_LE):
             t.zero_()
 
     def summary(self) -> List[Dict[str, object]]:
         """One dict per layer (this is where the host sync happens, on demand)."""
         routed = self.routed_LE.cpu()
-        dropped, rerouted = self.dropped_LE.cpu(), self.rerouted_LE.cpu()
+        dropped, rerouted, processed = self.dropped_LE.cpu(), self.rerouted_LE.cpu(), self.processed_LE.cpu()
         out = []
         for layer in range(self.num_layers):
             load = routed[layer].double()
@@ -57,6 +63,7 @@ class ExpertLoadStats:
                 "routed": routed[layer].tolist(),
                 "dropped": dropped[layer].tolist(),
                 "rerouted": rerouted[layer].tolist(),
+                "processed": processed[layer].tolist(),
                 "imbalance": float(load.max()) / mean if total else 0.0,
                 "entropy": entropy,
             })
