@@ -199,6 +199,12 @@ def test_offload_on_cuda_equals_resident(offload, tmp_path):
     assert llm.engine.runner.graphs is None  # offload runs eagerly
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     total = llm.get_offload_stats()["total"]
-    assert total["needed"] > total["hits"] > 0 and total["gb_h2d"] > 0
-    assert all(s.store.w13_E2FD.is_pinned() for s in llm.engine.runner.model.moe_layers()) or offload["offload"] == "nvme"
+    assert total["needed"] > 0 and total["gb_h2d"] > 0
+    if offload.get("stream_fraction"):  # every step needs more than a quarter of a layer's experts: streamed
+        assert total["streamed"] > 0
+    else:
+        assert total["needed"] > total["hits"] > 0
+    if offload["offload"] == "cpu":  # the host tier was page-locked (cudaHostRegister returned success);
+        # tensor.is_pinned() does not see registered memory on torch 2.11, so the region's record is checked
+        assert all(s.store._region.pinned for s in llm.engine.runner.model.moe_layers())
     llm.shutdown()
