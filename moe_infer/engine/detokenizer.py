@@ -6,6 +6,8 @@ short window that gives the tokenizer its context (leading spaces), `read_offset
 already emitted ends. New text is emitted only when it does not end in an incomplete character.
 A stop string ends the request and is cut from the text with everything after it; while the
 request runs, outputs show `stable_text`, which holds back a tail that might begin a stop string.
+When the request ends, `flush` emits what is still held back, incomplete characters included (as
+U+FFFD, as a full decode shows them): the final text is the decode of all the output tokens.
 """
 from __future__ import annotations
 
@@ -48,6 +50,21 @@ class IncrementalDetokenizer:
         stop = self._find_stop(old_len)
         if stop is None:
             return delta, None
+        return self.text[old_len:], stop
+
+    def flush(self) -> Tuple[str, Optional[str]]:
+        """At the end of the output: emit the tail held back for an incomplete character; returns
+        (new text, the stop string that matched or None)."""
+        if self.read_offset >= len(self.token_ids):
+            return "", None
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if len(full_text) <= len(prefix_text):
+            return "", None
+        old_len = len(self.text)
+        self.text += full_text[len(prefix_text):]
+        stop = self._find_stop(old_len)
         return self.text[old_len:], stop
 
     def _find_stop(self, old_len: int) -> Optional[str]:

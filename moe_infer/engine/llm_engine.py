@@ -197,6 +197,10 @@ class LLMEngine:
                 _, stop = child.detok.add_token(token)
                 if stop is not None and not seq.is_finished:
                     self.scheduler.finish(seq, "stop", stop)
+                elif seq.is_finished and stop is None:  # the last token: what was held back is the text's end
+                    _, stop = child.detok.flush()
+                    if stop is not None and seq.finish_reason == "length":
+                        seq.finish_reason, seq.stop_reason = "stop", stop
             progressed[req.request_id] = req
         for req in progressed.values():
             finished = req.is_finished
