@@ -66,6 +66,7 @@ class RequestState:
                  tokenizer=None) -> None:
         self.request_id, self.params = request_id, params
         self.children: List[Child] = []
+        self._prompt_ids: Optional[List[int]] = None  # one list shared by all of this request's outputs
         for i in range(params.n):
             p = child_params(params, i) if params.n > 1 else params
             seq = Sequence(request_id, token_ids, p, prompt=prompt)
@@ -85,10 +86,15 @@ class RequestState:
         return all(c.seq.is_finished for c in self.children)
 
     def output(self) -> RequestOutput:
+        """The request's cumulative output. Built every step for every running request under the server, so
+        kept cheap: the prompt ids are copied once (outputs share that list: read it, do not change it)."""
         lead = self.children[0].seq
-        return RequestOutput(self.request_id, lead.prompt, list(lead.prompt_token_ids),
+        if self._prompt_ids is None:
+            self._prompt_ids = list(lead.prompt_token_ids)
+        metrics = _one_metrics(self.children[0].seq) if len(self.children) == 1 else self._metrics()
+        return RequestOutput(self.request_id, lead.prompt, self._prompt_ids,
                              [c.completion() for c in self.children], finished=self.is_finished,
-                             metrics=self._metrics(), num_cached_tokens=lead.num_cached_tokens)
+                             metrics=metrics, num_cached_tokens=lead.num_cached_tokens)
 
     def _metrics(self) -> RequestMetrics:
         """Over the children: first token of any, the mean per-token time, the last finish."""
@@ -106,3 +112,15 @@ class RequestState:
             num_preemptions=sum(m.num_preemptions for m in ms),
             num_cached_prompt_tokens=sum(c.seq.num_cached_tokens for c in self.children),
         )
+
+
+def _one_metrics(seq: Sequence) -> RequestMetrics:
+    """`RequestState._metrics` of an n=1 request, without the lists over children."""
+    m, n = seq.metrics, seq.num_output_tokens
+    first = m.first_token_time
+    return RequestMetrics(
+        arrival_time=m.arrival_time,
+        time_to_first_token=None if first is None else first - m.arrival_time,
+        time_per_output_token=(m.last_token_time - first) / (n - 1) if n > 1 and first is not None else None,
+        e2e_latency=None if m.finished_time is None else m.finished_time - m.arrival_time,
+        num_preemptions=m.num_preemptions, num_cached_prompt_tokens=seq.num_cached_tokens)
