@@ -13,6 +13,13 @@ from typing import Dict, List, Optional
 import numpy as np
 
 
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plt():
     try:
         import matplotlib
@@ -36,10 +43,7 @@ def load_heatmap(load_LE: np.ndarray, path: str, title: str, layer_ids: Optional
     ax.set_yticks(range(L), [str(i) for i in (layer_ids or range(L))])
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, label="load / layer mean")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def capacity_curves(rows: List[Dict], path: str) -> str:
@@ -63,10 +67,7 @@ def capacity_curves(rows: List[Dict], path: str) -> str:
         if key == "kl":
             ax.set_yscale("symlog", linthresh=1e-4)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def imbalance_vs_replicas(rows: List[Dict], path: str, target: float = 0.10, target_memory: float = 0.10) -> str:
@@ -92,10 +93,7 @@ def imbalance_vs_replicas(rows: List[Dict], path: str, target: float = 0.10, tar
         ax.set_title(trace, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def step_time_vs_gpus(rows: List[Dict], path: str) -> str:
@@ -121,7 +119,4 @@ def step_time_vs_gpus(rows: List[Dict], path: str) -> str:
             ax.grid(alpha=0.3)
         axes[0, col].set_title(trace, fontsize=10)
         axes[0, col].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
