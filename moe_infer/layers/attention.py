@@ -58,7 +58,7 @@ class Attention(nn.Module):
         tp: ShardGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self._attend = ATTENTION_BACKENDS.get(backend)
+        self.backend, self._attend = backend, ATTENTION_BACKENDS.get(backend)
         self.layer_idx = layer_idx
         self.heads = heads = head_split(arch.num_heads, arch.num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, arch.head_dim

@@ -14,8 +14,9 @@ step (decodes beside prefill chunks) the single-token sequences are attended as 
 so they are not padded to the longest chunk (one host sync: the group sizes). Computed in
 float32, returned in q's dtype. Memory: B * L * Hkv * d gathered keys and values, B * H * Qmax * L
 scores per group; a reference, not a kernel. `paged_attention_sdpa` (same signature) does the
-same gather and hands the masked dense attention to torch's SDPA in q's dtype: the CUDA default.
-The paged Triton kernel that reads K/V in place is `moe_infer.kernels.paged_attention` ("triton").
+same gather and hands the masked dense attention to torch's SDPA in q's dtype (CUDA without triton).
+The paged Triton kernel that reads K/V in place is `moe_infer.kernels.paged_attention` ("triton",
+the CUDA default).
 
 Legend: T tokens, B sequences, M max blocks per sequence, Qmax max query tokens of a sequence,
 L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb blocks, S block size.
@@ -202,9 +203,10 @@ AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention backend")
 
 
-# "auto" takes the first registered name for the device type ("triton", `layers/attention_triton.py`, is
-# chosen by name until the device benchmarks show it faster than "sdpa")
-ATTENTION_AUTO = {"cuda": ("sdpa", "torch"), "cpu": ("torch",)}
+# "auto" takes the first registered name for the device type: on CUDA the paged Triton kernel
+# (`layers/attention_triton.py`, registered where triton imports), measured 3.3-38x faster than the
+# gather + SDPA path on an H100 (benchmarks/results/attention_*.json); without triton, "sdpa"
+ATTENTION_AUTO = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch",)}
 
 
 def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:

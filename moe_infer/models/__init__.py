@@ -35,7 +35,7 @@ def load_model(
 
     Only the experts of each MoE layer's dispatcher (`backends.dispatcher`) are read. attn_backend
     names an entry of `moe_infer.layers.paged_attention.ATTENTION_BACKENDS`; "auto": the first
-    registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: "sdpa").
+    registered of ATTENTION_AUTO for the device (CPU: the float32 reference "torch"; CUDA: "triton").
     load_format "dummy": random weights, no safetensors read (moe_infer.models.dummy). shard: this rank's
     stage layers and tensor shards (whole model by default); only those tensors are read.
     """
