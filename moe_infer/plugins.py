@@ -16,6 +16,7 @@ PLUGIN_MODULES = (
     "moe_infer.routing.triton_select",  # ROUTING_BACKENDS["triton"], capacity policies on GPU
     "moe_infer.experts.triton_experts",  # EXPERT_BACKENDS["triton"]
     "moe_infer.layers.attention_triton",  # ATTENTION_BACKENDS["triton"]: paged attention reading K/V in place
+    "moe_infer.layers.norm_triton",  # RMS_NORM_KERNELS["triton"]: RMSNorm (+ residual add) in one launch
 )
 
 _loaded: List[str] = []

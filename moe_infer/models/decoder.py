@@ -50,9 +50,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype, shard.tp)
 
-    def forward(self, h_TD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        h_TD = h_TD + self.self_attn(self.input_layernorm(h_TD), positions_T)
-        return h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+    def forward(self, h_TD: torch.Tensor, positions_T: torch.Tensor,
+                delta_TD: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output): the caller adds the output, fused into the next
+        norm (h_TD + delta_TD is the stream this layer reads; delta_TD None: h_TD is)."""
+        if delta_TD is None:
+            x_TD = self.input_layernorm(h_TD)
+        else:
+            h_TD, x_TD = self.input_layernorm.add_forward(h_TD, delta_TD)
+        attn_TD = self.self_attn(x_TD, positions_T)
+        h_TD, x_TD = self.post_attention_layernorm.add_forward(h_TD, attn_TD)
+        return h_TD, self.mlp(x_TD)
 
 
 class MissingLayer(nn.Module):
@@ -103,9 +111,14 @@ class MoEModel(nn.Module):
             raise ValueError("a pipeline stage other than the first needs the previous stage's hidden states")
         else:
             h_TD = hidden_TD
-        for i in self.local_layers:
-            h_TD = self.layers[i](h_TD, positions_T)
-        return h_TD if self.norm is None else self.norm(h_TD)
+        delta_TD = None
+        for i in self.local_layers:  # each residual add runs fused into the norm after it
+            h_TD, delta_TD = self.layers[i](h_TD, positions_T, delta_TD)
+        if delta_TD is None:
+            return h_TD if self.norm is None else self.norm(h_TD)
+        if self.norm is None:
+            return h_TD + delta_TD
+        return self.norm.add_forward(h_TD, delta_TD)[1]
 
     @torch.no_grad()
     def compute_logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
