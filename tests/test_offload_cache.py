@@ -104,6 +104,26 @@ def test_split_misses_balances_link_and_cpu():
     assert split_misses({3: 1, 5: 2}, "cpu", cost, expert, 0.0) == ([], [3, 5])
 
 
+def test_cpu_cost_follows_what_the_engine_measures():
+    """The start-up CPU figures are rescaled by the CPU path's measured time: a host that turns out 3x
+    slower in the running engine stops getting the misses the quiet measurement gave it."""
+    cost = CostModel(h2d_bytes_per_s=1e9, cpu_seconds_at=((1, 4e-3), (4, 4e-3), (16, 8e-3), (64, 30e-3)))
+    expert = int(6.5e6)
+    assert split_misses({3: 1}, "auto", cost, expert, 0.0) == ([], [3])  # 4 ms < 6.5 ms
+    for _ in range(30):
+        cost.observe_cpu([1, 1], 3 * 8e-3)  # two 1-row experts took 24 ms, predicted 8 ms
+    assert abs(cost.cpu_scale - 3.0) < 0.01
+    assert abs(cost.cpu_seconds(4) - 12e-3) < 1e-4
+    assert split_misses({3: 1}, "auto", cost, expert, 0.0) == ([3], [])  # 12 ms > 6.5 ms: copy
+    for _ in range(30):
+        cost.observe_cpu([16], 4e-3)  # now twice as fast as at start-up
+    assert abs(cost.cpu_scale - 0.5) < 0.01
+    assert split_misses({3: 1}, "auto", cost, expert, 0.0) == ([], [3])
+    cost.observe_cpu([], 1.0)  # nothing predicted: no change
+    assert abs(cost.cpu_scale - 0.5) < 0.01
+    assert "x0.50 as measured in the engine" in cost.describe(expert)
+
+
 # ------------------------------------------------------------------ the store's bookkeeping
 class _Router:
     """The pre-gate a store's router gives: set by the test before each step."""

@@ -3,6 +3,10 @@
 Measured once at start-up on this machine (`CostModel.measure`): the host-to-device bandwidth of one
 expert copy from the host tier, the CPU's time for one expert at 1, 4, 16 and 64 rows (interpolated
 in between, linear beyond), and, for the NVMe tier, the disk read bandwidth of one expert record.
+The start-up figures are the best of a few quiet runs; in the running engine the host thread that
+computes a missed expert is also the one that launches the GPU's work, its cores wake from idle and
+the rows travel both ways, so the CPU path's measured wall time per step (`observe_cpu`) rescales the
+CPU side of the model (`cpu_scale`, a running average of measured / predicted).
 `split_misses` is list scheduling over two servers, the link and the host cores: experts with the
 most rows first, each where it would finish earliest given what is already queued on the link
 (in-flight prefetches included). Miss policy `wait` sends every miss to the link, `cpu` every one to
@@ -28,8 +32,12 @@ class CostModel:
     h2d_bytes_per_s: float
     cpu_seconds_at: Tuple[Tuple[int, float], ...]  # (rows, seconds for one expert)
     read_bytes_per_s: float = float("inf")  # NVMe tier
+    cpu_scale: float = 1.0  # measured / predicted CPU path time in the running engine (observe_cpu)
 
     def cpu_seconds(self, rows: int) -> float:
+        return self.cpu_scale * self._cpu_seconds_at_start(rows)
+
+    def _cpu_seconds_at_start(self, rows: int) -> float:
         pts = self.cpu_seconds_at
         for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
             if rows <= n1:
@@ -37,14 +45,23 @@ class CostModel:
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) * (rows - n1) / (n1 - n0)
 
+    def observe_cpu(self, rows: List[int], seconds: float, weight: float = 0.25) -> None:
+        """One step's CPU path took `seconds` (host wall time: rows out, experts computed, result queued)
+        for experts of `rows` rows each: move cpu_scale toward measured / start-up prediction."""
+        predicted = sum(self._cpu_seconds_at_start(n) for n in rows)
+        if predicted > 0 and seconds > 0:
+            ratio = min(max(seconds / predicted, 0.25), 100.0)
+            self.cpu_scale += weight * (ratio - self.cpu_scale)
+
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s
 
     def describe(self, expert_bytes: int) -> str:
         cpu = ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu_seconds_at)
         read = "" if self.read_bytes_per_s == float("inf") else f", disk read {self.read_bytes_per_s / 1e9:.2f} GB/s"
+        scale = "" if self.cpu_scale == 1.0 else f" (x{self.cpu_scale:.2f} as measured in the engine)"
         return (f"offload cost model: H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.copy_seconds(expert_bytes) * 1e3:.2f}"
-                f" ms per expert), CPU expert {cpu} rows{read}")
+                f" ms per expert), CPU expert {cpu} rows{scale}{read}")
 
     @classmethod
     def measure(cls, host_w13: torch.Tensor, host_w2: torch.Tensor, dev_w13: torch.Tensor, dev_w2: torch.Tensor,

@@ -44,6 +44,7 @@ class OffloadManager:
         self.shape = plan.shape
         self.copier = Copier(self.device)
         self.stores: list = []
+        self.step_pinned: set = set()  # stores whose slot tables hold step pins (their _plan ran)
         self.stats: List[OffloadStats] = []
         self.buffers = [StreamBuffer(plan, self.device) for _ in range(2)]
         self.cost: Optional[CostModel] = None
@@ -72,8 +73,9 @@ class OffloadManager:
     def begin_layer(self, store) -> None:
         """A layer step starts: no other layer step is running, so every step pin is released (the GPU
         side is ordered by the events: a slot is rewritten only after the compute that read it)."""
-        for other in self.stores:
+        for other in self.step_pinned:
             other.table.unpin_all("step")
+        self.step_pinned.clear()
         if self.nvme is not None:
             self.host_table.unpin_all("step")
 

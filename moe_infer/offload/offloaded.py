@@ -15,6 +15,7 @@ C experts per stream buffer.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -148,7 +149,8 @@ class OffloadedExpertStore(nn.Module):
             if e not in elsewhere:
                 slot_of_E[e] = table.lookup(e)
         waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
-        return FetchedExperts(self, slot_of_E, waits, to_cpu, to_stream, nxt, next_rows)
+        m.step_pinned.add(self)
+        return FetchedExperts(self, slot_of_E, waits, to_cpu, [needed[e] for e in to_cpu], to_stream, nxt, next_rows)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, rows: List[int]) -> None:
@@ -199,9 +201,10 @@ class FetchedExperts:
     """One layer step's answer: slot tensors, local expert -> slot (-1: elsewhere), what runs elsewhere."""
 
     def __init__(self, store: OffloadedExpertStore, slot_of_E: List[int], waits: list, to_cpu: List[int],
-                 to_stream: List[int], nxt, next_rows) -> None:
+                 cpu_rows: List[int], to_stream: List[int], nxt, next_rows) -> None:
         dev, E, C = store.w13_S2FD.device, store.num_local_experts, store.manager.plan.stream_chunk
         self.store, self.waits, self.to_cpu, self.to_stream = store, waits, to_cpu, to_stream
+        self.cpu_rows = cpu_rows  # routed rows of each expert in to_cpu
         self.nxt, self.next_rows = nxt, next_rows
         self.on_device = any(s >= 0 for s in slot_of_E)
         self.w13_S2FD, self.w2_SDF = store.w13_S2FD, store.w2_SDF
@@ -219,7 +222,9 @@ class FetchedExperts:
         store, m = self.store, self.store.manager
         valid_TK = ids_TK >= 0
         safe_TK = ids_TK.clamp_min(0).long()
+        cpu_t0 = time.perf_counter()
         cpu_rows = gather_cpu_rows(x_TD, ids_TK, weights_TK, self.is_cpu_E) if self.to_cpu else None
+        cpu_s = time.perf_counter() - cpu_t0
         m.copier.wait(self.waits)  # the GPU waits for the copies it needs; the host does not
         if self.on_device:
             slot_ids_TK = torch.where(valid_TK, self.slot_of_E[safe_TK], -1)
@@ -239,6 +244,9 @@ class FetchedExperts:
             self.nxt.prefetch(self.next_rows)
             self.nxt = None
         if cpu_rows is not None:  # the host computes while the GPU and the link work
+            cpu_t0 = time.perf_counter()
             out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e))
+            if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
+                m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0)
         store.last_compute = m.copier.mark()
         return out_TD
