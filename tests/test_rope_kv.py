@@ -122,6 +122,10 @@ def test_rope_store_kv_refuses_bad_input():
         kernels.rope_store_kv(q_THd, k_THd, v_THd, positions_T, table.float(), k_cache, v_cache, slots_T)
     with pytest.raises(ValueError, match="do not fit caches"):
         kernels.rope_store_kv(q_THd, k_THd, v_THd, positions_T, table, k_cache[:, :, :, :8], v_cache, slots_T)
+    # a position past the table reads nothing out of bounds: cos = sin = 0 there
+    far_T = torch.tensor([0, 16, 10 ** 6], device=DEV)
+    q_rot = kernels.rope_store_kv(q_THd, k_THd, v_THd, far_T, table, k_cache, v_cache, slots_T)
+    assert torch.equal(q_rot[1:], torch.zeros_like(q_rot[1:])) and not torch.equal(q_rot[0], torch.zeros_like(q_rot[0]))
     with pytest.raises(ValueError, match="must be \\[3\\]"):
         kernels.rope_store_kv(q_THd, k_THd, v_THd, positions_T[:2], table, k_cache, v_cache, slots_T)
 

@@ -14,8 +14,9 @@ of 16-bit tensors in float32 and rounds once per op, so the kernel rounds x*c, x
 model dtype one by one (`_round`, round to nearest even); for float32 inputs the launch turns off FMA contraction
 (`enable_fp_fusion=False`), which would otherwise fuse x*c + x*s into one rounding.
 
-No host sync and no data-dependent launch parameter: CUDA-graph capturable. Positions must lie in the
-table: the runner's max_model_len <= max_position_embeddings, the table's length (checked there).
+No host sync and no data-dependent launch parameter: CUDA-graph capturable. Positions lie in the table
+(the runner refuses a max_model_len over max_position_embeddings, the table's length; CUDA-graph padding
+rows are at position 0); a position outside [0, P) is never read out of bounds: its cos and sin are 0.
 
 Legend: T tokens, H query heads, Hkv KV heads, d head_dim, P table positions, Nb cache blocks, S block size.
 """
@@ -54,7 +55,7 @@ def _rotate(x_ptr, row_off, half, c, s, mask, DTYPE: tl.constexpr, HALF: tl.cons
 
 @triton.jit
 def rope_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, q_out_ptr,
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, q_out_ptr, num_positions,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cp,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
@@ -65,8 +66,9 @@ def rope_store_kv_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
     half_ok = half < HALF
-    c_1h = tl.load(cos_sin_ptr + pos * stride_cp + half, mask=half_ok, other=0.0).to(tl.float32)[None, :]
-    s_1h = tl.load(cos_sin_ptr + pos * stride_cp + HALF + half, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    cs_ok = half_ok & (half * 0 + pos >= 0) & (half * 0 + pos < num_positions)
+    c_1h = tl.load(cos_sin_ptr + pos * stride_cp + half, mask=cs_ok, other=0.0).to(tl.float32)[None, :]
+    s_1h = tl.load(cos_sin_ptr + pos * stride_cp + HALF + half, mask=cs_ok, other=0.0).to(tl.float32)[None, :]
 
     head = tl.arange(0, BLOCK_H)
     mask = (head < H)[:, None] & half_ok[None, :]
@@ -132,7 +134,7 @@ def rope_store_kv(
         return q_out_THd
     rope_store_kv_kernel[(T,)](
         q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache_NbSHd, v_cache_NbSHd, slot_mapping_T, q_out_THd,
-        q_THd.stride(0), q_THd.stride(1), k_THd.stride(0), k_THd.stride(1), v_THd.stride(0), v_THd.stride(1),
+        cos_sin_Pd.shape[0], q_THd.stride(0), q_THd.stride(1), k_THd.stride(0), k_THd.stride(1), v_THd.stride(0), v_THd.stride(1),
         q_out_THd.stride(0), q_out_THd.stride(1), cos_sin_Pd.stride(0),
         k_cache_NbSHd.stride(0), k_cache_NbSHd.stride(1), k_cache_NbSHd.stride(2),
         v_cache_NbSHd.stride(0), v_cache_NbSHd.stride(1), v_cache_NbSHd.stride(2),
