@@ -1,5 +1,5 @@
 """Rotary embedding of q and k fused with the K/V cache write: one launch per attention layer instead of
-the ~a dozen small ones of `RotaryEmbedding.forward` + `store_kv` (PyTorch reference of the same
+the ~30 small ones of `RotaryEmbedding.forward` (cos/sin included) + `store_kv` (PyTorch reference of the same
 signature: `moe_infer.layers.rotary.rope_store_kv_ref`).
 
 One program per token t: cos/sin of position positions_T[t] come from a table built once

@@ -4,7 +4,7 @@ module (`moe_infer.plugins`): it imports triton, so it registers only where trit
 
 ROPE_FUSED_BACKENDS["triton"]: what the attention layer runs instead: the rotary embedding and the K/V
 write as one kernel (`moe_infer.kernels.rope_kv`), then the same paged kernel (one launch per layer in
-place of the ~dozen of RotaryEmbedding.forward + store_kv; outputs bit-identical).
+place of the ~30 of RotaryEmbedding.forward + store_kv; outputs bit-identical).
 
 The CUDA default ("auto" in ATTENTION_AUTO): on an H100 it measured 4.4-38x faster than the
 gather + SDPA path for decode and 3.3-8.7x for prefill/extend (`benchmarks/attention.py`). Eagerly,
