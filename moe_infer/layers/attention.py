@@ -8,7 +8,9 @@ all-reduce). OLMoE's whole-projection q/k norm sums the squares over the ranks (
 all-reduce each). The KV cache of a rank holds its own KV heads.
 
 The K/V write + paged attention is one call of a backend from ATTENTION_BACKENDS ("torch": the
-float32 reference of paged_attention.py; "sdpa": the same gather with torch's SDPA). The step's
+float32 reference of paged_attention.py; "sdpa": the same gather with torch's SDPA). A backend also in
+ROPE_FUSED_BACKENDS ("triton") instead gets q, k, v unrotated: one kernel rotates q and k and writes K/V
+(from the rotary's cos/sin table), then its attend-only function reads the cache. The step's
 attention metadata comes from `get_forward_context().attn`; the layer's (k_cache, v_cache) is
 bound once by the model runner through `MoEModel.bind_kv_cache`.
 
@@ -24,7 +26,7 @@ from torch import nn
 
 from moe_infer.layers.forward_context import get_forward_context
 from moe_infer.layers.norm import RMSNorm, ShardedRMSNorm
-from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
+from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, attend_cached
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.models.arch import ModelArch
@@ -59,6 +61,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.backend, self._attend = backend, ATTENTION_BACKENDS.get(backend)
+        self._rope_fused = ROPE_FUSED_BACKENDS.get(backend) if backend in ROPE_FUSED_BACKENDS else None
         self.layer_idx = layer_idx
         self.heads = heads = head_split(arch.num_heads, arch.num_kv_heads, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, arch.head_dim
@@ -104,7 +107,16 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound; call model.bind_kv_cache(...) first")
         q_THd, k_THd, v_THd = self._qkv(x_TD)
-        q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
         k_cache, v_cache = self.kv_cache
-        o_THd = self._attend(q_THd, k_THd, v_THd, k_cache, v_cache, attn, positions_T, self.scale, self.sliding_window)
+        fused = self._rope_fused
+        if fused is not None:
+            cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
+            q_THd = fused.rope_store_kv(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
+                                        attn.slot_mapping_T)
+            o_THd = attend_cached(fused.attend, q_THd, k_cache, v_cache, attn, positions_T, self.scale,
+                                  self.sliding_window)
+        else:
+            q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
+            o_THd = self._attend(q_THd, k_THd, v_THd, k_cache, v_cache, attn, positions_T, self.scale,
+                                 self.sliding_window)
         return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))

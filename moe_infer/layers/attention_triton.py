@@ -2,6 +2,10 @@
 that reads K/V in place through the block tables (`moe_infer.kernels.paged_attention`). A plugin
 module (`moe_infer.plugins`): it imports triton, so it registers only where triton is installed.
 
+ROPE_FUSED_BACKENDS["triton"]: what the attention layer runs instead: the rotary embedding and the K/V
+write as one kernel (`moe_infer.kernels.rope_kv`), then the same paged kernel (one launch per layer in
+place of the ~30 of RotaryEmbedding.forward + store_kv; outputs bit-identical).
+
 The CUDA default ("auto" in ATTENTION_AUTO): on an H100 it measured 4.4-38x faster than the
 gather + SDPA path for decode and 3.3-8.7x for prefill/extend (`benchmarks/attention.py`). Eagerly,
 the SDPA path also paid about 70 ms of host time the first time it met each context length (1.3 ms
@@ -9,6 +13,10 @@ after), this kernel 0.2 ms either way (`benchmarks/trials/sdpa_cudnn_check.py`):
 (prefill, offload, meshes) met a new length.
 """
 from moe_infer.kernels.paged_attention import paged_attention_triton
-from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, store_then_attend
+from moe_infer.kernels.rope_kv import rope_store_kv
+from moe_infer.layers.paged_attention import (
+    ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, RopeFusedAttention, store_then_attend,
+)
 
 ATTENTION_BACKENDS.register("triton")(store_then_attend(paged_attention_triton))
+ROPE_FUSED_BACKENDS.register("triton")(RopeFusedAttention(rope_store_kv, paged_attention_triton))

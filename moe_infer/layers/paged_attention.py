@@ -24,6 +24,7 @@ L max context length, H query heads, Hkv KV heads, G = H / Hkv, d head_dim, Nb b
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -209,6 +210,18 @@ ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention backend")
 ATTENTION_AUTO = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch",)}
 
 
+def attend_cached(
+    attend: Callable[..., torch.Tensor], q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor,
+    v_cache_NbSHd: torch.Tensor, attn: AttentionMetadata, positions_T: torch.Tensor, scale: float,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """attend (paged_attention_ref's signature) over caches that already hold the step's K/V -> out [T, H, d]."""
+    return attend(
+        q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
+        positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window,
+    )
+
+
 def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
     def backend(
         q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor,
@@ -217,12 +230,25 @@ def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
     ) -> torch.Tensor:
         """store_kv at attn.slot_mapping_T, then attend over the cache -> out [T, H, d]."""
         store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
-        return attend(
-            q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
-            positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window,
-        )
+        return attend_cached(attend, q_THd, k_cache_NbSHd, v_cache_NbSHd, attn, positions_T, scale, sliding_window)
 
     return backend
+
+
+@dataclass(frozen=True)
+class RopeFusedAttention:
+    """A backend that also takes the step's K/V already rotated and written: `rope_store_kv` (the signature
+    of `moe_infer.layers.rotary.rope_store_kv_ref`) rotates q and k, writes k and v at the slots and
+    returns the rotated q; `attend` (paged_attention_ref's signature) then reads the caches."""
+
+    rope_store_kv: Callable[..., torch.Tensor]
+    attend: Callable[..., torch.Tensor]
+
+
+# The attention backends whose layer runs the rotary embedding and the K/V write as one kernel (by the same
+# name as their ATTENTION_BACKENDS entry); with any other, the layer rotates by RotaryEmbedding.forward and
+# the ATTENTION_BACKENDS entry writes the K/V.
+ROPE_FUSED_BACKENDS: Registry[RopeFusedAttention] = Registry("rope-fused attention backend")
 
 
 ATTENTION_BACKENDS.register("torch")(store_then_attend(paged_attention_ref))

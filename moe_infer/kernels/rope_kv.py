@@ -1,0 +1,146 @@
+"""Rotary embedding of q and k fused with the K/V cache write: one launch per attention layer instead of
+the ~30 small ones of `RotaryEmbedding.forward` (cos/sin included) + `store_kv` (PyTorch reference of the same
+signature: `moe_infer.layers.rotary.rope_store_kv_ref`).
+
+One program per token t: cos/sin of position positions_T[t] come from a table built once
+(`RotaryEmbedding.cos_sin_cache`: row p = [cos_p[:d/2] | sin_p[:d/2]] in the model dtype, from the
+float32 math of `cos_sin`); all H query heads and Hkv key heads are rotated (rotate-half / NeoX layout:
+x1 = x[:d/2], x2 = x[d/2:], out = [x1*c - x2*s | x2*c + x1*s]); the rotated k and v go to the caches at
+slot_mapping_T[t] (block slot // S, offset slot % S; slot < 0 is a padding row and writes nothing); the
+rotated q goes to a new contiguous [T, H, d] tensor, the return value.
+
+Rounding is transformers' (and `RotaryEmbedding.forward`'s) exactly: torch computes each elementwise op
+of 16-bit tensors in float32 and rounds once per op, so the kernel rounds x*c, x*s and their sum to the
+model dtype one by one (`_round`, round to nearest even); for float32 inputs the launch turns off FMA contraction
+(`enable_fp_fusion=False`), which would otherwise fuse x*c + x*s into one rounding.
+
+No host sync and no data-dependent launch parameter: CUDA-graph capturable. Positions lie in the table
+(the runner refuses a max_model_len over max_position_embeddings, the table's length; CUDA-graph padding
+rows are at position 0); a position outside [0, P) is never read out of bounds: its cos and sin are 0.
+
+Legend: T tokens, H query heads, Hkv KV heads, d head_dim, P table positions, Nb cache blocks, S block size.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """x (float32) rounded to nearest-even in the model dtype, back in float32 (a no-op for float32)."""
+    if DTYPE == tl.bfloat16:
+        # by hand: the Triton interpreter's float32 -> bfloat16 cast truncates (the GPU's rounds to
+        # nearest even, as this does); the integer ops are free in a memory-bound kernel
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x_ptr, row_off, half, c, s, mask, DTYPE: tl.constexpr, HALF: tl.constexpr):
+    """The two rotated halves (float32, rounded as torch does) of the heads at x_ptr + row_off [heads, 1]."""
+    base = x_ptr + row_off
+    x1 = tl.load(base + half[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + half[None, :], mask=mask, other=0.0).to(tl.float32)
+    out1 = _round(_round(x1 * c, DTYPE) - _round(x2 * s, DTYPE), DTYPE)
+    out2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
+    return out1, out2
+
+
+@triton.jit
+def rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, q_out_ptr, num_positions,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cp,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    half = tl.arange(0, BLOCK_HALF)
+    half_ok = half < HALF
+    cs_ok = half_ok & (half * 0 + pos >= 0) & (half * 0 + pos < num_positions)
+    c_1h = tl.load(cos_sin_ptr + pos * stride_cp + half, mask=cs_ok, other=0.0).to(tl.float32)[None, :]
+    s_1h = tl.load(cos_sin_ptr + pos * stride_cp + HALF + half, mask=cs_ok, other=0.0).to(tl.float32)[None, :]
+
+    head = tl.arange(0, BLOCK_H)
+    mask = (head < H)[:, None] & half_ok[None, :]
+    q1, q2 = _rotate(q_ptr, t * stride_qt + head[:, None] * stride_qh, half, c_1h, s_1h, mask, DTYPE, HALF)
+    out = q_out_ptr + t * stride_ot + head[:, None] * stride_oh + half[None, :]
+    tl.store(out, q1.to(DTYPE), mask=mask)
+    tl.store(out + HALF, q2.to(DTYPE), mask=mask)
+
+    kv_head = tl.arange(0, BLOCK_HKV)
+    kv_ok = (kv_head < HKV) & (kv_head * 0 + slot >= 0)  # a padding row (slot < 0) writes nothing
+    kv_mask = kv_ok[:, None] & half_ok[None, :]
+    k1, k2 = _rotate(k_ptr, t * stride_kt + kv_head[:, None] * stride_kh, half, c_1h, s_1h, kv_mask, DTYPE, HALF)
+    block, offset = slot // PAGE, slot % PAGE
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head[:, None] * stride_kch + half[None, :]
+    tl.store(k_dst, k1.to(DTYPE), mask=kv_mask)
+    tl.store(k_dst + HALF, k2.to(DTYPE), mask=kv_mask)
+    v_src = v_ptr + t * stride_vt + kv_head[:, None] * stride_vh + half[None, :]
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head[:, None] * stride_vch + half[None, :]
+    tl.store(v_dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def rope_store_kv(
+    q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
+    cos_sin_Pd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, slot_mapping_T: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q [T, H, d] and k [T, Hkv, d] at positions_T, write k and v into the caches at
+    slot_mapping_T (in place; slots < 0 skipped) -> rotated q, a new contiguous [T, H, d] tensor.
+
+    q, k, v may be strided views (the fused qkv projection's split) with a unit stride on d; cos_sin_Pd is
+    `RotaryEmbedding.cos_sin_cache` ([P, d] in q's dtype)."""
+    T, H, d = q_THd.shape
+    Nb, S, Hkv, dk = k_cache_NbSHd.shape
+    _check(d % 2 == 0 and dk == d and k_THd.shape == (T, Hkv, d) and v_THd.shape == (T, Hkv, d)
+           and v_cache_NbSHd.shape == k_cache_NbSHd.shape,
+           f"q {tuple(q_THd.shape)}, k {tuple(k_THd.shape)}, v {tuple(v_THd.shape)} do not fit caches "
+           f"k {tuple(k_cache_NbSHd.shape)} / v {tuple(v_cache_NbSHd.shape)}")
+    _check(positions_T.shape == (T,) and slot_mapping_T.shape == (T,),
+           f"positions {tuple(positions_T.shape)} and slot_mapping {tuple(slot_mapping_T.shape)} must be [{T}]")
+    _check(cos_sin_Pd.dim() == 2 and cos_sin_Pd.shape[1] == d, f"cos_sin table {tuple(cos_sin_Pd.shape)} must be [P, {d}]")
+    _check(q_THd.dtype in _TL_DTYPES, f"rope_store_kv supports {list(_TL_DTYPES)}, got {q_THd.dtype}")
+    for name, t in (("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
+                    ("v_cache", v_cache_NbSHd)):
+        _check(t.dtype == q_THd.dtype, f"{name} is {t.dtype}, q is {q_THd.dtype}")
+    for name, t in (("q", q_THd), ("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
+                    ("v_cache", v_cache_NbSHd)):
+        _check(t.stride(-1) == 1, f"{name} needs a unit stride on its last dim, got {t.stride()}")
+    for name, t in (("k", k_THd), ("v", v_THd), ("positions", positions_T), ("cos_sin", cos_sin_Pd),
+                    ("k_cache", k_cache_NbSHd), ("v_cache", v_cache_NbSHd), ("slot_mapping", slot_mapping_T)):
+        _check(t.device == q_THd.device, f"{name} is on {t.device}, q on {q_THd.device}")
+    _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+           f"rope_store_kv is a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
+    q_out_THd = torch.empty((T, H, d), dtype=q_THd.dtype, device=q_THd.device)
+    if T == 0:
+        return q_out_THd
+    rope_store_kv_kernel[(T,)](
+        q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache_NbSHd, v_cache_NbSHd, slot_mapping_T, q_out_THd,
+        cos_sin_Pd.shape[0], q_THd.stride(0), q_THd.stride(1), k_THd.stride(0), k_THd.stride(1), v_THd.stride(0), v_THd.stride(1),
+        q_out_THd.stride(0), q_out_THd.stride(1), cos_sin_Pd.stride(0),
+        k_cache_NbSHd.stride(0), k_cache_NbSHd.stride(1), k_cache_NbSHd.stride(2),
+        v_cache_NbSHd.stride(0), v_cache_NbSHd.stride(1), v_cache_NbSHd.stride(2),
+        H=H, HKV=Hkv, HALF=d // 2, PAGE=S, BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_HALF=triton.next_power_of_2(d // 2),
+        DTYPE=_TL_DTYPES[q_THd.dtype], num_warps=4 if H * d >= 2048 else 1,
+        enable_fp_fusion=False,  # x*c + x*s as two roundings, as torch does (float32 inputs)
+    )
+    return q_out_THd
