@@ -129,11 +129,11 @@ class _Router:
     """The pre-gate a store's router gives: set by the test before each step."""
 
     def __init__(self, K: int) -> None:
-        self.ids_TK = None
+        self.ids_TK = self.weights_TK = None
         self.K = K
 
     def __call__(self, x_TD):
-        return None, None, self.ids_TK
+        return None, self.weights_TK, self.ids_TK
 
 
 def _stores(L, E, K, slots, **cfg):
@@ -208,6 +208,22 @@ def test_a_prefetch_never_evicts_what_it_just_brought():
     second.fetch(x, torch.tensor([[2, 3]]))
     after = m.stats[1].summary()
     assert after["prefetch_hits"] - before["prefetch_hits"] == 2 and after["copied"] == before["copied"]
+
+
+@pytest.mark.parametrize("ids,weights,expected", [
+    ([[1, 3]], [[0.2, 0.8]], 3),  # the router's weights: the likelier expert, not the lower id
+    ([[3, 1]], None, 3),  # no weights (a replayed trace): the pre-gate's first pick
+    ([[0, 2], [2, 0]], [[0.4, 0.6], [0.7, 0.3]], 2),  # summed over tokens: 1.3 for 2, 0.7 for 0 (2 rows each)
+])
+def test_a_layer_with_fewer_slots_than_predictions_prefetches_the_likeliest(ids, weights, expected):
+    torch.set_num_threads(1)
+    m, (first, second), routers = _stores(2, 6, 2, 1, miss_policy="wait")
+    x = torch.zeros(len(ids), D)
+    routers[1].ids_TK = torch.tensor(ids)
+    routers[1].weights_TK = None if weights is None else torch.tensor(weights)
+    ids_TK = torch.tensor([[4, 5]] * len(ids))
+    first.fetch(x, ids_TK).run(x, ids_TK, torch.ones(len(ids), 2), _checking_compute(first, ids_TK, set()))
+    assert second.prefetched == {expected}
 
 
 def test_host_tier_stays_on_the_host_when_the_model_is_built_under_a_device_context(tmp_path):

@@ -3,8 +3,10 @@ greedy and sampled with every knob, n up to 2, stop strings, logprobs, prompts o
 some clients disconnecting mid-stream, a KV cache small enough that sequences get preempted. Afterwards: no error but the intended disconnects, no request
 or KV block left in the engine, and the process memory flat between two equal phases.
 
-Bounded: two phases of PHASE_S seconds at RATE requests/s (about 45 s on 2 CPU cores); SOAK_S=...
-in the environment runs longer phases (e.g. on the device).
+Bounded: two phases of PHASE_S seconds at RATE requests/s (about 45 s on 2 CPU cores). The environment
+runs it longer and elsewhere: SOAK_S (seconds a phase), SOAK_RATE (requests/s), SOAK_DEVICE (cuda: the
+engine in bfloat16 on the GPU, and its allocated GPU memory must stay flat too), e.g. on the device
+`SOAK_S=90 SOAK_RATE=16 SOAK_DEVICE=cuda python -m pytest tests/test_server_soak.py`.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ openai = pytest.importorskip("openai")
 from server_fixtures import MODEL, live_server  # noqa: E402
 
 PHASE_S = float(os.environ.get("SOAK_S", "12"))
-RATE = 4.0  # requests per second
+RATE = float(os.environ.get("SOAK_RATE", "4"))  # requests per second
+DEVICE = os.environ.get("SOAK_DEVICE", "cpu")
 BASE = "def parse(line):\n    return line.split(',')\n"
 
 
@@ -88,16 +91,25 @@ async def phase(srv, seed: int) -> dict:
     return counts
 
 
-@pytest.mark.timeout(300)
+def gpu_mb() -> float:
+    import torch
+
+    return torch.cuda.memory_allocated() / 2**20 if DEVICE == "cuda" else 0.0
+
+
+@pytest.mark.timeout(max(300, int(3 * PHASE_S) + 240))
 def test_soak_mixed_load_with_disconnects():
+    device = dict(device="cuda", dtype="bfloat16") if DEVICE == "cuda" else {}
     with live_server(serve=dict(max_n=2, max_queued_requests=64), max_num_seqs=8, num_kv_blocks=24,
-                     max_model_len=256) as srv:
+                     max_model_len=256, **device) as srv:
         first = asyncio.run(phase(srv, 1))
         srv.wait_idle()
-        rss_after_first = rss_mb()
+        rss_after_first, gpu_after_first = rss_mb(), gpu_mb()
         second = asyncio.run(phase(srv, 2))
         srv.wait_idle()
-        growth = rss_mb() - rss_after_first
+        growth, gpu_growth = rss_mb() - rss_after_first, gpu_mb() - gpu_after_first
+        print(f"soak on {DEVICE}: {PHASE_S:.0f} s x 2 at {RATE} req/s: {first} / {second}; RSS +{growth:.1f} MB, "
+              f"GPU allocated +{gpu_growth:.1f} MB")
         for counts in (first, second):
             assert counts["errors"] == [] and counts["ok"] + counts["cut"] == counts["sent"], counts
             assert counts["sent"] >= RATE * PHASE_S / 2 and counts["cut"] >= 1, counts
@@ -106,3 +118,4 @@ def test_soak_mixed_load_with_disconnects():
         assert core.get_stats().num_free_kv_blocks == core.block_manager.num_blocks
         assert srv.engine.num_requests == 0
         assert growth < 64, f"RSS grew {growth:.1f} MB in the second phase"
+        assert gpu_growth < 16, f"allocated GPU memory grew {gpu_growth:.1f} MB in the second phase"

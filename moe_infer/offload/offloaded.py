@@ -70,15 +70,27 @@ class OffloadedExpertStore(nn.Module):
         self.prefetched: set = set()
 
     # ------------------------------------------------------------------ fetch
-    def predict(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """This layer's router on another layer's hidden state: predicted ids [T, K] (logical)."""
-        logits_TE, _, ids_TK = self.router(x_TD)
+    def predict(self, x_TD: torch.Tensor) -> tuple:
+        """This layer's router on another layer's hidden state: predicted ids [T, K] (logical) and their
+        weights [T, K] (a router without weights, e.g. a replayed trace: K, K-1, ... 1 over K by rank)."""
+        logits_TE, weights_TK, ids_TK = self.router(x_TD)
         alpha = self.manager.cfg.prefetch_stats_weight
         if alpha > 0:
             freq_E = self.freq_E / self.freq_E.sum().clamp_min(1.0)
             scores_TE = (1 - alpha) * logits_TE.float().softmax(-1) + alpha * freq_E
-            ids_TK = scores_TE.topk(ids_TK.shape[1], dim=-1).indices
-        return ids_TK
+            weights_TK, ids_TK = scores_TE.topk(ids_TK.shape[1], dim=-1)
+        if weights_TK is None:
+            K = ids_TK.shape[1]
+            weights_TK = torch.arange(K, 0, -1, device=ids_TK.device, dtype=torch.float32).div(K).expand(ids_TK.shape)
+        return ids_TK, weights_TK
+
+    def _scores_S(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Predicted routing mass per local expert [E] as integers (units of 2^-16, rounded up: a picked
+        expert never scores 0), on the device, no sync: the order prefetches take."""
+        flat = ids_TK.reshape(-1).long() + 1
+        mass_E1 = torch.zeros(self.num_experts + 1, dtype=torch.float32, device=flat.device)
+        mass_E1.scatter_add_(0, flat, weights_TK.reshape(-1).float().clamp_min(0.0))
+        return torch.ceil(mass_E1[1:][self.expert_ids_S] * 65536.0).long()
 
     def _rows_S(self, ids_TK: torch.Tensor) -> tuple:
         """(rows per logical expert [E_all], rows per local expert [E]) on the device, no sync."""
@@ -98,8 +110,8 @@ class OffloadedExpertStore(nn.Module):
             parts.append((self.pred_TK[:, :, None] == ids_TK[:, None, :]).any(-1).sum().view(1))
         nxt = m.next_store(self) if cfg.prefetch else None
         if nxt is not None:
-            nxt.pred_TK = nxt.predict(x_TD)
-            parts.append(nxt._rows_S(nxt.pred_TK)[1])
+            nxt.pred_TK, pred_weights_TK = nxt.predict(x_TD)
+            parts.append(nxt._scores_S(nxt.pred_TK, pred_weights_TK))
         host = torch.cat(parts).tolist()  # the layer step's one host sync
         needed: Dict[int, int] = {e: n for e, n in enumerate(host[:E]) if n}
         st = m.stats[self.pos]
@@ -113,10 +125,10 @@ class OffloadedExpertStore(nn.Module):
             st.predicted_needed += len(self.predicted & needed.keys())
             st.needed_after_prediction += len(needed)
         self.predicted, self.pred_TK = None, None
-        next_rows = host[E + has_pred:] if nxt is not None else None
-        return self._plan(needed, st, nxt, next_rows)
+        next_scores = host[E + has_pred:] if nxt is not None else None
+        return self._plan(needed, st, nxt, next_scores)
 
-    def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_rows) -> "FetchedExperts":
+    def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_scores) -> "FetchedExperts":
         m, cfg, E, table = self.manager, self.manager.cfg, self.num_local_experts, self.table
         table.unpin_all("prefetch")  # the prefetch was for this step
         table.policy.observe(needed)
@@ -150,13 +162,14 @@ class OffloadedExpertStore(nn.Module):
                 slot_of_E[e] = table.lookup(e)
         waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
         m.step_pinned.add(self)
-        return FetchedExperts(self, slot_of_E, waits, to_cpu, [needed[e] for e in to_cpu], to_stream, nxt, next_rows)
+        return FetchedExperts(self, slot_of_E, waits, to_cpu, [needed[e] for e in to_cpu], to_stream, nxt, next_scores)
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, rows: List[int]) -> None:
-        """Bring the experts the previous layer's pre-gate predicted for this layer (rows per expert)."""
+    def prefetch(self, scores: List[int]) -> None:
+        """Bring the experts the previous layer's pre-gate predicted for this layer, the most routing mass
+        first (`_scores_S`; with fewer slots than predictions only the likeliest are copied)."""
         m, cfg, table = self.manager, self.manager.cfg, self.table
-        want = sorted((e for e, n in enumerate(rows) if n), key=lambda e: -rows[e])
+        want = sorted((e for e, n in enumerate(scores) if n), key=lambda e: (-scores[e], e))
         self.predicted = set(want)
         if len(want) > cfg.stream_fraction * self.num_local_experts:
             return  # this layer will stream its step: nothing to cache ahead
@@ -201,11 +214,11 @@ class FetchedExperts:
     """One layer step's answer: slot tensors, local expert -> slot (-1: elsewhere), what runs elsewhere."""
 
     def __init__(self, store: OffloadedExpertStore, slot_of_E: List[int], waits: list, to_cpu: List[int],
-                 cpu_rows: List[int], to_stream: List[int], nxt, next_rows) -> None:
+                 cpu_rows: List[int], to_stream: List[int], nxt, next_scores) -> None:
         dev, E, C = store.w13_S2FD.device, store.num_local_experts, store.manager.plan.stream_chunk
         self.store, self.waits, self.to_cpu, self.to_stream = store, waits, to_cpu, to_stream
         self.cpu_rows = cpu_rows  # routed rows of each expert in to_cpu
-        self.nxt, self.next_rows = nxt, next_rows
+        self.nxt, self.next_scores = nxt, next_scores
         self.on_device = any(s >= 0 for s in slot_of_E)
         self.w13_S2FD, self.w2_SDF = store.w13_S2FD, store.w2_SDF
         # every small table of the step goes over now, before any GPU-side wait is queued
@@ -241,7 +254,7 @@ class FetchedExperts:
             out_TD = out_TD + compute(x_TD, chunk_ids_TK, weights_TK, buf.w13_C2FD, buf.w2_CDF)
             buf.last_use = m.copier.mark()
         if self.nxt is not None:  # the GPU has its work queued: the link turns to the next layer
-            self.nxt.prefetch(self.next_rows)
+            self.nxt.prefetch(self.next_scores)
             self.nxt = None
         if cpu_rows is not None:  # the host computes while the GPU and the link work
             cpu_t0 = time.perf_counter()
