@@ -19,7 +19,7 @@ Rooflines, computed here from the model's dimensions and the step's bytes / FLOP
   decode step bytes = per layer (attention + router weights + the experts touched + the K/V read) + LM
     head; experts touched at batch B = E * (1 - (1 - K/E)^B) (uniform routing: an estimate, the real
     routing touches no more distinct experts than this on average); read at --hbm-gbps;
-  decode roofline tok/s = B x new tokens / (the sum of the decode steps' times), prefill excluded;
+  decode roofline tok/s = B x new tokens / (new tokens decode steps' times), prefill excluded;
   prefill / TTFT limit = max(FLOPs / --tflops, weights touched / HBM rate).
 Writes JSON (device named) to --out, else $OUT, else benchmarks/results/.
 """
@@ -55,12 +55,13 @@ def experts_touched(dims: dict, tokens: int) -> float:
 
 
 def decode_roofline_s(dims: dict, batch: int, prompt: int, new: int, hbm: float) -> float:
-    """Seconds of the new-1 decode steps at the HBM rate (the first token comes from the prefill)."""
+    """Seconds of `new` decode-shaped steps at the HBM rate, one per output token (as the issue's table
+    counts: the prefill's own time is not in the roofline), step i reading prompt + i keys."""
     L, Hkv, d, V, D = (dims["num_hidden_layers"], dims["num_key_value_heads"], dims["head_dim"],
                        dims["vocab_size"], dims["hidden_size"])
     weights = L * layer_weight_bytes(dims, experts_touched(dims, batch)) + 2 * V * D
-    kv = sum(L * batch * (prompt + i) * 2 * Hkv * d * 2 for i in range(1, new))
-    return ((new - 1) * weights + kv) / hbm
+    kv = sum(L * batch * (prompt + i) * 2 * Hkv * d * 2 for i in range(new))
+    return (new * weights + kv) / hbm
 
 
 def prefill_limit_s(dims: dict, seqs: int, prompt: int, hbm: float, flops: float) -> float:
