@@ -226,6 +226,25 @@ def test_a_layer_with_fewer_slots_than_predictions_prefetches_the_likeliest(ids,
     assert second.prefetched == {expected}
 
 
+def test_a_layer_step_that_fails_part_way_still_has_its_pins_released(monkeypatch):
+    """The next layer step releases every step pin, also those of a step that raised after pinning
+    (e.g. an NVMe host cache that is full): otherwise those experts stay pinned for good."""
+    torch.set_num_threads(1)
+    m, (first, second), _ = _stores(2, 6, 1, 2, miss_policy="wait", prefetch=False)
+    x = torch.zeros(1, D)
+
+    def full(*args):
+        raise RuntimeError("the host cache's slots are all pinned")
+
+    monkeypatch.setattr(m, "ensure_host", full)
+    with pytest.raises(RuntimeError, match="all pinned"):
+        first.fetch(x, torch.tensor([[3]]))
+    assert first.table.pins["step"] == {3}
+    monkeypatch.undo()
+    second.fetch(x, torch.tensor([[0]]))
+    assert first.table.pins["step"] == set()
+
+
 def test_host_tier_stays_on_the_host_when_the_model_is_built_under_a_device_context(tmp_path):
     """load_model builds the model under `with torch.device(device)`: the host tier (and the NVMe file
     maps) must still be host memory; a device context on a CPU-only machine is simulated with meta."""

@@ -133,6 +133,7 @@ class OffloadedExpertStore(nn.Module):
         table.unpin_all("prefetch")  # the prefetch was for this step
         table.policy.observe(needed)
         hits = [e for e in needed if table.lookup(e) is not None]
+        m.step_pinned.add(self)  # before the pins: a step that fails part-way still has them released
         for e in needed:
             table.pin(e, "step")
         for e in hits:
@@ -161,7 +162,6 @@ class OffloadedExpertStore(nn.Module):
             if e not in elsewhere:
                 slot_of_E[e] = table.lookup(e)
         waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
-        m.step_pinned.add(self)
         return FetchedExperts(self, slot_of_E, waits, to_cpu, [needed[e] for e in to_cpu], to_stream, nxt, next_scores)
 
     # ------------------------------------------------------------------ prefetch
