@@ -89,8 +89,13 @@ def cuda_graph_summary(llm) -> dict:
     graphs = llm.engine.runner.graphs
     if graphs is None:
         return dict(used=False)
-    return dict(used=graphs.disabled is None, disabled=graphs.disabled, decode_steps_replayed=graphs.runs,
-                captured=sorted(graphs.graphs))
+    out = dict(used=graphs.disabled is None, disabled=graphs.disabled, decode_steps_replayed=graphs.runs,
+               captured=sorted(graphs.graphs))
+    extend = llm.engine.runner.extend_graphs
+    if extend is not None:  # prefill and mixed steps
+        out["extend"] = dict(used=extend.disabled is None, disabled=extend.disabled, steps_replayed=extend.runs,
+                             captured=sorted(extend.graphs))
+    return out
 
 
 def sync(device: torch.device) -> None:

@@ -21,6 +21,8 @@ class ModelConfig:
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights, config.json only
     enforce_eager: bool = False  # True: never replay decode steps as CUDA graphs (as vLLM's flag)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured; larger batches run eagerly
+    # the most tokens of a prefill / mixed step replayed as a CUDA graph (0: those steps run eagerly)
+    cuda_graph_max_tokens: int = 2048
     attention_backend: str = "auto"  # auto | torch (float32 reference) | sdpa | triton (paged, K/V read in place)
 
     def __post_init__(self) -> None:
@@ -29,6 +31,9 @@ class ModelConfig:
                              "(leave model.path unset, model=tiny_moe, for the small model shipped in the repo)")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError(f"model.cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"model.cuda_graph_max_tokens must be >= 0 (0: no graphs of prefill steps), got "
+                             f"{self.cuda_graph_max_tokens}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"model.load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in DTYPES + ("auto",):

@@ -61,6 +61,27 @@ def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
     return None
 
 
+def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
+                  pool) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, its static output) of run(), a forward over static buffers whose padding mask is valid_R.
+
+    One eager warm-up run first, on a side stream, for real on the step's buffers: it compiles what is
+    not compiled yet and writes the same K/V the replay writes (same slots, same values); with valid_R all
+    False meanwhile, it adds nothing to the expert-load statistics."""
+    valid_copy_R = valid_R.clone()
+    valid_R.fill_(False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    valid_R.copy_(valid_copy_R)
+    return graph, out
+
+
 def capture_sizes(max_batch: int) -> List[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... up to max_batch (always included)."""
     if max_batch <= 0:
@@ -156,20 +177,7 @@ class DecodeGraphs:
             return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
 
     def _capture(self, Bp: int, Mp: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # The warm-up runs for real on the step's buffers: it writes the same K/V the replay writes
-        # (same slots, same values) and, with valid_B all False, adds nothing to the load statistics.
-        valid_B = self.valid_B.clone()
-        self.valid_B.fill_(False)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run_static(Bp, Mp)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out_BpD = self._run_static(Bp, Mp)
-        self.valid_B.copy_(valid_B)
-        return graph, out_BpD
+        return capture_graph(lambda: self._run_static(Bp, Mp), self.valid_B, self.pool)
 
     def run(self, input_ids_T: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """hidden [B, D] of the step, or None when the graph could not be captured (run eagerly)."""

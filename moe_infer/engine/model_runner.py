@@ -25,6 +25,7 @@ import torch
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
+from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import (
@@ -83,6 +84,7 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.graphs = self._decode_graphs()
+        self.extend_graphs = self._extend_graphs()
         self.rebalancer = None
         if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
             if self.parallel.dims.ep == 1:
@@ -109,6 +111,24 @@ class ModelRunner:
         logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
         return graphs
 
+    def _extend_graphs(self) -> Optional[ExtendGraphs]:
+        """CUDA-graph replay of prefill and mixed steps where it is safe (moe_infer/engine/extend_graph.py)."""
+        from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
+
+        max_tokens = min(self.cfg.model.cuda_graph_max_tokens, self.cfg.scheduler.max_num_batched_tokens)
+        attn = self.model.layers[self.model.local_layers[0]].self_attn.backend
+        why_not = graph_blocker(self.cfg, self.device, self.backends)
+        if why_not is None and max_tokens == 0:
+            why_not = "model.cuda_graph_max_tokens=0"
+        if why_not is None and not getattr(ATTENTION_BACKENDS.get(attn), "static_launch", False):
+            why_not = f"attention backend {attn!r} sizes its launches from the data"
+        if why_not:
+            logger.info("prefill and mixed steps run eagerly: %s", why_not)
+            return None
+        return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
+                            -(-self.max_model_len // self.block_size), self.block_size, self.device,
+                            pool=self.graphs.pool if self.graphs is not None else None)
+
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
@@ -129,8 +149,11 @@ class ModelRunner:
         return max(1, min(useful, CPU_KV_CACHE_BYTES // bytes_per_block))
 
     def _activation_bytes(self) -> int:
-        """A generous bound on one step's activations (MoE rows dominate), kept out of the KV budget."""
+        """A generous bound on one step's activations (MoE rows dominate), kept out of the KV budget; with
+        prefill steps as CUDA graphs, their graph pool holds a second step's worth (up to their token limit)."""
         T = self.cfg.scheduler.max_num_batched_tokens
+        if not self.cfg.model.enforce_eager:
+            T += min(T, self.cfg.model.cuda_graph_max_tokens)
         hf = self.model.hf_config
         D = getattr(hf, "hidden_size", 4096)
         F = max(getattr(hf, "moe_intermediate_size", 0) or 0, getattr(hf, "intermediate_size", 0) or 0)
@@ -163,6 +186,8 @@ class ModelRunner:
         hidden_TD = None
         if self.graphs is not None and self.graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
             hidden_TD = self.graphs.run(inputs.input_ids_T, inputs.meta)  # None: the capture failed, run eagerly
+        elif self.extend_graphs is not None and self.extend_graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
+            hidden_TD = self.extend_graphs.run(inputs.input_ids_T, inputs.meta)  # None: run eagerly
         if hidden_TD is None:
             with forward_context(inputs.meta):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)

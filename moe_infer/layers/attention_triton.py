@@ -18,5 +18,9 @@ from moe_infer.layers.paged_attention import (
     ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, RopeFusedAttention, store_then_attend,
 )
 
-ATTENTION_BACKENDS.register("triton")(store_then_attend(paged_attention_triton))
+_triton = store_then_attend(paged_attention_triton)
+# every launch parameter comes from shapes and the metadata's host ints, never from the data: steps with any
+# query lengths can be captured as CUDA graphs (moe_infer/engine/extend_graph.py)
+_triton.static_launch = True
+ATTENTION_BACKENDS.register("triton")(_triton)
 ROPE_FUSED_BACKENDS.register("triton")(RopeFusedAttention(rope_store_kv, paged_attention_triton))

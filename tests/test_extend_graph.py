@@ -1,0 +1,121 @@
+"""Prefill, chunked-prefill and mixed steps through ExtendGraphs' static buffers (moe_infer/engine/extend_graph.py).
+
+CPU: the padded, static-buffer forward (capture=False) must give the unpadded eager result: the same
+greedy tokens over steps whose token and sequence counts are not bucket sizes (so a padding sequence
+and empty sequences are added), the same expert-load statistics (padding rows are not counted), and
+the steps must actually take that path; once with the float32 reference attention, once with the paged
+Triton kernel under the interpreter (the kernel the graphs capture). GPU: captured graphs against
+enforce_eager=True in float32, token for token and the same load statistics, with the graph path taken.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_fixtures import checkpoint
+from moe_infer import LLM, SamplingParams
+from moe_infer.engine.extend_graph import ExtendGraphs, token_buckets
+from moe_infer.layers.forward_context import AttentionMetadata
+
+PROMPTS = [[7, 19, 33, 41, 58, 62, 77, 80, 91, 15, 23], [11, 12, 13], list(range(40, 70))]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _meta(B: int, max_query_len: int, width: int = 3) -> AttentionMetadata:
+    z = torch.zeros(1)
+    return AttentionMetadata(positions_T=z, slot_mapping_T=z, block_tables_BM=torch.zeros(B, width),
+                             query_start_loc_B1=torch.zeros(B + 1), seq_lens_B=torch.zeros(B),
+                             max_query_len=max_query_len, max_seq_len=1, block_size=4)
+
+
+def test_token_buckets_and_step_buckets():
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert token_buckets(600) == [16, 32, 64, 128, 256, 512, 600]
+    assert token_buckets(10) == [10]
+    with pytest.raises(ValueError, match="positive"):
+        token_buckets(0)
+    graphs = ExtendGraphs(lambda ids, pos: ids, 2048, 6, 8, 4, torch.device("cpu"), capture=False)
+    assert graphs.max_seqs == 8  # 6 sequences and the padding one, as a power of two
+    assert graphs.bucket(1000, _meta(1, 1000)) == (1024, 2, 1024)
+    assert graphs.bucket(100, _meta(3, 40)) == (128, 4, 64)  # 28 padding rows; the longest query, 40, rounds to 64
+    assert graphs.bucket(1024, _meta(1, 1024)) == (1024, 2, 1024)
+    assert graphs.bucket(16, _meta(16, 1)) == (16, 32, 1)
+    assert graphs.can_run(100, _meta(3, 40))
+    assert not graphs.can_run(3000, _meta(1, 3000))  # more tokens than the largest bucket
+    assert not graphs.can_run(100, _meta(8, 20))  # 8 sequences + the padding one > 8
+    assert not graphs.can_run(100, _meta(3, 40, width=9))  # a block table wider than the buffers
+    assert not graphs.can_run(1025, _meta(1, 1025))  # 511 padding rows do not fit one table row (32 keys)
+
+
+def _generate(llm, prompts=PROMPTS, params=PARAMS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert [len(t) for t in tokens] == [params.max_tokens] * len(prompts), [o.outputs[0].error for o in outs]
+    return tokens
+
+
+def _static_vs_eager(family: str, prompts=PROMPTS, params=PARAMS, **kw):
+    path = checkpoint(family)
+    kw = dict(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, max_num_batched_tokens=24,
+              max_num_seqs=4, **kw)
+    eager = LLM(**kw)
+    want = _generate(eager, prompts, params)
+    want_load = eager.engine.runner.stats.routed_LE.clone()
+    assert eager.engine.scheduler.num_chunked_prefills > 0  # the 30-token prompt runs in chunks beside decodes
+
+    llm = LLM(**kw)
+    runner = llm.engine.runner
+    assert runner.extend_graphs is None  # CPU: graphs are never on by themselves
+    runner.extend_graphs = ExtendGraphs(runner.model, 24, 4, -(-runner.max_model_len // 4), 4, runner.device,
+                                        capture=False)
+    got = _generate(llm, prompts, params)
+    assert got == want
+    # every step (prefill chunks, mixed, decode: no decode graphs here) went through the buffers, padded
+    assert runner.extend_graphs.runs >= params.max_tokens
+    assert torch.equal(runner.stats.routed_LE, want_load)  # padding rows are not counted
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_static_buffer_prefill_equals_eager_cpu(family):
+    _static_vs_eager(family)
+
+
+@pytest.mark.timeout(600)  # the interpreter runs every attention call
+def test_static_buffer_prefill_triton_attention_interpreter():
+    """The same through the paged Triton kernel (its grid from the bucket: padding and empty sequences)."""
+    pytest.importorskip("moe_infer.layers.attention_triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU test below captures the real graphs")
+    _static_vs_eager("qwen3_moe", PROMPTS[1:], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                     attention_backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_cuda_graph_prefill_equals_eager_gpu(family):
+    kw = dict(model=checkpoint(family), device="cuda", dtype="float32", block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    eager = LLM(**kw, enforce_eager=True)
+    assert eager.engine.runner.extend_graphs is None
+    want = _generate(eager)
+    llm = LLM(**kw)
+    graphs = llm.engine.runner.extend_graphs
+    assert graphs is not None and graphs.capture
+    got = _generate(llm)
+    assert graphs.disabled is None, graphs.disabled
+    assert graphs.runs > 0 and graphs.graphs  # replayed, not eager
+    assert got == want
+    assert torch.equal(llm.engine.runner.stats.routed_LE, eager.engine.runner.stats.routed_LE)
+    assert _generate(llm) == want  # the second time: every bucket replays a graph captured before
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_prefill_graphs_off_where_unsafe_gpu():
+    kw = dict(model=checkpoint("qwen3_moe"), device="cuda", dtype="float32", block_size=4, num_kv_blocks=64)
+    assert LLM(**kw, attention_backend="sdpa").engine.runner.extend_graphs is None  # sized from the data
+    assert LLM(**kw, cuda_graph_max_tokens=0).engine.runner.extend_graphs is None
+    assert LLM(**kw, policy="drop").engine.runner.extend_graphs is None  # a capacity would count padding
