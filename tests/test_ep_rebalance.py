@@ -46,13 +46,30 @@ def test_local_moves_read_every_source_before_writing():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_rebalancing_moves_experts_and_keeps_greedy_outputs(nproc, tmp_path):
+    _rebalancing_run(nproc, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_rebalancing_on_gpus_nccl(nproc, tmp_path):
+    """The same on one GPU a rank over NCCL (the weights move by NCCL sends between steps)."""
+    import torch
+
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA devices, found {torch.cuda.device_count()}")
+    _rebalancing_run(nproc, tmp_path, "cuda")
+
+
+def _rebalancing_run(nproc, tmp_path, device):
     out = tmp_path / "tokens.json"
     placement_file = str(tmp_path / "placement.json")
     trace = load_trace(str(EXAMPLE_TRACE))  # the planner's per-layer file, from the shipped trace
     load = expert_load(trace)
     write_placement(placement_file, plan_auto(load, nproc, nproc), model_wide_plan(load, nproc, nproc),
                     layer_ids=trace.moe_layers)
-    rc, log = torchrun(nproc, "ep_rebalance_worker.py", str(out), placement_file, timeout=540)
+    rc, log = torchrun(nproc, "ep_rebalance_worker.py", str(out), placement_file, "--device", device, timeout=540)
     assert rc == 0 and "EP REBALANCE DONE" in log, log[-4000:]
     results = json.loads(out.read_text())["results"]
     assert [r["case"] for r in results] == [list(c) for c in CASES]

@@ -1,15 +1,16 @@
 """torchrun worker: greedy generation with online expert re-balancing (EPLB) vs without, on N ranks.
 
-    torchrun --nproc-per-node N tests/dist/ep_rebalance_worker.py OUT_JSON PLACEMENT_JSON
+    torchrun --nproc-per-node N tests/dist/ep_rebalance_worker.py OUT_JSON PLACEMENT_JSON [--device cuda]
 
 The trained tiny model (skewed routing, so re-plans move experts), EP over all ranks, one replica
 slot per rank. For each case rank 0 writes the greedy tokens with and without re-balancing, and
 (exact dispatcher) with the planner's per-layer placement file plus re-balancing; every rank
 checks that after each re-balancing run its slots hold the checkpoint's weights of the experts its
-layers' placements name, and counts the slots it received.
+layers' placements name, and counts the slots it received. --device cuda: one GPU a rank, NCCL.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -33,15 +34,20 @@ def slots_hold_checkpoint_weights(llm, reference) -> bool:
     for layer, ref_layer in zip(llm.engine.runner.model.moe_layers(), reference.moe_layers()):
         experts = layer.dispatcher.local_expert_ids
         for w, ref in zip(layer.store.weights(), ref_layer.store.weights()):
-            ok &= bool(torch.equal(w, ref[experts]))
+            ok &= bool(torch.equal(w.cpu(), ref[experts]))
     return ok
 
 
 def main() -> int:
-    out_path, placement_file = sys.argv[1], sys.argv[2]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_path")
+    ap.add_argument("placement_file")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    out_path, placement_file = args.out_path, args.placement_file
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kwargs = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=128, max_model_len=128, ep=world,
+    kwargs = dict(dtype="float32", device=args.device, block_size=4, num_kv_blocks=128, max_model_len=128, ep=world,
                   num_redundant_experts=world, capacity_factor=1.0, min_capacity=2)
     reference = load_model(default_model_path(), torch.float32, "cpu")  # all experts, for the weight check
     results, llm = [], None
