@@ -11,6 +11,9 @@ sequence are its last q_len positions, key j is visible to the query at position
 p - j < WINDOW with a sliding window). Online softmax in float32; float32 inputs multiply in IEEE
 float32 (DOT_PRECISION), not TF32, so a float32 model keeps its reference accuracy.
 
+Whole key tiles below a query tile's first position run without masks; exp2 with the scale folded
+in (log2 units for the row maxima).
+
 Split-KV (decode of long contexts): with NUM_SPLITS > 1 the program of split s handles keys
 [s * SPLIT_N, (s + 1) * SPLIT_N) and writes its unnormalised partial output, row max and row sum to
 a float32 workspace; `paged_attention_reduce_kernel` merges the splits.
@@ -67,38 +70,25 @@ def paged_attention_kernel(
         kv_start = tl.maximum(kv_start, split * SPLIT_N)
         kv_end = tl.minimum(kv_end, (split + 1) * SPLIT_N)
 
+    # keys up to the tile's first query position are visible to every row: those whole BLOCK_N tiles run
+    # without masks (no window); the rest (the diagonal, a split's or a window's edge) masked
+    full_end = kv_start
+    if not HAS_WINDOW:
+        full_end = tl.maximum(tl.minimum(kv_end, ((context + q_tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N), kv_start)
+    qk_scale = scale * 1.4426950408889634  # exp2 domain: m_i and the split maxima are in log2 units
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        keys = n0 + offs_n
-        key_ok = keys < kv_end
-        page = tl.load(block_tables_ptr + b * stride_bt + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
-        slot = keys % PAGE
-        kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (pos[:, None] - keys[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for n0 in range(kv_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, n0, full_end, pos, window, qk_scale,
+            acc, m_i, l_i, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            PAGE, BLOCK_N, False, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, n0, kv_end, pos, window, qk_scale,
+            acc, m_i, l_i, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            PAGE, BLOCK_N, True, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
 
     t = q_start + tok
     if NUM_SPLITS == 1:
@@ -118,7 +108,7 @@ def paged_attention_reduce_kernel(
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr,
 ):
-    """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s over the splits (m = max_s m_s)."""
+    """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits (m = max_s m_s, log2 units)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -126,7 +116,7 @@ def paged_attention_reduce_kernel(
     l_s = tl.load(l_part_ptr + offs_s * stride_ms + t * stride_mt + h)
     m = tl.max(m_s, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w_s = tl.exp(m_s - m)  # 0 for a split that saw no key (m_s = -inf)
+    w_s = tl.exp2(m_s - m)  # 0 for a split that saw no key (m_s = -inf)
     offs_d = tl.arange(0, HEAD_D)
     d_ok = offs_d < D
     acc = tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
@@ -135,3 +125,46 @@ def paged_attention_reduce_kernel(
     den = tl.sum(l_s * w_s, 0)
     out = num / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _attend_tile(
+    q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, n0, kv_end, pos, window, qk_scale,
+    acc, m_i, l_i, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N tile of keys [n0, n0 + BLOCK_N) into the online softmax (exp2; MASKED: keys past kv_end,
+    the causal diagonal and the window are masked; unmasked tiles are wholly visible to every row)."""
+    keys = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        key_ok = keys < kv_end
+        page = tl.load(block_tables_ptr + b * stride_bt + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(block_tables_ptr + b * stride_bt + keys // PAGE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    slot = keys % PAGE
+    k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[:, None] - keys[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
