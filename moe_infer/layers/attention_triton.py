@@ -7,7 +7,7 @@ write as one kernel (`moe_infer.kernels.rope_kv`), then the same paged kernel (o
 place of the ~30 of RotaryEmbedding.forward + store_kv; outputs bit-identical).
 
 The CUDA default ("auto" in ATTENTION_AUTO): on an H100 it measured 4.4-38x faster than the
-gather + SDPA path for decode and 3.3-8.7x for prefill/extend (`benchmarks/attention.py`). Eagerly,
+gather + SDPA path for decode and 4.5-9.9x for prefill/extend (`benchmarks/attention.py`). Eagerly,
 the SDPA path also paid about 70 ms of host time the first time it met each context length (1.3 ms
 after), this kernel 0.2 ms either way (`benchmarks/trials/sdpa_cudnn_check.py`): every eager step
 (prefill, offload, meshes) met a new length.
