@@ -13,7 +13,8 @@ shapes on other prompts:
   prefill: 16 prompts of 1024 tokens, one new token: prompt tok/s;
   TTFT: one prompt of 128 and of 1024 tokens, one new token: the generate call's wall time (median of 5).
 Ours runs with its defaults (decode steps as CUDA graphs, attention "auto"), and again with
---compare-attention (default "sdpa", the previous CUDA default) on the same prompts.
+--compare-attention (default "sdpa", the previous CUDA default) on the same prompts; --compare KEY=VALUE
+(repeatable) adds an engine built with that LLM keyword (e.g. async_scheduling=false), named ours_KEY_VALUE.
 
 Rooflines, computed here from the model's dimensions and the step's bytes / FLOPs:
   decode step bytes = per layer (attention + router weights + the experts touched + the K/V read) + LM
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="16x1024", help="SEQSxLEN of the prefill measurement")
     ap.add_argument("--ttft", default="128,1024", help="prompt lengths of the TTFT measurement")
     ap.add_argument("--compare-attention", default="sdpa", help="'' to skip the second engine")
+    ap.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE",
+                    help="another engine with this LLM keyword (true/false/ints parsed), e.g. async_scheduling=false")
     ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="the roofline's memory rate (H100 SXM: ~3000)")
     ap.add_argument("--tflops", type=float, default=741.0, help="the roofline's dense bf16 rate")
     ap.add_argument("--out", default=None)
@@ -122,6 +125,9 @@ def main() -> None:
         engines = {"ours": LLM(**kw)}
         if args.compare_attention and device.type == "cuda":
             engines[f"ours_{args.compare_attention}"] = LLM(**kw, attention_backend=args.compare_attention)
+        for item in args.compare:
+            key, _, value = item.partition("=")
+            engines[f"ours_{key}_{value}"] = LLM(**kw, **{key: parse_value(value)})
         result = dict(benchmark="engine_roofline", device=e2e.device_label(device), torch=torch.__version__,
                       transformers=__import__("transformers").__version__, dtype=str(dtype),
                       model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
@@ -173,6 +179,18 @@ def main() -> None:
     result["targets_met"] = targets_met(result)
     print_table(result)
     e2e.write_result(result, f"engine_roofline_{result['device']}.json", args.out)
+
+
+def parse_value(text: str):
+    """A --compare value: true/false, an int, a float, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def targets_met(result: dict) -> dict:
