@@ -1,6 +1,7 @@
 """Expert offload on one GPU: decode speed of MoE shapes that do not fit, against the link's limit.
 
     python benchmarks/offload.py                  # the lent H100: about 6 minutes, one command
+    python benchmarks/offload.py --parts mixtral  # the Mixtral shape only (about 2 minutes)
     python benchmarks/offload.py --smoke          # CPU, tiny shapes: the same code paths end to end
 
 The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from
@@ -14,7 +15,9 @@ is left after the other weights, the KV cache and a margin. Measured, per shape:
   Qwen3-30B-A3B (E=128, K=8, D=2048, F=768, 48 layers) at --qwen-budget-gb, own router.
 For each: decode tok/s, hit rate, pre-gate accuracy, GB moved, achieved H2D GB/s against the pinned
 limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the
-measured link + CPU rates. Baselines in the same run: transformers + accelerate device_map offload
+measured link + CPU rates; the single-stream runs once per prefetch rule of --prefetch-rules (the
+configured default `saving` first, then `all`, the rule before it), with the GB its wrong
+prefetches moved. Baselines in the same run: transformers + accelerate device_map offload
 (4 layers, at the same GPU memory per layer, extrapolated to the model's layers), and the NVMe
 tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
 benchmarks/results/offload_<device>.json (or under --out / $OUT).
@@ -38,9 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps,  # noqa: E402
-                           link_and_cpu_limits, record_tiny_traces, sync)
+                           link_and_cpu_limits, print_table, record_tiny_traces, sync, use_prefetch_rule)
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
+from moe_infer.offload.prefetch import PREFETCH_RULES  # noqa: E402
 
 GiB = 1 << 30
 
@@ -113,7 +117,8 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
     return {"streams": streams, "decode_steps": steps, "seconds": elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
             "tok_s": streams * steps / elapsed, **{k: stats[k] for k in (
                 "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
-                "needed", "copied", "streamed", "cpu")}}
+                "needed", "copied", "streamed", "cpu", "prefetched", "prefetch_wasted", "prefetch_declined",
+                "prefetch_evicted_needed", "gb_prefetch_wasted")}}
 
 
 def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
@@ -133,21 +138,24 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     for routing in (("router", "trace") if traces is not None else ("router",)):
         if routing == "trace":
             TraceReplay(traces, E, K, device).install(moe)
-        for streams in (1, 16):
+        for streams, rule in [(1, rule) for rule in args.prefetch_rules] + [(16, args.prefetch_rules[0])]:
             if time.perf_counter() > args.deadline:
                 print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
                 continue
+            use_prefetch_rule(llm, rule)
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
             moved = (r["copied"] + r["streamed"] + r["cpu"]) * expert_bytes(cfg)
             bound_s = moved / (link_bps + cpu_bps)
-            r.update(shape=name, routing=routing, layers=cfg.num_hidden_layers, budget_gb=budget_gb, setup_s=setup_s,
+            r.update(shape=name, routing=routing, prefetch_rule=rule, layers=cfg.num_hidden_layers, budget_gb=budget_gb,
+                     setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
                      bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1),
                      step_over_bound=r["seconds"] / bound_s if bound_s else None)
             rows.append(r)
-            print(f"[{name}] {routing:6s} {streams:2d} streams: {r['tok_s']:.2f} tok/s, hit {r['hit_rate']:.2f}, "
-                  f"pre-gate {r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s, "
+            print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}: {r['tok_s']:.2f} tok/s, hit "
+                  f"{r['hit_rate']:.2f}, pre-gate {r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at "
+                  f"{r['h2d_gbps']:.1f} GB/s ({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), "
                   f"CPU {r['cpu_share']:.2f}, step {r['step_ms']:.0f} ms vs bound {r['bound_step_ms']:.0f} ms", flush=True)
     llm.shutdown()
     del llm, moe
@@ -203,9 +211,18 @@ def main() -> int:
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--nvme-experts", type=int, default=12, help="Mixtral experts written and read back (352 MB each)")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; no part or run starts after it")
+    ap.add_argument("--parts", default="mixtral,qwen3,accelerate,nvme", help="which parts to run (comma list)")
+    ap.add_argument("--prefetch-rules", default="saving,all",
+                    help="offload.prefetch_rule of each single-stream run (the first also for 16 streams)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
+    args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
+    for rule in args.prefetch_rules:  # a typo fails here, not after minutes of set-up
+        PREFETCH_RULES.get(rule)
+    unknown = set(args.parts) - {"mixtral", "qwen3", "accelerate", "nvme"}
+    if unknown:
+        ap.error(f"--parts: unknown {sorted(unknown)}; choose from mixtral, qwen3, accelerate, nvme")
     start = time.perf_counter()
     args.deadline = start + args.time_budget
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -253,6 +270,8 @@ def main() -> int:
              ("qwen3", lambda: result["runs"].extend(bench_shape("qwen3", qwen, qwen_budget, limits, args, None, device))),
              ("accelerate", accelerate_part), ("nvme", nvme_part)]
     for name, fn in parts:  # one failing part is recorded and the others still run: this is a one-shot GPU run
+        if name not in args.parts:
+            continue
         if time.perf_counter() > args.deadline:
             result["errors"][name] = "skipped: --time-budget spent"
             print(f"{name}: skipped, the time budget is spent", flush=True)
@@ -269,18 +288,6 @@ def main() -> int:
     print_table(result)
     print(f"wrote {out} ({result['seconds']:.0f} s)")
     return 1 if result["errors"] else 0
-
-
-def print_table(result: dict) -> None:
-    acc = result.get("accelerate", {}).get("extrapolated_tok_s")
-    print(f"\n{'shape':8} {'layers':>6} {'routing':7} {'streams':>7} {'tok/s':>7} {'hit':>5} {'pregate':>7} "
-          f"{'GB':>6} {'GB/s':>6} {'of H2D':>6} {'CPU':>5} {'step/bound':>10} {'x accel':>8}")
-    for r in result["runs"]:
-        over = f"{r['step_over_bound']:.2f}" if r["step_over_bound"] else "-"
-        vs = f"{r['tok_s'] / acc:.0f}" if acc and r["shape"] == "mixtral" and r["streams"] == 1 else "-"
-        print(f"{r['shape']:8} {r['layers']:>6} {r['routing']:7} {r['streams']:>7} {r['tok_s']:>7.2f} {r['hit_rate']:>5.2f} "
-              f"{r['prefetch_token_recall']:>7.2f} {r['gb_h2d']:>6.1f} {r['h2d_gbps']:>6.1f} {r['h2d_of_limit']:>6.2f} "
-              f"{r['cpu_share']:>5.2f} {over:>10} {vs:>8}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Pieces of benchmarks/offload.py: the machine's limits, trace replay, the accelerate baseline, NVMe.
+"""Pieces of benchmarks/offload.py: the machine's limits, the prefetch rule of a run, the table, trace
+replay, the accelerate baseline.
 
 Limits measured in the same run: pinned host-to-device GB/s of one expert, the CPU's time for one
 expert (bf16, 1 and 8 rows), the disk's sequential O_DIRECT read (dd). Traces: the trained tiny
 model (transformers' own Qwen3-MoE class) run over Python source, recording per token and layer
-the router's top-4 and the pre-gate (layer l's router on layer l-1's MoE input) top-2, folded from
-16 experts to 8 (e // 2, the first two distinct picks) for the Mixtral shape.
+the router's top-4 and the pre-gate's (layer l's router on layer l-1's MoE input) probabilities,
+folded from 16 experts to 8 for the Mixtral shape: the router's picks as e // 2 (the first two
+distinct), the pre-gate's probabilities summed in pairs, its top-2 renormalized as Mixtral's router
+weights them.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import subprocess
@@ -20,6 +24,7 @@ import torch
 from moe_infer.layers.forward_context import get_forward_context
 from moe_infer.offload.compute import swiglu
 from moe_infer.offload.host import HostRegion
+from moe_infer.offload.prefetch import Prefetcher
 
 
 def sync(device: torch.device) -> None:
@@ -66,6 +71,25 @@ def disk_read_gbps(path: str) -> float:
     return size / (time.perf_counter() - t0) / 1e9
 
 
+def use_prefetch_rule(llm, rule: str) -> None:
+    """A fresh prefetch decision (and calibration) with `rule` on the running engine."""
+    m = llm.engine.runner.offload
+    m.prefetcher = Prefetcher(dataclasses.replace(m.cfg, prefetch_rule=rule), m)
+
+
+def print_table(result: dict) -> None:
+    acc = result.get("accelerate", {}).get("extrapolated_tok_s")
+    print(f"\n{'shape':8} {'layers':>6} {'routing':7} {'streams':>7} {'prefetch':8} {'tok/s':>7} {'hit':>5} "
+          f"{'pregate':>7} {'GB':>6} {'wasted':>6} {'GB/s':>6} {'of H2D':>6} {'CPU':>5} {'step/bound':>10} {'x accel':>8}")
+    for r in result["runs"]:
+        over = f"{r['step_over_bound']:.2f}" if r["step_over_bound"] else "-"
+        vs = f"{r['tok_s'] / acc:.0f}" if acc and r["shape"] == "mixtral" and r["streams"] == 1 else "-"
+        print(f"{r['shape']:8} {r['layers']:>6} {r['routing']:7} {r['streams']:>7} {r['prefetch_rule']:8} "
+              f"{r['tok_s']:>7.2f} {r['hit_rate']:>5.2f} {r['prefetch_token_recall']:>7.2f} {r['gb_h2d']:>6.1f} "
+              f"{r['gb_prefetch_wasted']:>6.1f} {r['h2d_gbps']:>6.1f} {r['h2d_of_limit']:>6.2f} {r['cpu_share']:>5.2f} "
+              f"{over:>10} {vs:>8}")
+
+
 # ------------------------------------------------------------------ tiny-model traces
 def python_text(max_chars: int) -> str:
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
@@ -83,8 +107,8 @@ def python_text(max_chars: int) -> str:
 
 @torch.no_grad()
 def record_tiny_traces(num_streams: int, tokens_per_stream: int, device: torch.device) -> Dict[str, torch.Tensor]:
-    """ids [S, N, 6, 4] (router top-4) and pred [S, N, 6, 2] (pre-gate top-2 for layer l from layer l-1's
-    input; layer 0 from layer 5 of the same token) on the trained tiny model, 16 experts."""
+    """ids [S, N, 6, 4] (router top-4) and pred_probs [S, N, 6, 16] (the pre-gate's softmax for layer l from
+    layer l-1's input; layer 0 from layer 5 of the same token) on the trained tiny model, 16 experts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moe_infer.assets import default_model_path
@@ -103,8 +127,8 @@ def record_tiny_traces(num_streams: int, tokens_per_stream: int, device: torch.d
     gates = [m.gate.weight for m in mlps]
     L = len(mlps)
     top = [(x.float() @ gates[i].float().t()).topk(4, dim=-1).indices for i, x in enumerate(inputs)]
-    pred = [(inputs[(i - 1) % L].float() @ gates[i].float().t()).topk(2, dim=-1).indices for i in range(L)]
-    return {"ids": torch.stack(top, 2).cpu(), "pred": torch.stack(pred, 2).cpu()}
+    pred = [(inputs[(i - 1) % L].float() @ gates[i].float().t()).softmax(-1) for i in range(L)]
+    return {"ids": torch.stack(top, 2).cpu(), "pred_probs": torch.stack(pred, 2).cpu()}
 
 
 def fold(ids_NK: torch.Tensor, num_experts: int, k: int) -> torch.Tensor:
@@ -118,22 +142,36 @@ def fold(ids_NK: torch.Tensor, num_experts: int, k: int) -> torch.Tensor:
     return out
 
 
+def fold_probs(probs_X16: torch.Tensor, num_experts: int, k: int) -> tuple:
+    """(ids [X, k], weights [X, k]): 16 tiny experts' probabilities summed onto num_experts, the top-k
+    renormalized to sum to 1 (Mixtral's router weights)."""
+    probs_XE = probs_X16.reshape(probs_X16.shape[0], num_experts, -1).sum(-1)
+    weights, ids = probs_XE.topk(k, dim=-1)
+    return ids, weights / weights.sum(-1, keepdim=True)
+
+
 class TraceReplay:
     """Routes each MoE layer of an engine by the trace: layer l replays tiny layer l % 6 at the token's
-    (sequence of the batch, position); its store's pre-gate replays the tiny model's pre-gate."""
+    (sequence of the batch, position); its store's pre-gate replays the tiny model's pre-gate (ids and
+    renormalized weights)."""
 
     def __init__(self, traces: Dict[str, torch.Tensor], num_experts: int, top_k: int, device) -> None:
         S, N, L, _ = traces["ids"].shape
         self.N, self.L = N, L
         self.ids = fold(traces["ids"].reshape(-1, 4), num_experts, top_k).view(S, N, L, top_k).to(device)
-        self.pred = fold(traces["pred"].reshape(-1, 2), num_experts, top_k).view(S, N, L, top_k).to(device)
+        pred, pred_w = fold_probs(traces["pred_probs"].reshape(S * N * L, -1), num_experts, top_k)
+        self.pred, self.pred_w = pred.view(S, N, L, top_k).to(device), pred_w.view(S, N, L, top_k).to(device)
         self.E, self.K = num_experts, top_k
 
     def _rows(self, table: torch.Tensor, layer: int, T: int) -> torch.Tensor:
         attn = get_forward_context().attn
         q = attn.query_start_loc_B1.long()
         seq_T = torch.searchsorted(q[1:], torch.arange(T, device=q.device), right=True) % table.shape[0]
-        return table[seq_T, attn.positions_T % self.N, layer % self.L]
+        return self.at(table, seq_T, attn.positions_T, layer)
+
+    def at(self, table: torch.Tensor, seq_T: torch.Tensor, pos_T: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows of `table` (ids, pred or pred_w) for tokens (sequence, position) of MoE layer `layer`."""
+        return table[seq_T % table.shape[0], pos_T % self.N, layer % self.L]
 
     def install(self, moe_layers) -> None:
         for i, layer in enumerate(moe_layers):
@@ -143,7 +181,8 @@ class TraceReplay:
                 return torch.zeros(x_TD.shape[0], self.E, device=x_TD.device), w_TK, ids_TK
 
             def pre_gate(x_TD, i=i):
-                return None, None, self._rows(self.pred, i, x_TD.shape[0])
+                T = x_TD.shape[0]
+                return None, self._rows(self.pred_w, i, T), self._rows(self.pred, i, T)
 
             layer.route = route
             if not layer.store.is_resident:

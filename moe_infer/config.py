@@ -112,6 +112,8 @@ class OffloadConfig:
     prefetch: bool = True  # pre-gate the next layer's experts with its router on the current hidden state
     prefetch_stats_weight: float = 0.0  # blend of the recorded expert frequencies into the prediction, [0, 1]
     max_prefetch: Optional[int] = None  # experts prefetched per layer at most (None: top_k x tokens, <= slots)
+    prefetch_rule: str = "saving"  # moe_infer.offload.prefetch.PREFETCH_RULES: saving (expected saving > 0) | all
+    prefetch_min_prob: float = 0.3  # saving: no prefetch of an expert less likely than this to be needed, [0, 1]
     miss_policy: str = "auto"  # auto (the measured cost model picks copy or CPU) | wait (copy) | cpu
     stream_fraction: float = 0.75  # a step that needs more than this share of a layer's experts streams them
     stream_chunk: Optional[int] = None  # experts per double buffer (None: max(1, top_k // 2))
@@ -129,6 +131,8 @@ class OffloadConfig:
             raise ValueError("give offload.gpu_expert_budget_gb or offload.slots_per_layer, not both")
         if not 0.0 <= self.prefetch_stats_weight <= 1.0:
             raise ValueError(f"offload.prefetch_stats_weight must be in [0, 1], got {self.prefetch_stats_weight}")
+        if not 0.0 <= self.prefetch_min_prob <= 1.0:
+            raise ValueError(f"offload.prefetch_min_prob must be in [0, 1], got {self.prefetch_min_prob}")
         if self.max_prefetch is not None and self.max_prefetch < 0:
             raise ValueError(f"offload.max_prefetch must be >= 0, got {self.max_prefetch}")
         if self.miss_policy not in ("auto", "wait", "cpu"):

@@ -22,13 +22,16 @@ def test_offload_benchmark_smoke(tmp_path):
                           text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "offload_smoke_cpu.json").read_text())
-    runs = {(r["shape"], r["routing"], r["streams"]) for r in result["runs"]}
-    assert runs == {("mixtral", "router", 1), ("mixtral", "router", 16), ("mixtral", "trace", 1),
-                    ("mixtral", "trace", 16), ("qwen3", "router", 1), ("qwen3", "router", 16)}
+    runs = sorted((r["shape"], r["routing"], r["streams"], r["prefetch_rule"]) for r in result["runs"])
+    assert runs == sorted([(shape, routing, streams, rule) for shape, routing in
+                           [("mixtral", "router"), ("mixtral", "trace"), ("qwen3", "router")]
+                           for streams, rule in [(1, "saving"), (1, "all"), (16, "saving")]])
     for r in result["runs"]:
         assert r["tok_s"] > 0 and r["needed"] > 0 and 0 <= r["hit_rate"] <= 1
     trace_1 = next(r for r in result["runs"] if r["routing"] == "trace" and r["streams"] == 1)
     assert trace_1["prefetch_token_recall"] > 0.3  # the tiny model's pre-gate, replayed
+    for r in result["runs"]:  # the prefetch counters reached the JSON and add up
+        assert r["prefetch_wasted"] <= r["prefetched"] and r["gb_prefetch_wasted"] <= r["gb_h2d"]
     assert result["accelerate"]["s_per_token"] > 0
     assert result["nvme"]["read_gbps"] > 0 and result["nvme"]["dd_gbps"] > 0
     assert "shape" in proc.stdout and "wrote" in proc.stdout  # the table and the JSON path are printed

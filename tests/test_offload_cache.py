@@ -20,20 +20,29 @@ D, F = 4, 2
 # ------------------------------------------------------------------ slot table
 @settings(max_examples=200, deadline=None)
 @given(num_slots=st.integers(0, 4), policy=st.sampled_from(["lru", "lfu"]),
-       ops=st.lists(st.tuples(st.sampled_from(["alloc", "pin_step", "pin_prefetch", "unpin_step",
+       ops=st.lists(st.tuples(st.sampled_from(["alloc", "alloc_victim", "pin_step", "pin_prefetch", "unpin_step",
                                                "unpin_prefetch", "touch", "observe"]), st.integers(0, 7)),
                     max_size=60))
 def test_slot_table_never_evicts_a_pinned_key(num_slots, policy, ops):
     table = SlotTable(num_slots, CACHE_POLICIES.get(policy)())
     for op, key in ops:
-        if op == "alloc" and table.lookup(key) is None:
+        if op.startswith("alloc") and table.lookup(key) is None:
             pinned_before = {k for k in table.slot_of if table.is_pinned(k)}
-            got = table.allocate(key)
+            victim = None
+            if op == "alloc_victim" and table.slot_of:  # the prefetch rule names its victim: the oldest key
+                victim = next(iter(table.slot_of))
+                if victim in pinned_before:
+                    with pytest.raises(ValueError, match="pinned"):
+                        table.allocate(key, victim)
+                    continue
+            got = table.allocate(key, victim)
             if got is None:  # refused only when every slot holds a pinned key
                 assert len(pinned_before) == num_slots
                 continue
             slot, evicted = got
             assert evicted not in pinned_before
+            if victim is not None:
+                assert evicted == victim
             assert table.lookup(key) == slot and table.key_in[slot] == key
         elif op.startswith("pin_"):
             table.pin(key, op[4:])
@@ -73,6 +82,8 @@ def test_plan_spreads_the_budget_and_refuses_an_impossible_one(tmp_path):
         plan_offload(OffloadConfig(store="cpu", gpu_expert_budget_gb=per * 1.5), shape)
     with pytest.raises(ValueError, match="cache_policy='fifo'"):
         plan_offload(OffloadConfig(store="cpu", cache_policy="fifo"), shape)
+    with pytest.raises(ValueError, match=r"prefetch_rule='sometimes' is not one of \['all', 'saving'\]"):
+        plan_offload(OffloadConfig(store="cpu", prefetch_rule="sometimes"), shape)
     with pytest.raises(ValueError, match="cpu_budget_gb=.* at least two layers"):
         plan_offload(OffloadConfig(store="nvme", nvme_path=str(tmp_path), cpu_budget_gb=per * 10), shape)
 
@@ -163,19 +174,25 @@ def _checking_compute(store, ids_TK, seen):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), E=st.integers(2, 6), K=st.integers(1, 2), slots=st.integers(0, 4),
        miss=st.sampled_from(["wait", "cpu", "auto"]), policy=st.sampled_from(["lru", "lfu"]),
-       stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 4))
-def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, policy, stream_fraction, steps):
+       stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 4),
+       rule=st.sampled_from(["all", "saving"]), min_prob=st.sampled_from([0.0, 0.3, 0.9]),
+       link_s=st.sampled_from([0.0, 0.5]))
+def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, policy, stream_fraction, steps, rule,
+                                                    min_prob, link_s):
     torch.set_num_threads(1)
     L = 3
     m, stores, routers = _stores(L, E, K, slots, miss_policy=miss, cache_policy=policy,
-                                 stream_fraction=stream_fraction)
+                                 stream_fraction=stream_fraction, prefetch_rule=rule, prefetch_min_prob=min_prob)
+    m.prefetcher.costs = lambda: (1.0, link_s)  # an idle or a half-busy link, not the wall clock
     ids = st.lists(st.integers(-1, E - 1), min_size=K, max_size=K)
+    weights = st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K)
     for _ in range(steps):
         T = data.draw(st.integers(1, 4))
         for layer, store in enumerate(stores):
             ids_TK = torch.tensor(data.draw(st.lists(ids, min_size=T, max_size=T)))
             if layer + 1 < L:
                 routers[layer + 1].ids_TK = torch.tensor(data.draw(st.lists(ids, min_size=T, max_size=T))).clamp_min(0)
+                routers[layer + 1].weights_TK = torch.tensor(data.draw(st.lists(weights, min_size=T, max_size=T)))
             prefetched = set(store.prefetched)
             hits_before = m.stats[layer].prefetch_hits
             fetched = store.fetch(torch.zeros(T, D), ids_TK)
@@ -189,13 +206,17 @@ def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, pol
             assert seen == want  # every row on the device ran from a slot holding its expert
     total = m.summary()["total"]
     assert total["needed"] == total["hits"] + total["copied"] + total["streamed"] + total["cpu"]
+    assert total["prefetch_hits"] + total["prefetch_wasted"] == total["prefetched"] - sum(
+        len(s.prefetched) for s in stores)  # every landed prefetch was used or wasted (the last ones are pending)
 
 
-def test_a_prefetch_never_evicts_what_it_just_brought():
+@pytest.mark.parametrize("rule", ["all", "saving"])
+def test_a_prefetch_never_evicts_what_it_just_brought(rule):
     """LFU ranks a just-prefetched (never routed) expert coldest: without the prefetch pin the next
     prefetched expert would take its slot, and the layer would miss what was predicted right."""
     torch.set_num_threads(1)
-    m, (first, second), routers = _stores(2, 6, 2, 2, cache_policy="lfu", miss_policy="wait")
+    m, (first, second), routers = _stores(2, 6, 2, 2, cache_policy="lfu", miss_policy="wait", prefetch_rule=rule)
+    m.prefetcher.costs = lambda: (1.0, 0.0)  # an idle link: `saving` takes every likelier candidate
     x = torch.zeros(1, D)
     for _ in range(3):  # experts 0 and 1 of the second layer become hot and cached
         routers[1].ids_TK = torch.tensor([[0, 1]])
@@ -217,7 +238,7 @@ def test_a_prefetch_never_evicts_what_it_just_brought():
 ])
 def test_a_layer_with_fewer_slots_than_predictions_prefetches_the_likeliest(ids, weights, expected):
     torch.set_num_threads(1)
-    m, (first, second), routers = _stores(2, 6, 2, 1, miss_policy="wait")
+    m, (first, second), routers = _stores(2, 6, 2, 1, miss_policy="wait", prefetch_rule="all")
     x = torch.zeros(len(ids), D)
     routers[1].ids_TK = torch.tensor(ids)
     routers[1].weights_TK = None if weights is None else torch.tensor(weights)

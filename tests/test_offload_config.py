@@ -19,6 +19,7 @@ def test_llm_keywords_as_the_issue_writes_them():
     (dict(store="cpu", miss_policy="sometimes"), "miss_policy must be auto, wait or cpu"),
     (dict(store="cpu", stream_fraction=0), r"stream_fraction must be in \(0, 1\]"),
     (dict(store="cpu", prefetch_stats_weight=2), r"prefetch_stats_weight must be in \[0, 1\]"),
+    (dict(store="cpu", prefetch_min_prob=1.5), r"prefetch_min_prob must be in \[0, 1\]"),
     (dict(store="nvme", nvme_path="/x", nvme_reader="mmap"), "nvme_reader must be auto, deepspeed or threads"),
 ])
 def test_bad_values_name_the_field(kwargs, match):
@@ -51,5 +52,7 @@ def test_hydra_nvme_needs_a_path():
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         with pytest.raises((MissingMandatoryValue, ValueError), match="offload.nvme_path"):
             OmegaConf.to_object(compose(config_name="config", overrides=["offload=nvme"]))
-        job = OmegaConf.to_object(compose(config_name="config", overrides=["offload=cpu", "offload.slots_per_layer=2"]))
+        job = OmegaConf.to_object(compose(config_name="config", overrides=[
+            "offload=cpu", "offload.slots_per_layer=2", "offload.prefetch_rule=all", "offload.prefetch_min_prob=0.5"]))
     assert job.offload.store == "cpu" and job.offload.slots_per_layer == 2
+    assert job.offload.prefetch_rule == "all" and job.offload.prefetch_min_prob == 0.5

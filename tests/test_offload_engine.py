@@ -105,13 +105,19 @@ def tiny_resident_tokens():
 @pytest.mark.parametrize("offload", [
     dict(offload="cpu", slots_per_layer=4, miss_policy="auto"),
     dict(offload="cpu", slots_per_layer=2, cache_policy="lfu", miss_policy="cpu", max_prefetch=1),
-])
+    dict(offload="cpu", slots_per_layer=2, miss_policy="wait", prefetch_rule="all"),
+    dict(offload="cpu", slots_per_layer=2, miss_policy="wait", prefetch_min_prob=0.8),
+], ids=["saving_auto", "saving_lfu_cpu_max1", "all_wait", "saving_sure_only"])
 def test_tiny_model_offloaded_equals_resident(offload, tiny_resident_tokens):
+    """The default prefetch rule (`saving`: explicit victims, declined candidates) and the old one (`all`)
+    keep the resident engine's greedy tokens."""
     llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, **offload)
     outs = llm.generate(TINY_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == tiny_resident_tokens
     total = llm.get_offload_stats()["total"]
     assert total["prefetched"] > 0 and total["prefetch_hits"] > 0
+    if offload.get("prefetch_min_prob"):  # the floor turned weak predictions down
+        assert total["prefetch_declined"] > 0
 
 
 @pytest.mark.timeout(300)

@@ -24,9 +24,11 @@ What moves, and when.
             result comes back). A step that needs more than `stream_fraction` of a layer's
             experts (a large prefill, a wide batch) streams its misses through the two buffers,
             copy of chunk i+1 under compute of chunk i, instead of flushing the cache.
-  after l   once the GPU has layer l's work queued, the side stream copies layer l+1's predicted
-            experts into its slots (pinned until layer l+1 has run), overlapping layer l's tail
-            and layer l+1's attention.
+  after l   once the GPU has layer l's work queued, the side stream copies those of layer l+1's
+            predicted experts that the prefetch rule accepts (prefetch.py: by default only where
+            the expected saving beats the link time and the evicted expert's own chance) into its
+            slots (pinned until layer l+1 has run), overlapping layer l's tail and layer l+1's
+            attention.
 
 Offload mode runs eagerly: each layer step decides on the host which experts to move, so decode
 steps are not replayed as CUDA graphs (the launch overhead of an eager step, paid once per step,

@@ -5,12 +5,14 @@ compute that read the slot), and records an event the compute stream waits on be
 slot (a GPU-side wait: the host never blocks on a copy). On CPU (the simulated device tier of the
 tests) a copy is a plain synchronous `copy_` and events are None: the same bookkeeping runs.
 
-`link_free_at` is the host's estimate (perf_counter seconds) of when the queued copies end, from
-the measured bandwidth: the cost model asks it whether one more miss should wait for the link or
-run on the CPU.
+`link_free_at` is the host's estimate (`clock` seconds, perf_counter unless a simulation sets its
+own) of when the queued copies end, from the measured bandwidth: the cost model asks it whether one
+more miss should wait for the link or run on the CPU. `busy_share` is the share of the last second
+or so that the queued copies kept the link busy: what a wasted prefetch costs the copies after it.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable, Optional, Sequence, Tuple
 
@@ -24,13 +26,17 @@ class Copier:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.clock = time.perf_counter
         self.link_free_at = 0.0
         self.bytes_per_s = float("inf")  # set by the cost model once measured
+        self.window_s = 1.0  # time constant of busy_share's decay
+        self.busy_s, self.span_s, self.seen_at = 0.0, 0.0, None  # decayed copy seconds / elapsed seconds
 
     def copy(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], after: Iterable[Event] = ()) -> Event:
         """dst.copy_(src) for each pair on the side stream after the events `after`; the copies' event."""
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
-        now = time.perf_counter()
+        now = self._age()
+        self.busy_s += nbytes / self.bytes_per_s
         self.link_free_at = max(now, self.link_free_at) + nbytes / self.bytes_per_s
         if not self.is_cuda:
             for dst, src in pairs:
@@ -63,4 +69,19 @@ class Copier:
         return ev
 
     def seconds_until_idle(self) -> float:
-        return max(0.0, self.link_free_at - time.perf_counter())
+        return max(0.0, self.link_free_at - self.clock())
+
+    def _age(self) -> float:
+        """Decay the busy and elapsed sums to now; returns now."""
+        now = self.clock()
+        if self.seen_at is not None:
+            dt = max(now - self.seen_at, 0.0)
+            f = math.exp(-dt / self.window_s)
+            self.busy_s, self.span_s = self.busy_s * f, self.span_s * f + self.window_s * (1.0 - f)
+        self.seen_at = now
+        return now
+
+    def busy_share(self) -> float:
+        """Copy seconds queued over elapsed seconds, both decayed (1.0 before any time has passed)."""
+        self._age()
+        return min(1.0, self.busy_s / self.span_s) if self.span_s > 0 else 1.0

@@ -21,6 +21,7 @@ from moe_infer.offload.host import HostRegion
 from moe_infer.offload.nvme import NvmeFiles, make_reader, record_views
 from moe_infer.offload.plan import OffloadPlan
 from moe_infer.offload.policies import CACHE_POLICIES
+from moe_infer.offload.prefetch import Prefetcher
 from moe_infer.offload.slots import SlotTable
 from moe_infer.offload.stats import OffloadStats
 
@@ -48,6 +49,7 @@ class OffloadManager:
         self.stats: List[OffloadStats] = []
         self.buffers = [StreamBuffer(plan, self.device) for _ in range(2)]
         self.cost: Optional[CostModel] = None
+        self.prefetcher = Prefetcher(cfg, self)
         self.pin = cfg.pin_memory and self.device.type == "cuda"
         self.nvme: Optional[NvmeFiles] = None
         if plan.store == "nvme":
@@ -168,6 +170,7 @@ class OffloadManager:
             total.add(s)
         return {"plan": self.plan.describe(), "reader": getattr(getattr(self, "reader", None), "name", None),
                 "cost": self.cost.describe(self.shape.nbytes) if self.cost else None,
+                "prefetch_calibration": self.prefetcher.calibration.describe(),
                 "total": total.summary(), "layers": [s.summary() for s in self.stats]}
 
     def reset_stats(self) -> None:

@@ -68,6 +68,9 @@ class OffloadedExpertStore(nn.Module):
         self.pred_TK: Optional[torch.Tensor] = None  # the previous layer's pre-gate for this layer
         self.predicted: Optional[set] = None
         self.prefetched: set = set()
+        self.evicted: set = set()  # experts the prefetch for this layer's next step evicted
+        self.pending: list = []  # (expert, calibration key) of that prefetch, observed when the step comes
+        self.last_needed: set = set()  # experts this layer's previous step needed
 
     # ------------------------------------------------------------------ fetch
     def predict(self, x_TD: torch.Tensor) -> tuple:
@@ -124,7 +127,10 @@ class OffloadedExpertStore(nn.Module):
             st.predicted += len(self.predicted)
             st.predicted_needed += len(self.predicted & needed.keys())
             st.needed_after_prediction += len(needed)
-        self.predicted, self.pred_TK = None, None
+        m.prefetcher.observe(self.pending, needed)
+        st.prefetch_evicted_needed += len(self.evicted & needed.keys())
+        self.predicted, self.pred_TK, self.pending, self.evicted = None, None, [], set()
+        self.last_needed = set(needed)
         next_scores = host[E + has_pred:] if nxt is not None else None
         return self._plan(needed, st, nxt, next_scores)
 
@@ -139,7 +145,10 @@ class OffloadedExpertStore(nn.Module):
         for e in hits:
             table.touch(e)
         st.hits += len(hits)
-        st.prefetch_hits += len(self.prefetched.intersection(hits))
+        used = len(self.prefetched.intersection(hits))
+        st.prefetch_hits += used
+        st.prefetch_wasted += len(self.prefetched) - used
+        st.bytes_prefetch_wasted += (len(self.prefetched) - used) * m.shape.nbytes
         self.prefetched = set()
         misses = {e: n for e, n in needed.items() if table.lookup(e) is None}
         m.ensure_host(self, misses, "step", st)
@@ -166,8 +175,8 @@ class OffloadedExpertStore(nn.Module):
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, scores: List[int]) -> None:
-        """Bring the experts the previous layer's pre-gate predicted for this layer, the most routing mass
-        first (`_scores_S`; with fewer slots than predictions only the likeliest are copied)."""
+        """Bring what the previous layer's pre-gate predicted for this layer, as the prefetch rule decides
+        (offload/prefetch.py) among the top `max_prefetch` predictions (`_scores_S`: the most mass first)."""
         m, cfg, table = self.manager, self.manager.cfg, self.table
         want = sorted((e for e, n in enumerate(scores) if n), key=lambda e: (-scores[e], e))
         self.predicted = set(want)
@@ -175,20 +184,25 @@ class OffloadedExpertStore(nn.Module):
             return  # this layer will stream its step: nothing to cache ahead
         limit = table.num_slots if cfg.max_prefetch is None else min(cfg.max_prefetch, table.num_slots)
         st = m.stats[self.pos]
-        want = want[:limit]
-        for e in want:
+        uncached = [e for e in want if table.lookup(e) is None]
+        evictable = sorted(table.evictable(), key=table.policy.rank)  # coldest first
+        choices, self.pending = m.prefetcher.decide(want, scores, table.slot_of, evictable, len(table.free),
+                                                    self.last_needed, len(set(want[:limit]) & set(uncached)))
+        victims = {v for _, v in choices}
+        for e in [e for e in want[:limit] if e not in victims] + [e for e, _ in choices]:
             table.pin(e, "prefetch")
-        m.ensure_host(self, [e for e in want if table.lookup(e) is None], "prefetch", st)
+        m.ensure_host(self, [e for e, _ in choices], "prefetch", st)
         copies = []
-        for e in want:
-            if table.lookup(e) is not None:
-                continue
-            got = table.allocate(e)
+        for e, victim in choices:
+            got = table.allocate(e, victim)
             if got is None:
                 break
             copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]]))
             self.prefetched.add(e)
+            if got[1] is not None:
+                self.evicted.add(got[1])
         st.prefetched += len(copies)
+        st.prefetch_declined += len(uncached) - len(copies)
         self._copy_into_slots(copies, st)
 
     def _copy_into_slots(self, copies: list, st: OffloadStats) -> None:

@@ -82,9 +82,12 @@ class OffloadPlan:
 def plan_offload(cfg, shape: ExpertShape) -> OffloadPlan:
     """The tiers' slot counts for `cfg` (an OffloadConfig) and the model's expert shape."""
     from moe_infer.offload.policies import CACHE_POLICIES
+    from moe_infer.offload.prefetch import PREFETCH_RULES
 
     if cfg.cache_policy not in CACHE_POLICIES:
         raise ValueError(f"offload.cache_policy={cfg.cache_policy!r} is not one of {CACHE_POLICIES.names()}")
+    if cfg.prefetch_rule not in PREFETCH_RULES:
+        raise ValueError(f"offload.prefetch_rule={cfg.prefetch_rule!r} is not one of {PREFETCH_RULES.names()}")
     L, E, K = shape.num_layers, shape.num_local_experts, shape.top_k
     chunk = min(cfg.stream_chunk or max(1, K // 2), E)
     working_set = min(K, E)

@@ -4,7 +4,8 @@ Slots are to experts what KV blocks are to tokens: the table maps keys (experts)
 never moves bytes itself; the store copies into the slot it is given. Pins say why a key must stay:
 `step` (the running layer step computes with it) and `prefetch` (a copy for the next layer is in
 flight or landed and not yet used). `allocate` takes a free slot, else the policy's victim among
-the unpinned keys, else returns None: a pinned key is never evicted.
+the unpinned keys (or the unpinned key it is told to evict), else returns None: a pinned key is
+never evicted.
 """
 from __future__ import annotations
 
@@ -41,15 +42,19 @@ class SlotTable:
     def evictable(self) -> List[Hashable]:
         return [k for k in self.slot_of if not self.is_pinned(k)]
 
-    def allocate(self, key: Hashable) -> Optional[Tuple[int, Optional[Hashable]]]:
-        """(slot, evicted key or None) for a key not in the table, or None when every slot is pinned."""
+    def allocate(self, key: Hashable, victim: Optional[Hashable] = None) -> Optional[Tuple[int, Optional[Hashable]]]:
+        """(slot, evicted key or None) for a key not in the table, or None when every slot is pinned. A
+        free slot first, else the policy's victim among the unpinned keys; `victim`: evict that key (it
+        must be in the table and unpinned)."""
         if key in self.slot_of:
             raise ValueError(f"{key!r} already holds slot {self.slot_of[key]}")
+        if victim is not None and (victim not in self.slot_of or self.is_pinned(victim)):
+            raise ValueError(f"cannot evict {victim!r}: it is {'pinned' if victim in self.slot_of else 'not cached'}")
         evicted = None
-        if self.free:
+        if self.free and victim is None:
             slot = self.free.pop()
         else:
-            candidates = self.evictable()
+            candidates = self.evictable() if victim is None else [victim]
             if not candidates:
                 return None
             evicted = self.policy.victim(candidates)

@@ -5,7 +5,8 @@ Per layer step (one MoE layer of one engine step) an expert with at least one ro
 a miss that is copied into the cache, streamed through the double buffers, or computed on the CPU.
 Prefetch accuracy is counted two ways: per token (of the K experts layer l+1's router picks for a
 token, how many the pre-gate on layer l's hidden state had picked: the measure of docs/tiny_moe.md)
-and per step (of the experts layer l+1 needed, how many were predicted: what a cache sees).
+and per step (of the experts layer l+1 needed, how many were predicted: what a cache sees). A
+prefetch is wasted when the layer then does not need the expert it copied.
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ class OffloadStats:
     streamed: int = 0  # misses run through the stream buffers
     cpu: int = 0  # misses computed on the CPU
     prefetched: int = 0  # experts a prefetch copied
+    prefetch_wasted: int = 0  # ... that the layer then did not need
+    prefetch_declined: int = 0  # predicted, not cached, and not copied (the prefetch rule or the slots said no)
+    prefetch_evicted_needed: int = 0  # experts a prefetch evicted that the layer then needed
+    bytes_prefetch_wasted: int = 0
     bytes_h2d: int = 0
     bytes_read: int = 0  # NVMe -> host
     predicted: int = 0  # per step: experts the pre-gate predicted
@@ -46,7 +51,9 @@ class OffloadStats:
             prefetch_recall=ratio(self.predicted_needed, self.needed_after_prediction),
             prefetch_precision=ratio(self.predicted_needed, self.predicted),
             prefetch_token_recall=ratio(self.token_matches, self.token_slots),
+            prefetch_waste=ratio(self.prefetch_wasted, self.prefetched),
             gb_h2d=self.bytes_h2d / 1e9,
+            gb_prefetch_wasted=self.bytes_prefetch_wasted / 1e9,
             gb_read=self.bytes_read / 1e9,
         )
         return out
