@@ -138,7 +138,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     for routing in (("router", "trace") if traces is not None else ("router",)):
         if routing == "trace":
             TraceReplay(traces, E, K, device).install(moe)
-        for streams, rule in [(1, rule) for rule in args.prefetch_rules] + [(16, args.prefetch_rules[0])]:
+        for streams, rule in [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]:
             if time.perf_counter() > args.deadline:
                 print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
                 continue
@@ -213,11 +213,14 @@ def main() -> int:
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; no part or run starts after it")
     ap.add_argument("--parts", default="mixtral,qwen3,accelerate,nvme", help="which parts to run (comma list)")
     ap.add_argument("--prefetch-rules", default="saving,all",
-                    help="offload.prefetch_rule of each single-stream run (the first also for 16 streams)")
+                    help="offload.prefetch_rule of each single-stream run")
+    ap.add_argument("--prefetch-rules-16", default="",
+                    help="offload.prefetch_rule of each 16-stream run (default: the first of --prefetch-rules)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
+    args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]
     for rule in args.prefetch_rules:  # a typo fails here, not after minutes of set-up
         PREFETCH_RULES.get(rule)
     unknown = set(args.parts) - {"mixtral", "qwen3", "accelerate", "nvme"}
