@@ -1,0 +1,300 @@
+"""Async scheduling (moe_infer/engine/async_scheduling.py): the scheduler's lookahead without a model, then the
+engine with async scheduling on against the synchronous engine (the reference: it is what the transformers
+parity tests check) over a mixed workload, failing steps, the server's AsyncEngine, and the GPU decode graphs."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine_fixtures import checkpoint
+from moe_infer import LLM, SamplingParams
+from moe_infer.config import EngineConfig, OffloadConfig, RoutingConfig, SchedulerConfig
+from moe_infer.engine.async_engine import AsyncEngine
+from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
+from moe_infer.engine.block_manager import BlockManager
+from moe_infer.engine.scheduler import Scheduler
+from moe_infer.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from moe_infer.parallel.pipeline import LocalExecutor
+
+pytestmark = pytest.mark.timeout(120)  # an engine loop that stops making progress must fail, not spin
+EOS = 2
+
+
+# ---------------------------------------------------------------------------------------------- the scheduler
+def lookahead(num_blocks=32, budget=64):
+    return Scheduler(BlockManager(num_blocks, 4, True), 8, budget, 128, True, [EOS], lookahead=True)
+
+
+def seq(n, first=10, **kw):
+    return Sequence(f"r{first}", list(range(first, first + n)), SamplingParams(**kw))
+
+
+def test_a_sequence_stopped_in_flight_keeps_its_blocks_and_loses_its_extra_token():
+    s = lookahead()
+    a = seq(5, max_tokens=10)
+    s.add(a)
+    p1 = s.schedule()  # the prefill samples a token the host does not know yet
+    p2 = s.schedule()  # scheduled on top of it: its input is that token, taken on the device
+    (item,) = p2.seqs
+    assert item.input_in_flight and item.token_ids == [PLACEHOLDER_TOKEN] and item.start_pos == 5 and item.do_sample
+    free = s.block_manager.num_free_blocks
+    s.postprocess(p1, [EOS])  # step 1 stops it; step 2 is still writing its KV
+    assert a.finish_reason == "stop" and a.output_token_ids == [EOS]
+    assert s.block_manager.num_free_blocks == free and s.has_unfinished()
+    s.postprocess(p2, [9])  # the extra token is discarded, the blocks come back
+    assert a.output_token_ids == [EOS] and s.block_manager.num_free_blocks == 32 and not s.has_unfinished()
+
+
+def test_a_sequence_finished_by_length_is_not_scheduled_again_and_chunks_go_on():
+    s = lookahead(budget=6)
+    short, long = seq(3, max_tokens=1), seq(9, first=40, max_tokens=3)
+    s.add(short)
+    s.add(long)
+    p1 = s.schedule()
+    assert [(i.seq_id, len(i.token_ids), i.do_sample) for i in p1.seqs] == [(short.seq_id, 3, True), (long.seq_id, 3, False)]
+    p2 = s.schedule()  # short reaches max_tokens with step 1's token; long's next chunk is known
+    assert [(i.seq_id, i.token_ids, i.start_pos) for i in p2.seqs] == [(long.seq_id, [43, 44, 45, 46, 47, 48], 3)]
+    s.postprocess(p1, [7, None])
+    assert short.finish_reason == "length" and short.block_table == []  # not in flight: freed at once
+    s.postprocess(p2, [8])
+    assert long.num_computed_tokens == 9 and long.num_pending_tokens == long.num_placeholders == 0
+    assert long.output_token_ids == [8]
+
+
+def test_penalties_and_a_full_cache_wait_for_the_batch_in_flight():
+    s = lookahead()
+    a = seq(5, max_tokens=10, repetition_penalty=1.2)
+    s.add(a)
+    p1 = s.schedule()
+    assert s.schedule().is_empty  # the sampler needs a's history, which ends with step 1's token
+    s.postprocess(p1, [7])
+    (item,) = s.schedule().seqs
+    assert not item.input_in_flight and item.token_ids == [7] and item.history[-1] == 7
+    s = lookahead(num_blocks=4)
+    b, c = seq(8, max_tokens=10), seq(7, first=40, max_tokens=10)
+    s.add(b)
+    s.add(c)
+    p1 = s.schedule()  # b: 2 blocks, c: 2 blocks; b's next token needs a third one
+    assert [len(i.token_ids) for i in p1.seqs] == [8, 7] and s.schedule().is_empty
+    s.postprocess(p1, [7, 8])
+    p2 = s.schedule()  # nothing in flight: c is preempted as without lookahead
+    assert [i.seq_id for i in p2.seqs] == [b.seq_id] and s.num_preemptions == 1 and c.output_token_ids == [8]
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+def make_llm(async_scheduling, **kw):
+    args = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8,
+                max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    return LLM(model=checkpoint("olmoe", tokenizer=True, vocab_size=100), **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def llms():
+    return {mode: make_llm(mode) for mode in (True, False)}
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def workload(ref):
+    """(request id, prompt, params): lengths, a stop string, stop tokens with min_tokens, n=2 over a cached
+    prefix, seeds, logprobs, penalties, a prompt chunked over steps; the stops are taken from ref's greedy text."""
+    text = ref.generate("class A:", greedy(16), use_tqdm=False)[0].outputs[0]
+    tokens = ref.generate("x = [1, 2", greedy(16), use_tqdm=False)[0].outputs[0].token_ids
+    return [
+        ("greedy", "def f(x):", greedy(14)),
+        ("seeded", "import os", SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=11, max_tokens=12,
+                                               ignore_eos=True, logprobs=2)),
+        ("stop_str", "class A:", greedy(16, stop=[text.text[5:7]])),
+        ("stop_tok", "x = [1, 2", greedy(16, min_tokens=4, stop_token_ids=tokens[2:9])),
+        ("n2", "def f(x): return", SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=10, ignore_eos=True)),
+        ("penalty", "for i in range(10):", SamplingParams(temperature=0.7, seed=9, repetition_penalty=1.3,
+                                                          frequency_penalty=0.4, presence_penalty=0.2,
+                                                          max_tokens=10, ignore_eos=True)),
+        ("long", "while True: pass  # a prompt longer than one step's budget", greedy(8, logprobs=0)),
+        ("abort", "import sys", greedy(30)),
+    ]
+
+
+def run_workload(llm, requests):
+    """Drives the engine by hand: "abort" is aborted once it shows 3 tokens, "late" is added once "greedy"
+    shows 5; returns the final outputs by request id."""
+    eng, finals = llm.engine, {}
+    for rid, prompt, params in requests:
+        eng.add_request(prompt, params, rid)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            num = len(out.outputs[0].token_ids)
+            if out.request_id == "abort" and not out.finished and num >= 3:
+                eng.abort_request("abort")
+            if out.request_id == "greedy" and num >= 5 and "late" not in eng.requests and "late" not in finals:
+                eng.add_request("def f(x):", SamplingParams(temperature=1.0, seed=3, max_tokens=6), "late")
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def summary(out):
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             None if c.logprobs is None else [sorted(lp) for lp in c.logprobs]) for c in out.outputs]
+
+
+def assert_no_leak(llm):
+    bm, sched = llm.engine.block_manager, llm.engine.scheduler
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert not sched.running and not sched.waiting and not sched._held and not llm.engine.requests
+
+
+def count_calls(monkeypatch, obj, name, count):
+    """obj.name(*args) counted: count(args, result) is added to obj's counter `name`."""
+    real, counts = getattr(obj, name), {}
+
+    def wrapper(*args):
+        before = count(args, None)
+        out = real(*args)
+        counts[name] = counts.get(name, 0) + (before if before is not None else count(args, out))
+        return out
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return counts
+
+
+def test_async_equals_sync_on_a_mixed_workload(llms, monkeypatch):
+    on, off = llms[True], llms[False]
+    assert isinstance(on.engine.executor, AsyncStepExecutor) and on.engine.scheduler.lookahead
+    assert type(off.engine.executor) is LocalExecutor and not off.engine.scheduler.lookahead
+    requests = workload(off)
+    sched = on.engine.scheduler
+    placeholders = count_calls(monkeypatch, on.engine.runner, "prepare",
+                               lambda a, out: sum(s.input_in_flight for s in a[0].seqs))
+    waits = count_calls(monkeypatch, sched, "_must_wait", lambda a, out: None if out is None else int(out))
+    discarded = count_calls(monkeypatch, sched, "_release", lambda a, out: int(a[0] in sched._held))
+    preempted = [llm.engine.scheduler.num_preemptions for llm in (on, off)]
+    hits = on.engine.block_manager.num_prefix_hits
+    ref, got = run_workload(off, requests), run_workload(on, requests)
+    assert sorted(got) == sorted(ref) == sorted([r[0] for r in requests] + ["late"])
+    for rid in ref:
+        assert summary(got[rid]) == summary(ref[rid]), rid
+        for a, b in zip(got[rid].outputs, ref[rid].outputs):
+            if a.logprobs is not None:
+                assert [v.logprob for lp in a.logprobs for v in lp.values()] == pytest.approx(
+                    [v.logprob for lp in b.logprobs for v in lp.values()], abs=1e-5)
+    reasons = {rid: [c.finish_reason for c in out.outputs] for rid, out in ref.items()}
+    assert reasons["stop_str"] == ["stop"] and reasons["stop_tok"] == ["stop"] and reasons["abort"] == ["abort"]
+    assert len(ref["abort"].outputs[0].token_ids) == 3 and len(ref["stop_tok"].outputs[0].token_ids) >= 4
+    assert all(llm.engine.scheduler.num_preemptions > p for llm, p in zip((on, off), preempted))  # a tiny cache
+    assert on.engine.block_manager.num_prefix_hits > hits
+    # the lookahead ran: placeholder inputs, steps that waited (penalties, a full cache), extra tokens discarded
+    assert placeholders["prepare"] >= 10 and waits["_must_wait"] > 0 and discarded["_release"] > 0
+    assert_no_leak(on)
+    assert_no_leak(off)
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_failing_step_fails_only_its_requests(llms, monkeypatch, where):
+    on, off = llms[True], llms[False]
+    params = [greedy(8), greedy(6)]
+    ref = off.generate(["def f(x):", "import os"], params, use_tqdm=False)
+    llm = make_llm(True, max_num_seqs=1)  # one sequence a step: the other request is in other steps
+    runner, calls = llm.engine.runner, {"n": 0}
+    real = getattr(runner, where)
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a step of the first request, another one in flight
+            raise RuntimeError("simulated device fault")
+        return real(*args)
+
+    monkeypatch.setattr(runner, where, flaky)
+    outs = llm.generate(["def f(x):", "import os"], params, use_tqdm=False)
+    first = outs[0].outputs[0]
+    assert first.finish_reason == "error" and "simulated device fault" in first.error
+    assert first.token_ids == ref[0].outputs[0].token_ids[:len(first.token_ids)]
+    assert summary(outs[1]) == summary(ref[1])
+    assert_no_leak(llm)
+
+
+def test_the_async_engine_streams_equal_the_sync_engine_and_aborts_free_blocks(llms):
+    on, off = llms[True], llms[False]
+    prompts = ["def f(x):", "import os", "class A:"]
+    params = [greedy(10), SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=8, ignore_eos=True), greedy(9)]
+    ref = off.generate(prompts, params, use_tqdm=False)
+
+    async def final(engine, prompt, sp):
+        out = None
+        async for out in engine.generate(prompt, sp):
+            pass
+        return out
+
+    async def main():
+        engine = AsyncEngine(on.engine)
+        await engine.start()
+        dropped = engine.generate("import sys", greedy(200))
+        await dropped.__anext__()
+        outs = await asyncio.gather(*(final(engine, p, sp) for p, sp in zip(prompts, params)))
+        await dropped.aclose()  # the client went away mid-way
+        for _ in range(200):
+            if not on.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(main(), 100))
+    assert [summary(o) for o in outs] == [summary(o) for o in ref]
+    assert_no_leak(on)
+
+
+def test_fallbacks_are_chosen_per_engine():
+    class Mesh:
+        is_distributed = True
+
+    class One:
+        is_distributed = False
+
+    assert async_scheduling_blocker(EngineConfig(), One()) is None
+    assert "a mesh" in async_scheduling_blocker(EngineConfig(), Mesh())
+    assert "async_scheduling=false" in async_scheduling_blocker(
+        EngineConfig(scheduler=SchedulerConfig(async_scheduling=False)), One())
+    assert "offload.store=cpu" in async_scheduling_blocker(EngineConfig(offload=OffloadConfig(store="cpu")), One())
+    assert "routing.trace" in async_scheduling_blocker(EngineConfig(routing=RoutingConfig(trace=True)), One())
+    traced = make_llm(True, routing_trace=True)
+    assert type(traced.engine.executor) is LocalExecutor and not traced.engine.scheduler.lookahead
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
+def test_async_equals_sync_with_decode_graphs_and_launches_without_a_host_sync(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = dict(dtype="float32", device="cuda", block_size=16, num_kv_blocks=64, max_num_seqs=8)
+    on, off = (LLM(model=checkpoint("qwen3_moe"), async_scheduling=a, **kw) for a in (True, False))
+    assert on.engine.runner.graphs is not None
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 9, 30)]
+    params = [greedy(24), SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=1),
+              greedy(12, stop_token_ids=[5, 6, 7]), SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=16)]
+    ref = off.generate(prompts, params, use_tqdm=False)
+    on.generate(prompts, params, use_tqdm=False)  # warm-up: every graph bucket captured
+    runner, decode_launches = on.engine.runner, {"n": 0}
+    real = runner.launch
+
+    def no_sync_launch(plan, prev=None):
+        if not all(len(s.token_ids) == 1 for s in plan.seqs) or plan.is_empty:
+            return real(plan, prev)
+        decode_launches["n"] += 1
+        torch.cuda.set_sync_debug_mode("error")  # any host sync inside the launch raises
+        try:
+            return real(plan, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(runner, "launch", no_sync_launch)
+    runs = runner.graphs.runs
+    got = on.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].error for o in got] == [None] * 4  # a sync in a launch would fail its step
+    assert [[c[:4] for c in summary(o)] for o in got] == [[c[:4] for c in summary(o)] for o in ref]
+    assert runner.graphs.runs - runs >= decode_launches["n"] > 10
+    assert_no_leak(on)
