@@ -111,9 +111,10 @@ def workload(ref):
         ("stop_str", "class A:", greedy(16, stop=[text.text[5:7]])),
         ("stop_tok", "x = [1, 2", greedy(16, min_tokens=4, stop_token_ids=tokens[2:9])),
         ("n2", "def f(x): return", SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=10, ignore_eos=True)),
-        ("penalty", "for i in range(10):", SamplingParams(temperature=0.7, seed=9, repetition_penalty=1.3,
-                                                          frequency_penalty=0.4, presence_penalty=0.2,
-                                                          max_tokens=10, ignore_eos=True)),
+        ("penalty", "for i in range(10):", greedy(10, repetition_penalty=1.8, frequency_penalty=1.5,
+                                                  presence_penalty=0.5)),  # greedy: every penalty shows
+        ("penalty_seeded", "for i in range(10):", SamplingParams(temperature=0.7, seed=9, repetition_penalty=1.3,
+                                                                 max_tokens=10, ignore_eos=True)),
         ("long", "while True: pass  # a prompt longer than one step's budget", greedy(8, logprobs=0)),
         ("abort", "import sys", greedy(30)),
     ]
@@ -209,7 +210,14 @@ def test_a_failing_step_fails_only_its_requests(llms, monkeypatch, where):
         return real(*args)
 
     monkeypatch.setattr(runner, where, flaky)
-    outs = llm.generate(["def f(x):", "import os"], params, use_tqdm=False)
+    eng, finals = llm.engine, {}
+    for rid, prompt, sp in zip("ab", ["def f(x):", "import os"], params):
+        eng.add_request(prompt, sp, rid)
+    for _ in range(100):  # bounded: a sequence held for ever would keep the engine stepping
+        finals.update((o.request_id, o) for o in eng.step() if o.finished)
+        if not eng.has_unfinished_requests():
+            break
+    outs = [finals["a"], finals["b"]]
     first = outs[0].outputs[0]
     assert first.finish_reason == "error" and "simulated device fault" in first.error
     assert first.token_ids == ref[0].outputs[0].token_ids[:len(first.token_ids)]
