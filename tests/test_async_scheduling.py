@@ -85,7 +85,7 @@ def test_penalties_and_a_full_cache_wait_for_the_batch_in_flight():
 
 # ---------------------------------------------------------------------------------------------- the engine
 def make_llm(async_scheduling, **kw):
-    args = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8,
+    args = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=28, max_num_seqs=8,
                 max_num_batched_tokens=16, async_scheduling=async_scheduling)
     return LLM(model=checkpoint("olmoe", tokenizer=True, vocab_size=100), **{**args, **kw})
 
