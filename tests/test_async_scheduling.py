@@ -14,8 +14,10 @@ from moe_infer.config import EngineConfig, OffloadConfig, RoutingConfig, Schedul
 from moe_infer.engine.async_engine import AsyncEngine
 from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
 from moe_infer.engine.block_manager import BlockManager
+from moe_infer.engine.sampler import SampleRequest, Sampler
 from moe_infer.engine.scheduler import Scheduler
-from moe_infer.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from moe_infer.engine.sequence import PLACEHOLDER_TOKEN, SchedulerOutput, Sequence
+from moe_infer.engine.step_inputs import plan_requests
 from moe_infer.parallel.pipeline import LocalExecutor
 
 pytestmark = pytest.mark.timeout(120)  # an engine loop that stops making progress must fail, not spin
@@ -63,15 +65,32 @@ def test_a_sequence_finished_by_length_is_not_scheduled_again_and_chunks_go_on()
     assert long.output_token_ids == [8]
 
 
-def test_penalties_and_a_full_cache_wait_for_the_batch_in_flight():
+def test_penalties_count_the_token_in_flight_on_the_device():
     s = lookahead()
     a = seq(5, max_tokens=10, repetition_penalty=1.2)
     s.add(a)
-    p1 = s.schedule()
-    assert s.schedule().is_empty  # the sampler needs a's history, which ends with step 1's token
-    s.postprocess(p1, [7])
-    (item,) = s.schedule().seqs
-    assert not item.input_in_flight and item.token_ids == [7] and item.history[-1] == 7
+    s.schedule()
+    (item,) = s.schedule().seqs  # the history the host knows lacks step 1's token: this step's input
+    assert item.input_in_flight and item.history == list(range(10, 15))
+    (req,) = plan_requests(SchedulerOutput([item]))
+    assert req.last_on_device and req.num_output_tokens == 1
+    V = 32
+    logits_BV = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    ps = [SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=1.0),
+          SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5), SamplingParams(temperature=0.0),
+          SamplingParams(temperature=0.0, frequency_penalty=2.0)]
+    history = [[3, 4, 20, 21], [5, 22, 22], [6, 23], [7, 20, 23, 23]]  # prompts of 2, 1, 1, 2 tokens
+    for i, h in enumerate(history):
+        logits_BV[i, h[-1]] += 8.0  # each row's last token is its favourite, unless the penalties count it
+    full = [SampleRequest(i, p, n, len(h) - n, h) for i, (p, n, h) in enumerate(zip(ps, (2, 1, 1, 2), history))]
+    lacking = [SampleRequest(i, p, n, len(h) - n, h[:-1], True) for i, (p, n, h) in enumerate(zip(ps, (2, 1, 1, 2), history))]
+    want = Sampler(V, [EOS], "cpu").sample(logits_BV, full).result().token_ids
+    got = Sampler(V, [EOS], "cpu").sample(logits_BV, lacking, torch.tensor([h[-1] for h in history])).result()
+    assert got.token_ids == want
+    assert Sampler(V, [EOS], "cpu")(logits_BV[:1], [SampleRequest(0, ps[0], 2, 1, history[0][:-1])]).token_ids != want[:1]
+
+
+def test_a_full_cache_waits_for_the_batch_in_flight():
     s = lookahead(num_blocks=4)
     b, c = seq(8, max_tokens=10), seq(7, first=40, max_tokens=10)
     s.add(b)

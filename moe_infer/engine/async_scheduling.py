@@ -29,10 +29,10 @@ synchronously (`LocalExecutor` / `MeshExecutor`) when:
     from the step's routing and pins per step;
   - `routing.trace=true`: the trace records every token's routing, and must not hold discarded ones.
 Chosen per step by the scheduler (an empty plan: this step only collects step n, and the next one is
-scheduled with every token known, as without lookahead):
-  - a sequence going on samples with penalties (the sampler needs its token history on the host);
-  - the free KV blocks cannot hold every running sequence's next chunk (preempting must see step n's
-    tokens and frees).
+scheduled with every token known, as without lookahead): when the free KV blocks cannot hold every
+running sequence's next chunk (preempting must see step n's tokens and frees).
+Penalties need each sequence's token history; the one token the host does not know yet (step n's) is
+this step's input, and the sampler counts it from the input ids on the device.
 """
 from __future__ import annotations
 

@@ -232,7 +232,10 @@ class ModelRunner:
         if inputs.sample_rows_S.numel() == 0:
             return None
         logits_SV = self.model.compute_logits(hidden_TD[inputs.sample_rows_S])
-        return None if reqs is None else self.sampler.sample(logits_SV, reqs)
+        if reqs is None:
+            return None
+        on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight
+        return self.sampler.sample(logits_SV, reqs, inputs.input_ids_T[inputs.sample_rows_S] if on_device else None)
 
     # ------------------------------------------------------------------ the step under a mesh
     def encode(self, plan: SchedulerOutput) -> StepMessage:

@@ -32,6 +32,9 @@ class SampleRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     history: Optional[List[int]] = None  # prompt + output tokens; needed when params.has_penalties
+    # async scheduling: history lacks its last token, sampled by the step before and not on the host yet; it
+    # is this step's input token, given to `sample` on the device (input_ids_B)
+    last_on_device: bool = False
 
 
 @dataclass
@@ -91,13 +94,15 @@ class Sampler:
     def __call__(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> SamplerOutput:
         return self.sample(logits_BV, reqs).result()
 
-    def sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> SampledTokens:
+    def sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
+               input_ids_B: Optional[torch.Tensor] = None) -> SampledTokens:
+        """input_ids_B: each row's input token, on the device; needed when a request is `last_on_device`."""
         B, V = logits_BV.shape
         assert B == len(reqs), f"{B} logit rows for {len(reqs)} requests"
         logits_BV = logits_BV.float()
         num_lp = [r.params.logprobs for r in reqs]
         raw_logprobs_BV = torch.log_softmax(logits_BV, -1) if any(n is not None for n in num_lp) else None
-        logits_BV = self._apply_penalties(logits_BV, reqs)
+        logits_BV = self._apply_penalties(logits_BV, reqs, input_ids_B)
         logits_BV = self._apply_min_tokens(logits_BV, reqs)
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
@@ -108,13 +113,17 @@ class Sampler:
         return SampledTokens(tokens_B, self._logprobs(raw_logprobs_BV, tokens_B, num_lp), num_lp)
 
     # ------------------------------------------------------------------ logit processing
-    def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+    def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
+                         input_ids_B: Optional[torch.Tensor]) -> torch.Tensor:
         idx = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         if not idx:
             return logits_BV
-        rows, outs, prompts_rows, prompts = [], [], [], []
+        rows, outs, prompts_rows, prompts, last_rows, last_of = [], [], [], [], [], []
         for j, i in enumerate(idx):
             r = reqs[i]
+            if r.last_on_device:
+                last_rows.append(j)
+                last_of.append(i)
             hist = r.history if r.history is not None else []
             out_ids = hist[r.num_prompt_tokens:]
             rows += [j] * len(out_ids)
@@ -127,6 +136,9 @@ class Sampler:
         if outs:
             out_count_nV.index_put_((_on(dev, rows), _on(dev, outs)),
                                     torch.ones(len(outs), device=dev), accumulate=True)
+        if last_rows:  # the output token the host does not know yet
+            out_count_nV.index_put_((_on(dev, last_rows), input_ids_B[_on(dev, last_of)]),
+                                    torch.ones(len(last_rows), device=dev), accumulate=True)
         prompt_mask_nV = torch.zeros(n, V, dtype=torch.bool, device=dev)
         if prompts:
             prompt_mask_nV[_on(dev, prompts_rows), _on(dev, prompts)] = True

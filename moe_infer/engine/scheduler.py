@@ -28,9 +28,10 @@ max_model_len) is not scheduled again; one that stops on a token or a stop strin
 extra token is discarded: a sequence finished while a batch in flight holds it keeps its blocks
 until that batch is postprocessed (the GPU may still write them). The step waits for step n instead
 (an empty plan: the executor then returns step n, and the next step is scheduled as without
-lookahead) when a sequence of step n samples with penalties (the sampler needs its token history on
-the host) or when the KV cache cannot hold every running sequence's next chunk (preemption must see
-step n's tokens and frees). Otherwise nothing is ever in flight at schedule time.
+lookahead) when the KV cache cannot hold every running sequence's next chunk (preemption must see
+step n's tokens and frees); a sequence sampling with penalties gets its history without step n's
+token, which the sampler counts from the step's input ids on the device. Otherwise nothing is ever
+in flight at schedule time.
 """
 from __future__ import annotations
 
@@ -217,17 +218,14 @@ class Scheduler:
                     or n >= self.max_model_len or not self.block_manager.can_ever_fit(n))
 
     def _must_wait(self) -> bool:
-        """Lookahead: must the batch in flight be postprocessed before this step is scheduled? When a
-        sequence going on samples with penalties over a token not known yet, or when the free blocks
-        cannot hold every running sequence's next chunk (preempting must see that batch's frees)."""
+        """Lookahead: must the batch in flight be postprocessed before this step is scheduled? When the free
+        blocks cannot hold every running sequence's next chunk (preempting must see that batch's frees)."""
         if not any(seq.in_flight for seq in self.running):
             return False
         bm, need = self.block_manager, 0
         for seq in self.running:
             if seq.in_flight and not self._goes_on(seq):
                 continue
-            if seq.num_placeholders and seq.params.has_penalties:
-                return True
             num_tokens = seq.num_scheduled_tokens + min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
             need += max(0, bm.blocks_needed(num_tokens) - len(seq.block_table))
         return need > bm.num_free_blocks

@@ -121,7 +121,7 @@ class ScheduledSeq:
     block_table: List[int]
     do_sample: bool
     params: Optional[SamplingParams] = None  # set when do_sample
-    history: Optional[List[int]] = None  # prompt + output tokens, set when do_sample with penalties
+    history: Optional[List[int]] = None  # prompt + output tokens known on the host, when do_sample with penalties
     num_prompt_tokens: int = 0
     # async scheduling: the one input token is the token this sequence samples in the step in flight; the
     # runner takes it from that step's sampled ids on the device (token_ids holds PLACEHOLDER_TOKEN)
