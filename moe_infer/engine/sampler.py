@@ -114,7 +114,7 @@ class Sampler:
 
     # ------------------------------------------------------------------ logit processing
     def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
-                         input_ids_B: Optional[torch.Tensor]) -> torch.Tensor:
+                         input_ids_B: Optional[torch.Tensor] = None) -> torch.Tensor:
         idx = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         if not idx:
             return logits_BV
