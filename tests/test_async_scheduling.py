@@ -134,6 +134,7 @@ def workload(ref):
                                                   presence_penalty=0.5)),  # greedy: every penalty shows
         ("penalty_seeded", "for i in range(10):", SamplingParams(temperature=0.7, seed=9, repetition_penalty=1.3,
                                                                  max_tokens=10, ignore_eos=True)),
+        ("repeat", "import re", greedy(8, presence_penalty=-2.0, frequency_penalty=-2.0)),  # loops on its tokens
         ("long", "while True: pass  # a prompt longer than one step's budget", greedy(8, logprobs=0)),
         ("abort", "import sys", greedy(30)),
     ]
