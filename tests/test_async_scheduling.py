@@ -134,7 +134,6 @@ def workload(ref):
                                                   presence_penalty=0.5)),  # greedy: every penalty shows
         ("penalty_seeded", "for i in range(10):", SamplingParams(temperature=0.7, seed=9, repetition_penalty=1.3,
                                                                  max_tokens=10, ignore_eos=True)),
-        ("repeat", "import re", greedy(8, presence_penalty=-2.0, frequency_penalty=-2.0)),  # loops on its tokens
         ("long", "while True: pass  # a prompt longer than one step's budget", greedy(8, logprobs=0)),
         ("abort", "import sys", greedy(30)),
     ]
@@ -212,6 +211,16 @@ def test_async_equals_sync_on_a_mixed_workload(llms, monkeypatch):
     assert placeholders["prepare"] >= 10 and waits["_must_wait"] > 0 and discarded["_release"] > 0
     assert_no_leak(on)
     assert_no_leak(off)
+
+
+def test_penalties_over_the_token_in_flight_equal_sync(llms):
+    """Every decode step of these is scheduled ahead (the cache has room): the penalties count the token in
+    flight on the device. Strong penalties, both signs, so that missing the last token changes the output."""
+    prompts = ["import re", "def g(y):", "x = 3"]
+    for kw in (dict(repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=2.0),
+               dict(presence_penalty=-2.0, frequency_penalty=-2.0)):
+        ref, got = (llms[mode].generate(prompts, greedy(8, **kw), use_tqdm=False) for mode in (False, True))
+        assert [summary(o) for o in got] == [summary(o) for o in ref]
 
 
 @pytest.mark.parametrize("where", ["launch", "collect"])
