@@ -63,6 +63,13 @@ def test_a_sequence_finished_by_length_is_not_scheduled_again_and_chunks_go_on()
     s.postprocess(p2, [8])
     assert long.num_computed_tokens == 9 and long.num_pending_tokens == long.num_placeholders == 0
     assert long.output_token_ids == [8]
+    edge = Scheduler(BlockManager(32, 4, True), 8, 64, 8, True, [EOS], lookahead=True)  # max_model_len 8
+    last = seq(7, max_tokens=None)
+    edge.add(last)
+    p1 = edge.schedule()
+    assert edge.schedule().is_empty  # position 7 would be past max_model_len
+    edge.postprocess(p1, [7])
+    assert last.finish_reason == "length" and not edge.has_unfinished()
 
 
 def test_penalties_count_the_token_in_flight_on_the_device():
