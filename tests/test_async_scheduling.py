@@ -99,11 +99,12 @@ def test_penalties_count_the_token_in_flight_on_the_device():
 
 def test_a_full_cache_waits_for_the_batch_in_flight():
     s = lookahead(num_blocks=4)
-    b, c = seq(8, max_tokens=10), seq(7, first=40, max_tokens=10)
+    b, c = seq(7, max_tokens=10), seq(8, first=40, max_tokens=10)
     s.add(b)
     s.add(c)
-    p1 = s.schedule()  # b: 2 blocks, c: 2 blocks; b's next token needs a third one
-    assert [len(i.token_ids) for i in p1.seqs] == [8, 7] and s.schedule().is_empty
+    p1 = s.schedule()  # b: 2 blocks, room for its next token; c: 2 blocks, its next token needs a third
+    assert [len(i.token_ids) for i in p1.seqs] == [7, 8]
+    assert s.schedule().is_empty  # the whole step waits (b is not scheduled on its own)
     s.postprocess(p1, [7, 8])
     p2 = s.schedule()  # nothing in flight: c is preempted as without lookahead
     assert [i.seq_id for i in p2.seqs] == [b.seq_id] and s.num_preemptions == 1 and c.output_token_ids == [8]
