@@ -30,8 +30,8 @@ until that batch is postprocessed (the GPU may still write them). The step waits
 (an empty plan: the executor then returns step n, and the next step is scheduled as without
 lookahead) when the KV cache cannot hold every running sequence's next chunk (preemption must see
 step n's tokens and frees); a sequence sampling with penalties gets its history without step n's
-token, which the sampler counts from the step's input ids on the device. Otherwise nothing is ever
-in flight at schedule time.
+token, which the sampler counts from the step's input ids on the device. Without pipeline stages or
+lookahead nothing is ever in flight at schedule time.
 """
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def message_sizes(msg: StepMessage) -> Sizes:
 def plan_requests(plan: SchedulerOutput) -> List[SampleRequest]:
     """The SampleRequests of a plan's sampling sequences (on the driver, which holds the plan)."""
     return [SampleRequest(s.seq_id, s.params, s.num_prompt_tokens, s.start_pos + len(s.token_ids) - s.num_prompt_tokens,
-                          s.history, s.input_in_flight) for s in plan.seqs if s.do_sample]
+                          s.history, s.input_in_flight and s.history is not None) for s in plan.seqs if s.do_sample]
 
 
 def per_plan_entry(plan: SchedulerOutput, tokens_S: List[int], logprobs_S: List[Optional[tuple]]
