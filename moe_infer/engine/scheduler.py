@@ -213,21 +213,28 @@ class Scheduler:
         finishes it by length for sure (its tokens counted with the placeholder)."""
         if not seq.num_placeholders:
             return True  # a prefill chunk in flight: the next chunk is known
-        n, p = len(seq) + seq.num_placeholders, seq.params
-        return not ((p.max_tokens is not None and n - seq.num_prompt_tokens >= p.max_tokens)
+        n, max_tokens = len(seq.token_ids) + seq.num_placeholders, seq.params.max_tokens
+        return not ((max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens)
                     or n >= self.max_model_len or not self.block_manager.can_ever_fit(n))
 
     def _must_wait(self) -> bool:
         """Lookahead: must the batch in flight be postprocessed before this step is scheduled? When the free
-        blocks cannot hold every running sequence's next chunk (preempting must see that batch's frees)."""
+        blocks cannot hold the running sequences' next chunks (preempting must see that batch's frees)."""
+        bm, budget = self.block_manager, self.max_num_batched_tokens
+        # a chunk of n tokens takes at most ceil(n / block_size) new blocks, and the chunks share the budget
+        if bm.num_free_blocks >= len(self.running) + bm.blocks_needed(budget):
+            return False
         if not any(seq.in_flight for seq in self.running):
             return False
-        bm, need = self.block_manager, 0
-        for seq in self.running:
+        need = 0
+        for seq in self.running:  # the running part of schedule(), counting blocks instead of taking them
+            if budget <= 0:
+                break
             if seq.in_flight and not self._goes_on(seq):
                 continue
-            num_tokens = seq.num_scheduled_tokens + min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
-            need += max(0, bm.blocks_needed(num_tokens) - len(seq.block_table))
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            need += max(0, bm.blocks_needed(seq.num_scheduled_tokens + num_new) - len(seq.block_table))
+            budget -= num_new
         return need > bm.num_free_blocks
 
     def _victim(self, seq: Sequence, can_wait: bool) -> Optional[Sequence]:
