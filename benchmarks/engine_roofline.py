@@ -132,6 +132,7 @@ def main() -> None:
                       transformers=__import__("transformers").__version__, dtype=str(dtype),
                       model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
                       attention={k: llm.engine.runner.model.layers[0].self_attn.backend for k, llm in engines.items()},
+                      async_scheduling={k: llm.engine.scheduler.lookahead for k, llm in engines.items()},
                       roofline=dict(hbm_bytes_per_s=hbm, bf16_flops=flops), targets=TARGETS, decode=[], ttft=[])
 
         for b in batches:

@@ -63,6 +63,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # schedule and launch step n+1 while the device runs step n (vLLM's async scheduling); the engine falls
+    # back to synchronous steps where it cannot (moe_infer/engine/async_scheduling.py)
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

@@ -81,16 +81,16 @@ def test_abort_finishes_every_sample_and_frees_their_blocks(llm):
 
 @pytest.mark.timeout(180)
 def test_a_failing_step_fails_every_sample_of_its_request(llm, monkeypatch):
-    real = llm.engine.runner.execute
+    real = llm.engine.runner.launch  # every step, with or without async scheduling
     calls = {"n": 0}
 
-    def flaky(plan):
+    def flaky(plan, prev=None):
         calls["n"] += 1
-        if calls["n"] == 2:  # the leader's prefill ran; this step holds the other samples
+        if calls["n"] == 2:  # the leader's prefill ran; this step holds the leader (and the other samples)
             raise RuntimeError("simulated device fault")
-        return real(plan)
+        return real(plan, prev)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+    monkeypatch.setattr(llm.engine.runner, "launch", flaky)
     out = llm.generate(ids(PROMPT), SamplingParams(n=3, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert [c.finish_reason for c in out.outputs] == ["error"] * 3
     assert "simulated device fault" in out.outputs[1].error and not llm.engine.has_unfinished_requests()

@@ -77,7 +77,8 @@ def main():
             acc = collections.Counter()
             undo = [wrap(eng.scheduler, "schedule", acc), wrap(runner, "prepare", acc),
                     wrap(runner.graphs, "run", acc), wrap(runner, "_sample", acc),
-                    wrap(eng.scheduler, "postprocess", acc), wrap(eng, "step", acc)]
+                    wrap(eng.scheduler, "postprocess", acc), wrap(runner, "collect", acc),  # collect: the wait
+                    wrap(eng, "step", acc)]  # for the step in flight (async scheduling)
             wall = gen(llm, ids(b, 128), 128)
             for u in undo:
                 u()

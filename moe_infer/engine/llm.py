@@ -147,6 +147,8 @@ class LLM:
         finally:
             for rid in pending:
                 self.engine.abort_request(rid)
+            while not self.engine.requests and self.engine.has_unfinished_requests():
+                self.engine.step()  # async scheduling: collect the step still in flight (its blocks come back)
             self.engine.executor.finish([])
 
     # ------------------------------------------------------------------ helpers

@@ -6,6 +6,11 @@ A request that cannot run (malformed prompt, token ids outside the vocabulary, p
 the model or the KV cache) finishes alone with finish_reason "error" and the reason in
 `outputs[i].error`; a step whose forward raises fails only the requests of that step. A request with
 `SamplingParams.n > 1` runs as n sequences (moe_infer/engine/request_state.py).
+
+With async scheduling (`scheduler.async_scheduling`, on by default where it applies: see
+moe_infer/engine/async_scheduling.py) a `step()` launches the next step before it postprocesses the
+one in flight, so it returns the outputs of the step launched by the call before it; the first call
+returns none, and `has_unfinished_requests()` stays true until the last step in flight is collected.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from moe_infer.config import EngineConfig
+from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
 from moe_infer.engine.block_manager import BlockManager
 from moe_infer.engine.model_runner import ModelRunner
 from moe_infer.engine.outputs import RequestOutput
@@ -90,12 +96,16 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, cfg.cache.block_size,
                                           cfg.cache.enable_prefix_caching)
+        why_sync = async_scheduling_blocker(cfg, self.parallel)
+        if why_sync is not None and cfg.scheduler.async_scheduling:
+            logger.info("steps run synchronously (no async scheduling): %s", why_sync)
         self.scheduler = Scheduler(
             self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
             self.runner.max_model_len, cfg.scheduler.enable_chunked_prefill, arch.eos_token_ids,
             num_batches=self.parallel.dims.pp,  # pipeline stages: pp batches in flight
+            lookahead=why_sync is None,
         )
-        self.executor = make_executor(self.parallel, self.runner)
+        self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()
@@ -177,6 +187,7 @@ class LLMEngine:
                         self.scheduler.finish(seq, "error", error=str(failed))
                 outputs.append(req.output())
                 self._drop(req)
+            self.scheduler.discard(failed.plan)  # never postprocessed: its finished sequences' blocks come back
             return outputs
         if done is None:
             return outputs

@@ -6,7 +6,10 @@ positions, slot mapping, block tables, query_start_loc, seq lens (`step_inputs.p
 computed only for the last token of each sequence that samples (a decode, or the chunk that ends a
 prompt).
 
-On one rank `execute(plan)` is the whole step. Under a mesh the runner holds this rank's part of the
+On one rank `execute(plan)` is the whole step: `launch` (inputs, forward, LM head, sampling: device
+work queued, no host sync) then `collect` (waits for the sampled tokens). Async scheduling launches
+step n+1 before collecting step n; a sequence whose input is the token step n samples gets it on the
+device from step n's sampled ids (`launch(plan, prev)`). Under a mesh the runner holds this rank's part of the
 model (`ModelShard`: its stage's layers, its heads and shards) and KV cache (its layers' KV heads,
 under the driver's block ids), and the step pipeline (`moe_infer.parallel.pipeline`) calls its
 pieces: `encode` (driver), `run_stage` (every rank), `sample_step` (the last stage).
@@ -26,10 +29,11 @@ from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
 from moe_infer.engine.extend_graph import ExtendGraphs
-from moe_infer.engine.sampler import SampleRequest, Sampler, SamplerOutput
+from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import (
-    StepDecoder, StepEncoder, StepInputs, decode_inputs, flat_inputs, message_sizes, per_plan_entry, plan_requests,
+    LaunchedStep, StepDecoder, StepEncoder, StepInputs, decode_inputs, flat_inputs, message_sizes, per_plan_entry,
+    placeholder_rows, plan_requests,
 )
 from moe_infer.layers.forward_context import forward_context
 from moe_infer.parallel.engine_hooks import expert_dispatcher, init_engine_parallel
@@ -168,20 +172,41 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.local_layers]
 
     # ------------------------------------------------------------------ the step (one rank)
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> StepInputs:
         """input_ids_T, the attention metadata and the row of each sampling sequence's last token: one
-        int64 host buffer, copied to the device once and sliced there."""
+        int64 host buffer, copied to the device once and sliced there. Rows whose input is the token the
+        step in flight (prev) samples take it from prev's sampled ids, on the device."""
         flat, sizes = flat_inputs(plan, self.block_size)
+        rows, src = placeholder_rows(plan, prev)
+        num_main = len(flat)
+        flat.extend(rows + src)
         flat_dev = torch.frombuffer(flat, dtype=torch.int64).to(self.device, non_blocking=True)
-        return decode_inputs(flat_dev, sizes, self.block_size)
+        inputs = decode_inputs(flat_dev[:num_main], sizes, self.block_size)
+        if rows:
+            rows_R, src_R = flat_dev[num_main:].split(len(rows))
+            inputs.input_ids_T.index_copy_(0, rows_R, prev.sampled.token_ids_B.index_select(0, src_R))
+        return inputs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
         """Runs one step; returns per plan entry the sampled token (None: no sample) and its logprobs."""
+        return self.collect(self.launch(plan))
+
+    def collect(self, step: Optional[LaunchedStep]) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
+        """Waits for a launched step's tokens: per plan entry the sampled token (None: no sample), logprobs."""
+        if step is None:
+            return [], []
+        out = step.sampled.result() if step.sampled is not None else None
+        return per_plan_entry(step.plan, out.token_ids if out else [], out.logprobs if out else [])
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> Optional[LaunchedStep]:
+        """Queues one step on the device (no host sync on the decode-graph path); None for an empty plan.
+        prev: the step in flight, whose sampled ids feed this plan's `input_in_flight` rows."""
         self.sampler.forget(plan.finished_seq_ids)
         if plan.is_empty:
-            return [], []
-        inputs = self.prepare(plan)
+            return None
+        inputs = self.prepare(plan, prev)
         self._before_forward(inputs)
         hidden_TD = None
         if self.graphs is not None and self.graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
@@ -191,8 +216,7 @@ class ModelRunner:
         if hidden_TD is None:
             with forward_context(inputs.meta):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
-        out = self._sample(inputs, hidden_TD, plan_requests(plan))
-        return per_plan_entry(plan, out.token_ids if out else [], out.logprobs if out else [])
+        return LaunchedStep(plan, self._sample(inputs, hidden_TD, plan_requests(plan)))
 
     def _before_forward(self, inputs: StepInputs) -> None:
         """Between steps, on every rank in the same order: online re-balancing moves expert weights; the
@@ -203,12 +227,15 @@ class ModelRunner:
             self.trace.begin_step(inputs.meta.positions_T, inputs.input_ids_T.shape[0])
 
     def _sample(self, inputs: StepInputs, hidden_TD: torch.Tensor,
-                reqs: Optional[List[SampleRequest]]) -> Optional[SamplerOutput]:
-        """Logits of the sampling rows (a collective over tp), sampled where reqs are given."""
+                reqs: Optional[List[SampleRequest]]) -> Optional[SampledTokens]:
+        """Logits of the sampling rows (a collective over tp), sampled (launched) where reqs are given."""
         if inputs.sample_rows_S.numel() == 0:
             return None
         logits_SV = self.model.compute_logits(hidden_TD[inputs.sample_rows_S])
-        return None if reqs is None else self.sampler(logits_SV, reqs)
+        if reqs is None:
+            return None
+        on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight
+        return self.sampler.sample(logits_SV, reqs, inputs.input_ids_T[inputs.sample_rows_S] if on_device else None)
 
     # ------------------------------------------------------------------ the step under a mesh
     def encode(self, plan: SchedulerOutput) -> StepMessage:
@@ -231,7 +258,8 @@ class ModelRunner:
     def sample_step(self, inputs: StepInputs, hidden_TD: torch.Tensor,
                     reqs: Optional[List[SampleRequest]]) -> Optional[SamplerOutput]:
         """Last stage: logits on every rank of the stage, sampled on the rank given reqs (the sampler)."""
-        return self._sample(inputs, hidden_TD, reqs)
+        sampled = self._sample(inputs, hidden_TD, reqs)
+        return None if sampled is None else sampled.result()
 
     # the plan <-> sampled rows mapping, for the step pipeline (which knows no plan format)
     plan_requests = staticmethod(plan_requests)

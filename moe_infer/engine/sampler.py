@@ -6,6 +6,11 @@ from its own torch.Generator (so a seeded request samples the same tokens alone 
 Sampling uses the exponential race: argmax(p / q), q ~ Exp(1), which draws from p exactly.
 Logprobs are those of the raw model logits (before penalties and temperature), as vLLM reports.
 
+`sample` only launches work: every host value goes to the device without a stream sync, and the
+results come back through a non-blocking copy into pinned memory and an event (`SampledTokens`), so
+the host can prepare the next step while the device samples; `SampledTokens.result()` waits. Its
+`token_ids_B` stay on the device for async scheduling: the next step's placeholders are read there.
+
 Legend: B sequences that sample, V vocabulary, Kp logprobs requested (max over the batch).
 """
 from __future__ import annotations
@@ -27,6 +32,9 @@ class SampleRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     history: Optional[List[int]] = None  # prompt + output tokens; needed when params.has_penalties
+    # async scheduling: history lacks its last token, sampled by the step before and not on the host yet; it
+    # is this step's input token, given to `sample` on the device (input_ids_B)
+    last_on_device: bool = False
 
 
 @dataclass
@@ -34,6 +42,42 @@ class SamplerOutput:
     token_ids: List[int]
     # per sequence: None, or (chosen logprob, chosen rank, top token ids, top logprobs)
     logprobs: List[Optional[tuple]]
+
+
+class SampledTokens:
+    """A launched sample: token ids on the device, their copy (and the logprobs') on its way to the host."""
+
+    def __init__(self, token_ids_B: torch.Tensor, logprobs: Optional[List[torch.Tensor]],
+                 num_lp: List[Optional[int]]) -> None:
+        self.token_ids_B, self.num_lp = token_ids_B, num_lp
+        self._host = [_to_host(t) for t in [token_ids_B] + (logprobs or [])]
+        self._event = None
+        if token_ids_B.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SamplerOutput:
+        """Waits for the sample (the device work before it included) and reads it on the host."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, *lp = [t.tolist() for t in self._host]
+        if not lp:
+            return SamplerOutput(tokens, [None] * len(self.num_lp))
+        chosen, rank, top_vals, top_ids = lp
+        return SamplerOutput(tokens, [None if n is None else (chosen[i], rank[i], top_ids[i][:n], top_vals[i][:n])
+                                      for i, n in enumerate(self.num_lp)])
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _on(device: torch.device, values, dtype=None) -> torch.Tensor:
+    """A host list as a device tensor, without the stream sync of torch.tensor(..., device=cuda)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class Sampler:
@@ -48,30 +92,38 @@ class Sampler:
             self._seeded.pop(s, None)
 
     def __call__(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> SamplerOutput:
+        return self.sample(logits_BV, reqs).result()
+
+    def sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
+               input_ids_B: Optional[torch.Tensor] = None) -> SampledTokens:
+        """input_ids_B: each row's input token, on the device; needed when a request is `last_on_device`."""
         B, V = logits_BV.shape
         assert B == len(reqs), f"{B} logit rows for {len(reqs)} requests"
         logits_BV = logits_BV.float()
         num_lp = [r.params.logprobs for r in reqs]
         raw_logprobs_BV = torch.log_softmax(logits_BV, -1) if any(n is not None for n in num_lp) else None
-        logits_BV = self._apply_penalties(logits_BV, reqs)
+        logits_BV = self._apply_penalties(logits_BV, reqs, input_ids_B)
         logits_BV = self._apply_min_tokens(logits_BV, reqs)
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
             tokens_B = logits_BV.argmax(-1)
         else:
-            greedy_B = torch.tensor(greedy, device=self.device)
+            greedy_B = _on(self.device, greedy)
             tokens_B = torch.where(greedy_B, logits_BV.argmax(-1), self._sample(logits_BV, reqs))
-        token_list = tokens_B.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs_BV, tokens_B, num_lp))
+        return SampledTokens(tokens_B, self._logprobs(raw_logprobs_BV, tokens_B, num_lp), num_lp)
 
     # ------------------------------------------------------------------ logit processing
-    def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+    def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
+                         input_ids_B: Optional[torch.Tensor] = None) -> torch.Tensor:
         idx = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         if not idx:
             return logits_BV
-        rows, outs, prompts_rows, prompts = [], [], [], []
+        rows, outs, prompts_rows, prompts, last_rows, last_of = [], [], [], [], [], []
         for j, i in enumerate(idx):
             r = reqs[i]
+            if r.last_on_device:
+                last_rows.append(j)
+                last_of.append(i)
             hist = r.history if r.history is not None else []
             out_ids = hist[r.num_prompt_tokens:]
             rows += [j] * len(out_ids)
@@ -82,16 +134,19 @@ class Sampler:
         dev = self.device
         out_count_nV = torch.zeros(n, V, device=dev)
         if outs:
-            out_count_nV.index_put_((torch.tensor(rows, device=dev), torch.tensor(outs, device=dev)),
+            out_count_nV.index_put_((_on(dev, rows), _on(dev, outs)),
                                     torch.ones(len(outs), device=dev), accumulate=True)
+        if last_rows:  # the output token the host does not know yet
+            out_count_nV.index_put_((_on(dev, last_rows), input_ids_B[_on(dev, last_of)]),
+                                    torch.ones(len(last_rows), device=dev), accumulate=True)
         prompt_mask_nV = torch.zeros(n, V, dtype=torch.bool, device=dev)
         if prompts:
-            prompt_mask_nV[torch.tensor(prompts_rows, device=dev), torch.tensor(prompts, device=dev)] = True
+            prompt_mask_nV[_on(dev, prompts_rows), _on(dev, prompts)] = True
         ps = [reqs[i].params for i in idx]
-        rep_n1 = torch.tensor([p.repetition_penalty for p in ps], device=dev).unsqueeze(1)
-        pres_n1 = torch.tensor([p.presence_penalty for p in ps], device=dev).unsqueeze(1)
-        freq_n1 = torch.tensor([p.frequency_penalty for p in ps], device=dev).unsqueeze(1)
-        idx_t = torch.tensor(idx, device=dev)
+        rep_n1 = _on(dev, [p.repetition_penalty for p in ps]).unsqueeze(1)
+        pres_n1 = _on(dev, [p.presence_penalty for p in ps]).unsqueeze(1)
+        freq_n1 = _on(dev, [p.frequency_penalty for p in ps]).unsqueeze(1)
+        idx_t = _on(dev, idx)
         x_nV = logits_BV[idx_t]
         seen_nV = prompt_mask_nV | (out_count_nV > 0)
         x_nV = torch.where(seen_nV, torch.where(x_nV > 0, x_nV / rep_n1, x_nV * rep_n1), x_nV)
@@ -110,13 +165,12 @@ class Sampler:
         if not rows:
             return logits_BV
         logits_BV = logits_BV.clone()
-        logits_BV[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = float("-inf")
+        logits_BV[_on(self.device, rows), _on(self.device, cols)] = float("-inf")
         return logits_BV
 
     def _sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
         dev = self.device
-        temp_B1 = torch.tensor([r.params.temperature if not r.params.is_greedy else 1.0 for r in reqs],
-                               device=dev).unsqueeze(1)
+        temp_B1 = _on(dev, [r.params.temperature if not r.params.is_greedy else 1.0 for r in reqs]).unsqueeze(1)
         probs_BV = torch.softmax(logits_BV / temp_B1, -1)
         probs_BV = self._filter(probs_BV, reqs)
         q_BV = torch.empty_like(probs_BV).exponential_(generator=self.generator)
@@ -139,32 +193,30 @@ class Sampler:
             sorted_BV, order_BV = probs_BV.sort(-1, descending=True)
             remove_BV = torch.zeros_like(sorted_BV, dtype=torch.bool)
             if use_k:
-                k_B1 = torch.tensor([p.top_k if p.top_k != -1 else V for p in ps], device=dev).unsqueeze(1)
+                k_B1 = _on(dev, [p.top_k if p.top_k != -1 else V for p in ps]).unsqueeze(1)
                 remove_BV |= torch.arange(V, device=dev).unsqueeze(0) >= k_B1
                 sorted_BV = sorted_BV.masked_fill(remove_BV, 0.0)
             if use_p:  # nucleus of the (top-k renormalised) distribution; the top token always stays
                 # rows without top-p never drop a token (cumsum rounding may pass 1.0 before the tail)
-                top_p_B1 = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in ps], device=dev).unsqueeze(1)
+                top_p_B1 = _on(dev, [p.top_p if p.top_p < 1.0 else float("inf") for p in ps]).unsqueeze(1)
                 renorm_BV = sorted_BV / sorted_BV.sum(-1, keepdim=True)
                 mass_before_BV = renorm_BV.cumsum(-1) - renorm_BV
                 remove_BV |= mass_before_BV >= top_p_B1
             probs_BV = probs_BV.scatter(1, order_BV, sorted_BV.masked_fill(remove_BV, 0.0))
         if use_min_p:
-            min_p_B1 = torch.tensor([p.min_p for p in ps], device=dev).unsqueeze(1)
+            min_p_B1 = _on(dev, [p.min_p for p in ps]).unsqueeze(1)
             probs_BV = probs_BV.masked_fill(probs_BV < min_p_B1 * probs_BV.max(-1, keepdim=True).values, 0.0)
         return probs_BV
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod
     def _logprobs(logprobs_BV: Optional[torch.Tensor], tokens_B: torch.Tensor,
-                  num_lp: List[Optional[int]]) -> List[Optional[tuple]]:
+                  num_lp: List[Optional[int]]) -> Optional[List[torch.Tensor]]:
+        """[chosen_B, rank_B, top_vals_BK, top_ids_BK] on the device (K: the most asked in the batch)."""
         if logprobs_BV is None:
-            return [None] * len(num_lp)
+            return None
         k = max(n for n in num_lp if n is not None)
         chosen_B = logprobs_BV.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
         rank_B = (logprobs_BV > chosen_B.unsqueeze(1)).sum(-1) + 1
         top_vals_BK, top_ids_BK = logprobs_BV.topk(k, dim=-1) if k > 0 else (chosen_B[:, None][:, :0],) * 2
-        chosen, rank = chosen_B.tolist(), rank_B.tolist()
-        top_vals, top_ids = top_vals_BK.tolist(), top_ids_BK.long().tolist()
-        return [None if n is None else (chosen[i], rank[i], top_ids[i][:n], top_vals[i][:n])
-                for i, n in enumerate(num_lp)]
+        return [chosen_B, rank_B, top_vals_BK, top_ids_BK.long()]

@@ -18,24 +18,40 @@ computing the prompt again (with prefix caching off they are admitted like any r
 Pipeline stages (num_batches = pp > 1): a step's batch is postprocessed pp steps later, so a
 sequence whose batch is still in flight is skipped (it needs that batch's token) and never preempted
 (its blocks are being written); each batch takes at most 1/pp of the unfinished sequences, so the pp
-batches in flight share them. With num_batches = 1 nothing is ever in flight at schedule time.
+batches in flight share them.
+
+Async scheduling (lookahead=True, moe_infer/engine/async_scheduling.py): step n+1 is scheduled while
+step n runs, before its tokens are known. A sequence in step n goes on: its next chunk if it is
+prefilling, else one token, the placeholder for the token step n samples (the runner takes it from
+step n's sampled ids on the device). A sequence that step n finishes by length for sure (max_tokens,
+max_model_len) is not scheduled again; one that stops on a token or a stop string is, and that
+extra token is discarded: a sequence finished while a batch in flight holds it keeps its blocks
+until that batch is postprocessed (the GPU may still write them). The step waits for step n instead
+(an empty plan: the executor then returns step n, and the next step is scheduled as without
+lookahead) when the KV cache cannot hold every running sequence's next chunk (preemption must see
+step n's tokens and frees); a sequence sampling with penalties gets its history without step n's
+token, which the sampler counts from the step's input ids on the device. Without pipeline stages or
+lookahead nothing is ever in flight at schedule time.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Deque, List, Optional
+from typing import Deque, Dict, List, Optional
 
 from moe_infer.engine.block_manager import BlockManager
-from moe_infer.engine.sequence import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from moe_infer.engine.sequence import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 eos_token_ids: Optional[List[int]] = None, num_batches: int = 1) -> None:
+                 eos_token_ids: Optional[List[int]] = None, num_batches: int = 1, lookahead: bool = False) -> None:
+        if lookahead and num_batches > 1:
+            raise ValueError("async scheduling (lookahead) and pipeline stages (num_batches > 1) do not mix")
         self.block_manager = block_manager
         self.num_batches = num_batches  # batches in flight at once (pipeline stages)
+        self.lookahead = lookahead  # async scheduling: schedule on top of the batch in flight
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -43,6 +59,7 @@ class Scheduler:
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
         self._finished_ids: List[int] = []
+        self._held: Dict[int, Sequence] = {}  # finished while in flight: blocks freed when their batch is done
         self.num_preemptions = 0  # total, for tests and metrics
         self.num_chunked_prefills = 0  # prompt chunks that did not reach the prompt's end
 
@@ -64,28 +81,35 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if self.lookahead and seq.in_flight:  # a batch in flight writes its KV: free when it is postprocessed
+            self._held[seq.seq_id] = seq
+        else:
+            self.block_manager.free(seq)
         seq.finish(reason, stop_reason, error)
         self._finished_ids.append(seq.seq_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Sequences to run, or finished ones whose batch in flight must still be postprocessed."""
+        return bool(self.waiting or self.running or self._held)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput()
+        if self.lookahead and self._must_wait():  # an empty plan: the batch in flight comes back first
+            out.finished_seq_ids, self._finished_ids = self._finished_ids, []
+            return out
         preempted = blocked = False
         max_seqs = math.ceil((len(self.running) + len(self.waiting)) / self.num_batches)  # this batch's share
         can_wait = any(seq.in_flight for seq in self.running)  # a batch in flight will bring blocks back
         i = 0
         while i < len(self.running) and budget > 0 and len(out.seqs) < max_seqs:
             seq = self.running[i]
-            if seq.in_flight:
+            if seq.in_flight and not (self.lookahead and self._goes_on(seq)):
                 i += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_append(seq, seq.num_computed_tokens + num_new):
+            while not self.block_manager.can_append(seq, seq.num_scheduled_tokens + num_new):
                 victim = self._victim(seq, can_wait)
                 if victim is None:  # wait for the batches in flight rather than preempt
                     blocked = True
@@ -96,7 +120,7 @@ class Scheduler:
                     break
             if blocked or seq.status != SequenceStatus.RUNNING:  # seq preempted itself
                 break
-            self.block_manager.append(seq, seq.num_computed_tokens + num_new)
+            self.block_manager.append(seq, seq.num_scheduled_tokens + num_new)
             out.seqs.append(self._plan(seq, num_new))
             budget -= num_new
             i += 1
@@ -134,14 +158,17 @@ class Scheduler:
         updated = []
         for item, token in zip(plan.seqs, sampled):
             seq = by_id.get(item.seq_id)
-            if seq is None:  # aborted while the step ran
+            if seq is None:  # finished (aborted, stopped) while the step ran: its token is discarded
+                self._release(item.seq_id)
                 continue
-            seq.in_flight = False
+            seq.num_in_flight -= 1
+            seq.num_pending_tokens -= len(item.token_ids)
             seq.num_computed_tokens += len(item.token_ids)
             self.block_manager.cache_computed_blocks(seq)
             if token is None:
                 self.num_chunked_prefills += 1
                 continue
+            seq.num_placeholders -= 1
             seq.append_token(token)
             updated.append(seq)
             reason, stop = self._stop_by_token(seq, token)
@@ -149,18 +176,66 @@ class Scheduler:
                 self.finish(seq, reason, stop)
         return updated
 
+    def discard(self, plan: SchedulerOutput) -> None:
+        """A plan that will never be postprocessed (its step failed; its requests were finished): its
+        sequences leave it, and those it held get their blocks back."""
+        for item in plan.seqs:
+            self._release(item.seq_id)
+
     # ------------------------------------------------------------------ internals
     def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        seq.in_flight = True
-        start = seq.num_computed_tokens
-        do_sample = start + num_new == len(seq)
+        start = seq.num_scheduled_tokens
+        input_in_flight = start == len(seq)  # the input is the token the batch in flight samples
+        do_sample = start + num_new == len(seq) + seq.num_placeholders
+        seq.num_in_flight += 1
+        seq.num_pending_tokens += num_new
+        seq.num_placeholders += int(do_sample)
         return ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new], start_pos=start,
-            block_table=list(seq.block_table), do_sample=do_sample,
+            seq_id=seq.seq_id, token_ids=[PLACEHOLDER_TOKEN] if input_in_flight else seq.token_ids[start:start + num_new],
+            start_pos=start, block_table=list(seq.block_table), do_sample=do_sample,
             params=seq.params if do_sample else None,
             history=seq.token_ids if do_sample and seq.params.has_penalties else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens, input_in_flight=input_in_flight,
         )
+
+    def _release(self, seq_id: int) -> None:
+        """A finished sequence left a batch in flight; the last one gives its blocks back."""
+        seq = self._held.get(seq_id)
+        if seq is None:
+            return
+        seq.num_in_flight -= 1
+        if not seq.in_flight:
+            del self._held[seq_id]
+            self.block_manager.free(seq)
+
+    def _goes_on(self, seq: Sequence) -> bool:
+        """Lookahead: may seq, in the batch in flight, be scheduled again? Not when that batch's token
+        finishes it by length for sure (its tokens counted with the placeholder)."""
+        if not seq.num_placeholders:
+            return True  # a prefill chunk in flight: the next chunk is known
+        n, max_tokens = len(seq.token_ids) + seq.num_placeholders, seq.params.max_tokens
+        return not ((max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens)
+                    or n >= self.max_model_len or not self.block_manager.can_ever_fit(n))
+
+    def _must_wait(self) -> bool:
+        """Lookahead: must the batch in flight be postprocessed before this step is scheduled? When the free
+        blocks cannot hold the running sequences' next chunks (preempting must see that batch's frees)."""
+        bm, budget = self.block_manager, self.max_num_batched_tokens
+        # a chunk of n tokens takes at most ceil(n / block_size) new blocks, and the chunks share the budget
+        if bm.num_free_blocks >= len(self.running) + bm.blocks_needed(budget):
+            return False
+        if not any(seq.in_flight for seq in self.running):
+            return False
+        need = 0
+        for seq in self.running:  # the running part of schedule(), counting blocks instead of taking them
+            if budget <= 0:
+                break
+            if seq.in_flight and not self._goes_on(seq):
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            need += max(0, bm.blocks_needed(seq.num_scheduled_tokens + num_new) - len(seq.block_table))
+            budget -= num_new
+        return need > bm.num_free_blocks
 
     def _victim(self, seq: Sequence, can_wait: bool) -> Optional[Sequence]:
         """The newest running sequence not in flight; None to wait instead: when that is seq itself (or

@@ -3,6 +3,11 @@
 Plain Python, no tensors. `token_ids` holds the prompt then every generated token; the last
 generated token has no KV yet (it is the next step's input), so `num_computed_tokens` trails
 `len(token_ids)` by one while decoding, and by the unprocessed prompt while prefilling.
+
+Batches in flight (scheduled, not postprocessed yet: pipeline stages, async scheduling) hold
+`num_pending_tokens` of the sequence (their KV is being computed) and may sample `num_placeholders`
+tokens the host does not know yet; async scheduling schedules the next step on top of them
+(`num_scheduled_tokens`, and a placeholder as the input of the next step, taken on the device).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ class SequenceMetrics:
 
 
 _counter = itertools.count()
+PLACEHOLDER_TOKEN = -1  # a token sampled by a step in flight, not known on the host yet
 
 
 class Sequence:
@@ -48,7 +54,9 @@ class Sequence:
         self.block_table: List[int] = []
         self.block_hashes: List[int] = []  # hashes of the leading full, computed blocks
         self.status = SequenceStatus.WAITING
-        self.in_flight = False  # scheduled in a batch that has not been postprocessed yet (pipeline stages)
+        self.num_in_flight = 0  # batches that scheduled it and have not been postprocessed yet
+        self.num_pending_tokens = 0  # its tokens in those batches (KV being computed)
+        self.num_placeholders = 0  # tokens those batches sample, not in token_ids yet (0 or 1)
         self.finish_reason: Optional[str] = None  # stop | length | abort | error
         self.stop_reason: Optional[object] = None  # the stop string or stop token id that matched
         self.error: Optional[str] = None
@@ -73,8 +81,18 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight > 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose KV is computed or is being computed by a batch in flight."""
+        return self.num_computed_tokens + self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens (known or placeholder) that no step has scheduled yet."""
+        return len(self.token_ids) + self.num_placeholders - self.num_scheduled_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -103,8 +121,11 @@ class ScheduledSeq:
     block_table: List[int]
     do_sample: bool
     params: Optional[SamplingParams] = None  # set when do_sample
-    history: Optional[List[int]] = None  # prompt + output tokens, set when do_sample with penalties
+    history: Optional[List[int]] = None  # prompt + output tokens known on the host, when do_sample with penalties
     num_prompt_tokens: int = 0
+    # async scheduling: the one input token is the token this sequence samples in the step in flight; the
+    # runner takes it from that step's sampled ids on the device (token_ids holds PLACEHOLDER_TOKEN)
+    input_in_flight: bool = False
 
 
 @dataclass

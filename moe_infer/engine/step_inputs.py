@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from moe_infer.engine.sampler import SampleRequest
+from moe_infer.engine.sampler import SampledTokens, SampleRequest
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.layers.forward_context import AttentionMetadata
@@ -37,6 +37,35 @@ class StepInputs:
 
 # (T, B, S, M, max_query_len, max_seq_len)
 Sizes = Tuple[int, int, int, int, int, int]
+
+
+class LaunchedStep:
+    """A step queued on the device: its plan and its sampled tokens (None when no sequence samples)."""
+
+    def __init__(self, plan: SchedulerOutput, sampled: Optional[SampledTokens]) -> None:
+        self.plan, self.sampled = plan, sampled
+        self._index: Optional[Dict[int, int]] = None
+
+    def sample_index(self, seq_id: int) -> int:
+        """Where seq_id's token is in `sampled.token_ids_B`."""
+        if self._index is None:
+            self._index = {s.seq_id: i for i, s in enumerate(s for s in self.plan.seqs if s.do_sample)}
+        return self._index[seq_id]
+
+
+def placeholder_rows(plan: SchedulerOutput, prev: Optional[LaunchedStep]) -> Tuple[List[int], List[int]]:
+    """(rows of plan's input ids whose token the step in flight samples, that token's index in prev's sample)."""
+    rows: List[int] = []
+    src: List[int] = []
+    at = 0
+    for s in plan.seqs:
+        if s.input_in_flight:
+            if prev is None or prev.sampled is None:
+                raise RuntimeError(f"sequence {s.seq_id} takes its input from the step in flight, and none samples")
+            rows.append(at)
+            src.append(prev.sample_index(s.seq_id))
+        at += len(s.token_ids)
+    return rows, src
 
 
 def flat_inputs(plan: SchedulerOutput, block_size: int) -> Tuple[array, Sizes]:
@@ -93,7 +122,7 @@ def message_sizes(msg: StepMessage) -> Sizes:
 def plan_requests(plan: SchedulerOutput) -> List[SampleRequest]:
     """The SampleRequests of a plan's sampling sequences (on the driver, which holds the plan)."""
     return [SampleRequest(s.seq_id, s.params, s.num_prompt_tokens, s.start_pos + len(s.token_ids) - s.num_prompt_tokens,
-                          s.history) for s in plan.seqs if s.do_sample]
+                          s.history, s.input_in_flight and s.history is not None) for s in plan.seqs if s.do_sample]
 
 
 def per_plan_entry(plan: SchedulerOutput, tokens_S: List[int], logprobs_S: List[Optional[tuple]]
