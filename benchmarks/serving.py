@@ -20,7 +20,8 @@ and sglang.bench_serving all import `datasets` (pyarrow alone is ~40 MB), vLLM's
     python benchmarks/serving.py [--out X.json]        # H100: ~4 min
     python benchmarks/serving.py --tiny                # CPU: tiny dims, a smoke run (~1 min)
 
-Writes JSON (device named) to --out, else $OUT/serving_<device>.json, else benchmarks/results/.
+Writes JSON (device named) to --out (a file, or a folder for serving_<device>.json), else $OUT/serving_<device>.json,
+else benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -269,8 +270,10 @@ def main() -> None:
     print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server at saturation {sat['output_tok_s']:.0f} "
           f"tok/s = {ratio:.1%} of offline (target >= 90%); decode roofline at batch {args.max_num_seqs} "
           f"(H100 HBM) {roofline:.0f} tok/s; wall {result['wall_s']:.0f} s")
-    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
-                                   f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json")
+    name = f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json"
+    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), name)
+    if os.path.isdir(out):  # --out DIR, as the other benchmarks take it
+        out = os.path.join(out, name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
