@@ -82,6 +82,25 @@ def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
     return graph, out
 
 
+def replay_graph(owner, key, run: Callable[[], torch.Tensor], valid_R: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+    """The static output of owner's graph for key after a replay, the graph captured first when new
+    (owner: .graphs, .pool, .runs, .disabled); None when the capture failed: owner.disabled says why and
+    the caller runs that step, and every later one, eagerly."""
+    if key not in owner.graphs:
+        try:
+            owner.graphs[key] = capture_graph(run, valid_R, owner.pool)
+        except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
+            torch.cuda.synchronize()
+            owner.disabled = f"{type(err).__name__}: {err}"
+            logger.warning("CUDA graph capture failed for %s; those steps run eagerly from now on (%s)", what,
+                           owner.disabled)
+            return None
+    graph, out = owner.graphs[key]
+    graph.replay()
+    owner.runs += 1
+    return out
+
+
 def capture_sizes(max_batch: int) -> List[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... up to max_batch (always included)."""
     if max_batch <= 0:
@@ -176,9 +195,6 @@ class DecodeGraphs:
         with forward_context(self._meta(Bp, Mp), valid_T=self.valid_B[:Bp]):
             return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
 
-    def _capture(self, Bp: int, Mp: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return capture_graph(lambda: self._run_static(Bp, Mp), self.valid_B, self.pool)
-
     def run(self, input_ids_T: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """hidden [B, D] of the step, or None when the graph could not be captured (run eagerly)."""
         B = input_ids_T.shape[0]
@@ -187,17 +203,6 @@ class DecodeGraphs:
         if not self.capture:
             self.runs += 1
             return self._run_static(Bp, Mp)[:B]
-        key = (Bp, Mp)
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(Bp, Mp)
-            except Exception as err:  # noqa: BLE001 - any capture failure means: run this engine eagerly
-                torch.cuda.synchronize()
-                self.disabled = f"{type(err).__name__}: {err}"
-                logger.warning("CUDA graph capture failed at batch %d, %d blocks; decoding eagerly from now "
-                               "on (%s)", Bp, Mp, self.disabled)
-                return None
-        graph, out_BpD = self.graphs[key]
-        graph.replay()
-        self.runs += 1
-        return out_BpD[:B]
+        out_BpD = replay_graph(self, (Bp, Mp), lambda: self._run_static(Bp, Mp), self.valid_B,
+                               f"a decode step at batch {Bp}, {Mp} blocks")
+        return None if out_BpD is None else out_BpD[:B]

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from moe_infer.engine.cuda_graph import ForwardFn, capture_graph
+from moe_infer.engine.cuda_graph import ForwardFn, replay_graph
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -148,16 +148,6 @@ class ExtendGraphs:
         if not self.capture:
             self.runs += 1
             return self._run_static(*key)[:T]
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = capture_graph(lambda: self._run_static(*key), self.valid_T, self.pool)
-            except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
-                torch.cuda.synchronize()
-                self.disabled = f"{type(err).__name__}: {err}"
-                logger.warning("CUDA graph capture failed for a step of %d tokens (bucket %s); prefill and mixed "
-                               "steps run eagerly from now on (%s)", T, key, self.disabled)
-                return None
-        graph, out_TpD = self.graphs[key]
-        graph.replay()
-        self.runs += 1
-        return out_TpD[:T]
+        out_TpD = replay_graph(self, key, lambda: self._run_static(*key), self.valid_T,
+                               f"a step of {T} tokens (bucket {key})")
+        return None if out_TpD is None else out_TpD[:T]
