@@ -116,6 +116,11 @@ def test_cuda_graph_prefill_equals_eager_gpu(family):
 @pytest.mark.timeout(600)
 def test_prefill_graphs_off_where_unsafe_gpu():
     kw = dict(model=checkpoint("qwen3_moe"), device="cuda", dtype="float32", block_size=4, num_kv_blocks=64)
-    assert LLM(**kw, attention_backend="sdpa").engine.runner.extend_graphs is None  # sized from the data
-    assert LLM(**kw, cuda_graph_max_tokens=0).engine.runner.extend_graphs is None
-    assert LLM(**kw, policy="drop").engine.runner.extend_graphs is None  # a capacity would count padding
+    eager_reserve = LLM(**kw, enforce_eager=True).engine.runner._activation_bytes()
+    for off in (dict(attention_backend="sdpa"),  # sized from the data
+                dict(cuda_graph_max_tokens=0), dict(policy="drop")):  # drop: a capacity would count padding
+        runner = LLM(**kw, **off).engine.runner
+        assert runner.extend_graphs is None, off
+        # no graph pool for those steps, so the KV budget keeps no room for one
+        assert runner._activation_bytes() == eager_reserve, off
+    assert LLM(**kw).engine.runner._activation_bytes() > eager_reserve  # graphs on: their pool is kept out

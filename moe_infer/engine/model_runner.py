@@ -65,6 +65,7 @@ class ModelRunner:
             self.offload.finish_load()
         arch = self.model.arch
         self.arch = arch
+        self._extend_tokens: Optional[int] = None  # _extend_graph_tokens, decided once
         self.stats: Optional[ExpertLoadStats] = None
         if cfg.routing.collect_stats:
             self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
@@ -115,10 +116,12 @@ class ModelRunner:
         logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
         return graphs
 
-    def _extend_graphs(self) -> Optional[ExtendGraphs]:
-        """CUDA-graph replay of prefill and mixed steps where it is safe (moe_infer/engine/extend_graph.py)."""
+    def _extend_graph_tokens(self) -> int:
+        """The most tokens of a prefill / mixed step replayed as a CUDA graph here; 0 where none is (logged once)."""
         from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
 
+        if self._extend_tokens is not None:
+            return self._extend_tokens
         max_tokens = min(self.cfg.model.cuda_graph_max_tokens, self.cfg.scheduler.max_num_batched_tokens)
         attn = self.model.layers[self.model.local_layers[0]].self_attn.backend
         why_not = graph_blocker(self.cfg, self.device, self.backends)
@@ -128,6 +131,13 @@ class ModelRunner:
             why_not = f"attention backend {attn!r} sizes its launches from the data"
         if why_not:
             logger.info("prefill and mixed steps run eagerly: %s", why_not)
+        self._extend_tokens = 0 if why_not else max_tokens
+        return self._extend_tokens
+
+    def _extend_graphs(self) -> Optional[ExtendGraphs]:
+        """CUDA-graph replay of prefill and mixed steps where it is safe (moe_infer/engine/extend_graph.py)."""
+        max_tokens = self._extend_graph_tokens()
+        if max_tokens == 0:
             return None
         return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
@@ -155,9 +165,7 @@ class ModelRunner:
     def _activation_bytes(self) -> int:
         """A generous bound on one step's activations (MoE rows dominate), kept out of the KV budget; with
         prefill steps as CUDA graphs, their graph pool holds a second step's worth (up to their token limit)."""
-        T = self.cfg.scheduler.max_num_batched_tokens
-        if not self.cfg.model.enforce_eager:
-            T += min(T, self.cfg.model.cuda_graph_max_tokens)
+        T = self.cfg.scheduler.max_num_batched_tokens + self._extend_graph_tokens()
         hf = self.model.hf_config
         D = getattr(hf, "hidden_size", 4096)
         F = max(getattr(hf, "moe_intermediate_size", 0) or 0, getattr(hf, "intermediate_size", 0) or 0)
