@@ -140,6 +140,40 @@ def test_penalties_over_the_token_in_flight_equal_sync(llms):
         assert [summary(o) for o in got] == [summary(o) for o in ref]
 
 
+def saturate(llm, max_tokens):
+    """3 * max_num_seqs requests at once, all ending by length together (greedy and seeded): the final outputs
+    and the number of engine steps."""
+    eng, finals, steps = llm.engine, {}, 0
+    for i in range(24):
+        sp = greedy(max_tokens) if i % 2 else SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
+                                                             ignore_eos=True)
+        eng.add_request(f"{i:02d}: x", sp, str(i))
+    while eng.has_unfinished_requests():
+        finals.update((o.request_id, summary(o)) for o in eng.step() if o.finished)
+        steps += 1
+    return finals, steps
+
+
+def test_sequences_ending_by_length_leave_their_seats_in_the_step_scheduled_ahead(monkeypatch):
+    """Under saturation with short outputs, the step scheduled while a batch's last step is in flight admits the
+    next batch (before, it waited for their seats under max_num_seqs: one step in two or five ran nothing)."""
+    on, off = (make_llm(a, max_num_batched_tokens=64, num_kv_blocks=64) for a in (True, False))
+    plans = {}
+    for llm in (on, off):  # the plan of every step
+        real, log = llm.engine.scheduler.schedule, plans.setdefault(llm, [])
+        monkeypatch.setattr(llm.engine.scheduler, "schedule", lambda real=real, log=log: log.append(real()) or log[-1])
+    for max_tokens in (1, 4):
+        ref, steps_off = saturate(off, max_tokens)
+        got, steps_on = saturate(on, max_tokens)
+        assert got == ref and len(ref) == 24
+        sizes = [[len(p.seqs) for p in plans[llm] if not p.is_empty] for llm in (on, off)]
+        assert sizes[0] == sizes[1] == [8] * 3 * max_tokens  # every step that ran, ran full
+        assert (steps_off, steps_on) == (3 * max_tokens, 3 * max_tokens + 1)  # + collecting the last step
+        plans[on].clear(), plans[off].clear()
+    assert_no_leak(on)
+    assert_no_leak(off)
+
+
 @pytest.mark.parametrize("where", ["launch", "collect"])
 def test_a_failing_step_fails_only_its_requests(llms, monkeypatch, where):
     off = llms[False]

@@ -100,3 +100,68 @@ def test_a_full_cache_waits_for_the_batch_in_flight():
     s.postprocess(p1, [7, 8])
     p2 = s.schedule()  # nothing in flight: c is preempted as without lookahead
     assert [i.seq_id for i in p2.seqs] == [b.seq_id] and s.num_preemptions == 1 and c.output_token_ids == [8]
+
+
+def seats(max_num_seqs, num_blocks=32):
+    return Scheduler(BlockManager(num_blocks, 4, True), max_num_seqs, 64, 128, True, [EOS], lookahead=True)
+
+
+def planned(plan):
+    return [(i.seq_id, len(i.token_ids)) for i in plan.seqs]
+
+
+def test_sequences_ending_by_length_in_flight_leave_their_seats_to_waiting_ones():
+    """A sequence whose batch in flight ends it by length holds its blocks, not its seat under max_num_seqs; one
+    that may still stop on a token (EOS) keeps its seat."""
+    s = seats(2)
+    a, b, c, d = (seq(5, first=10 * i, max_tokens=1, ignore_eos=True) for i in range(1, 5))
+    e = seq(5, first=50, max_tokens=3)
+    for x in (e, a, b, c, d):
+        s.add(x)
+    p1 = s.schedule()
+    assert planned(p1) == [(e.seq_id, 5), (a.seq_id, 5)]
+    p2 = s.schedule()  # a ends with step 1's token: b takes its seat, in free blocks; e goes on
+    assert planned(p2) == [(e.seq_id, 1), (b.seq_id, 5)] and len(s.running) == 3
+    assert not set(a.block_table) & set(b.block_table) and len(a.block_table) == 2
+    s.postprocess(p1, [7, 8])
+    assert a.finish_reason == "length" and a.block_table == [] and s.running == [e, b]
+    p3 = s.schedule()  # b ends with step 2's token: c comes in
+    assert planned(p3) == [(e.seq_id, 1), (c.seq_id, 5)]
+    s.postprocess(p2, [7, 9])
+    p4 = s.schedule()  # e ends with step 3's token (its third), c with its first: d takes one of their seats
+    assert planned(p4) == [(d.seq_id, 5)]
+    s.postprocess(p3, [7, 9])
+    s.postprocess(p4, [9])
+    assert [x.output_token_ids for x in (e, a, b, c, d)] == [[7, 7, 7], [8], [9], [9], [9]]
+    assert not s.has_unfinished() and s.block_manager.num_free_blocks == 32
+    eos = seats(1)
+    f, g = seq(5, first=10, max_tokens=4), seq(5, first=20, max_tokens=1)
+    eos.add(f)
+    eos.add(g)
+    eos.schedule()
+    assert eos.schedule().seqs[0].seq_id == f.seq_id and g in eos.waiting  # f may stop on EOS: it keeps the seat
+
+
+def test_seats_left_in_flight_take_only_free_blocks_and_never_preempt():
+    s = seats(2, num_blocks=6)  # a and b take 2 blocks each; 2 are free
+    a, b = seq(5, first=10, max_tokens=1), seq(5, first=20, max_tokens=4)
+    c, d = seq(9, first=30, max_tokens=1), seq(7, first=50, max_tokens=1)
+    for x in (a, b, c):
+        s.add(x)
+    p1 = s.schedule()
+    p2 = s.schedule()  # a's seat is free, but c needs 3 blocks: it waits (a's blocks are written by step 1)
+    assert planned(p2) == [(b.seq_id, 1)] and s.waiting[0] is c and s.num_preemptions == 0
+    s.postprocess(p1, [7, 8])
+    p3 = s.schedule()
+    assert planned(p3) == [(b.seq_id, 1), (c.seq_id, 9)] and s.block_manager.num_free_blocks == 1
+    s.add(d)
+    s.postprocess(p2, [8])
+    p4 = s.schedule()  # c's seat is free, d needs 2 blocks and 1 is free: b goes on alone, nobody preempted
+    assert planned(p4) == [(b.seq_id, 1)] and s.num_preemptions == 0
+    s.postprocess(p3, [8, 7])
+    p5 = s.schedule()  # b ends with step 4's token; c is done: d comes in
+    assert planned(p5) == [(d.seq_id, 7)]
+    s.postprocess(p4, [8])
+    s.postprocess(p5, [9])
+    assert [x.output_token_ids for x in (a, b, c, d)] == [[7], [8, 8, 8, 8], [7], [9]]
+    assert not s.has_unfinished() and s.block_manager.num_free_blocks == 6

@@ -13,7 +13,8 @@ The plan of step n+1 is made before step n's tokens are known (moe_infer/engine/
 from step n's sampled ids (`ModelRunner.prepare`). Outputs equal those of the synchronous engine:
   - a sequence that step n stops (EOS, a stop token or string) was scheduled in n+1 as well: that extra
     token is discarded, and its blocks are freed only once step n+1 is collected (it writes them);
-    one that step n finishes by length for sure is not scheduled again;
+    one that step n finishes by length for sure is not scheduled again, and its seat (max_num_seqs) goes to a
+    waiting request in step n+1 (its blocks stay held until step n is collected);
   - seeded sampling draws from each sequence's own generator once per token, as without lookahead.
     Unseeded random sampling draws from the engine's generator for the whole batch, so it depends on
     the batch's make-up (with or without async scheduling, as in vLLM) and is not reproduced draw for

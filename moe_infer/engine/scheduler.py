@@ -24,9 +24,10 @@ Async scheduling (lookahead=True, moe_infer/engine/async_scheduling.py): step n+
 step n runs, before its tokens are known. A sequence in step n goes on: its next chunk if it is
 prefilling, else one token, the placeholder for the token step n samples (the runner takes it from
 step n's sampled ids on the device). A sequence that step n finishes by length for sure (max_tokens,
-max_model_len) is not scheduled again; one that stops on a token or a stop string is, and that
-extra token is discarded: a sequence finished while a batch in flight holds it keeps its blocks
-until that batch is postprocessed (the GPU may still write them). The step waits for step n instead
+max_model_len) is not scheduled again, and its seat under `max_num_seqs` goes to a waiting request
+(new ones take free blocks only); one that stops on a token or a stop string is, and that extra
+token is discarded: a sequence finished while a batch in flight holds it keeps its blocks until
+that batch is postprocessed (the GPU may still write them). The step waits for step n instead
 (an empty plan: the executor then returns step n, and the next step is scheduled as without
 lookahead) when the KV cache cannot hold every running sequence's next chunk (preemption must see
 step n's tokens and frees); a sequence sampling with penalties gets its history without step n's
@@ -102,6 +103,7 @@ class Scheduler:
         preempted = blocked = False
         max_seqs = math.ceil((len(self.running) + len(self.waiting)) / self.num_batches)  # this batch's share
         can_wait = any(seq.in_flight for seq in self.running)  # a batch in flight will bring blocks back
+        seated = self._num_seated() if self.waiting else 0  # before this plan schedules the running ones again
         i = 0
         while i < len(self.running) and budget > 0 and len(out.seqs) < max_seqs:
             seq = self.running[i]
@@ -125,7 +127,7 @@ class Scheduler:
             budget -= num_new
             i += 1
         for seq in list(self.waiting) if not (preempted or blocked) else []:  # arrival order
-            if budget <= 0 or len(self.running) >= self.max_num_seqs or len(out.seqs) >= max_seqs:
+            if budget <= 0 or seated >= self.max_num_seqs or len(out.seqs) >= max_seqs:
                 break
             if self._waits_for_leader(seq):
                 continue
@@ -143,6 +145,7 @@ class Scheduler:
             self.block_manager.allocate(seq, num_cached + num_new, cached_ids)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seated += 1
             out.seqs.append(self._plan(seq, num_new))
             budget -= num_new
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
@@ -216,6 +219,13 @@ class Scheduler:
         n, max_tokens = len(seq.token_ids) + seq.num_placeholders, seq.params.max_tokens
         return not ((max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens)
                     or n >= self.max_model_len or not self.block_manager.can_ever_fit(n))
+
+    def _num_seated(self) -> int:
+        """Running sequences holding a seat under max_num_seqs: with lookahead, one that the batch in flight ends
+        by length leaves its seat to the waiting requests (its blocks stay held until that batch is collected)."""
+        if not self.lookahead or len(self.running) < self.max_num_seqs:
+            return len(self.running)  # a seat is free either way
+        return sum(1 for seq in self.running if not seq.in_flight or self._goes_on(seq))
 
     def _must_wait(self) -> bool:
         """Lookahead: must the batch in flight be postprocessed before this step is scheduled? When the free
