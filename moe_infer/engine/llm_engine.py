@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -105,6 +105,8 @@ class LLMEngine:
             num_batches=self.parallel.dims.pp,  # pipeline stages: pp batches in flight
             lookahead=why_sync is None,
         )
+        self.limits = replace(self.scheduler.limits, vocab_size=self.vocab_size,
+                                          has_tokenizer=self.tokenizer is not None)
         self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
@@ -144,8 +146,7 @@ class LLMEngine:
 
     def check_prompt(self, token_ids: List[int], params: SamplingParams) -> Optional[str]:
         """Why add_request would reject these prompt ids with params (None: they can run)."""
-        return (self._params_error(params) or self._ids_error(token_ids)
-                or self.scheduler.admission_error(len(token_ids)))
+        return self.limits.check(token_ids, params)
 
     def get_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
@@ -224,7 +225,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ helpers
     def _tokenize(self, prompt: PromptType, params: SamplingParams):
         """(prompt text, token ids, error or None) of a prompt."""
-        error = self._params_error(params)
+        error = self.limits.params_error(params)
         if error is not None:
             return None, [], error
         if isinstance(prompt, str):
@@ -237,7 +238,7 @@ class LLMEngine:
             text = prompt.get("prompt")
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
                 return text, [], f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
-            error = self._ids_error(ids)
+            error = self.limits.ids_error(ids)
             if error is not None:
                 return text, [], error
             if text is None and self.tokenizer is not None:
@@ -247,17 +248,6 @@ class LLMEngine:
             return self._tokenize(prompt["prompt"], params)
         return None, [], ("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
                           f"{type(prompt).__name__}{' with keys ' + str(sorted(prompt)) if isinstance(prompt, dict) else ''}")
-
-    def _params_error(self, params: SamplingParams) -> Optional[str]:
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            return f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
-        if params.stop_strings and self.tokenizer is None:
-            return "stop strings need a tokenizer, and this checkpoint has none"
-        return None
-
-    def _ids_error(self, ids: List[int]) -> Optional[str]:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        return f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})" if bad else None
 
     def _drop(self, req: RequestState) -> None:
         del self.requests[req.request_id]

@@ -41,6 +41,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional
 
 from moe_infer.engine.block_manager import BlockManager
+from moe_infer.engine.prompt_limits import PromptLimits
 from moe_infer.engine.sequence import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -56,6 +57,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.limits = PromptLimits(max_model_len, block_manager.num_blocks, block_manager.block_size,
+                                   None if enable_chunked_prefill else max_num_batched_tokens)
         self.eos_token_ids = set(eos_token_ids or [])
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
@@ -138,7 +141,7 @@ class Scheduler:
                 break
             if not self.block_manager.can_allocate(num_cached + num_new, cached_ids):
                 if not self.running:  # nothing will ever free a block: the cache is too small for it
-                    self.finish(seq, "error", error=self._too_big(len(seq)))
+                    self.finish(seq, "error", error=self.limits.kv_overflow(len(seq)))
                     continue
                 break
             self.waiting.remove(seq)
@@ -284,19 +287,4 @@ class Scheduler:
 
     def admission_error(self, num_tokens: int) -> Optional[str]:
         """Why a prompt of num_tokens can never run here (None: it can)."""
-        if num_tokens == 0:
-            return "the prompt is empty"
-        if num_tokens > self.max_model_len - 1:
-            return (f"prompt of {num_tokens} tokens is too long: max_model_len is {self.max_model_len} "
-                    f"and at least one token must be generated")
-        if not self.block_manager.can_ever_fit(num_tokens + 1):
-            return self._too_big(num_tokens)
-        if not self.enable_chunked_prefill and num_tokens > self.max_num_batched_tokens:
-            return (f"prompt of {num_tokens} tokens exceeds max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} and chunked prefill is off")
-        return None
-
-    def _too_big(self, num_tokens: int) -> str:
-        bm = self.block_manager
-        return (f"prompt of {num_tokens} tokens can never fit in the KV cache: it holds "
-                f"{bm.num_blocks} blocks x {bm.block_size} tokens = {bm.num_blocks * bm.block_size} tokens")
+        return self.limits.length_error(num_tokens)

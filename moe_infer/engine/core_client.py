@@ -1,0 +1,200 @@
+"""ProcessEngine: the server's engine, a `StreamingEngine` whose `LLMEngine` runs in a process of its own.
+
+    engine = ProcessEngine(cfg, model_path, max_requests=512)   # spawns the core, waits until it is ready
+    await engine.start()                                         # inside the server's event loop
+    async for out in engine.generate(prompt, params): ...
+    await engine.shutdown(drain_timeout_s=10)
+
+Why, the core's loop and its messages: moe_infer/engine/core_proc.py. This side keeps what HTTP needs
+without asking the core: the tokenizer (text prompts are tokenized here, as the server does anyway), the
+prompt limits (400s before a request leaves), and per request an `OutputAssembler` that turns the core's
+deltas back into the cumulative `RequestOutput`s every stream reader gets. A reader thread receives; the
+event loop applies each step's deltas in one callback. Sends go through a thread too, so a long prompt
+never blocks the event loop on a full pipe.
+
+If the core process dies (a crash, an out-of-memory kill), every open stream fails with `EngineClosed`
+and the server's /health answers 503; nothing hangs. Under torchrun the core joins the mesh as the
+driver rank (it inherits the launcher's environment); the other ranks run its steps as before.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from typing import Callable, Dict, List, Optional, Sequence
+
+from moe_infer.engine.core_proc import CoreInfo, PipeSender, run_engine_core
+from moe_infer.engine.output_delta import OutputAssembler, OutputDelta
+from moe_infer.engine.outputs import RequestOutput
+from moe_infer.engine.request_streams import EngineClosed, RequestFailed, StreamingEngine
+from moe_infer.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """The engine core process could not build its engine (the message says why)."""
+
+
+class ProcessEngine(StreamingEngine):
+    def __init__(self, cfg, model_path: str, max_requests: int = 1024,
+                 on_finished: Optional[List[Callable[[RequestOutput], None]]] = None,
+                 start_timeout_s: Optional[float] = None) -> None:
+        super().__init__(max_requests, on_finished)
+        from moe_infer.engine.llm_engine import load_tokenizer
+
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked; the server's process never touches it
+        cmd_read, cmd_write = ctx.Pipe(duplex=False)
+        res_read, res_write = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_engine_core, name="moe-infer-engine-core",
+                                 args=(cfg, model_path, cmd_read, res_write, logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        cmd_read.close()
+        res_write.close()  # the core holds the only write end: its exit is an EOF here
+        self._results = res_read
+        self._sender = PipeSender(cmd_write, "moe-infer-core-commands")
+        self.tokenizer = load_tokenizer(model_path)  # while the core builds its engine
+        info = self._wait_ready(start_timeout_s)
+        self.core_pid, self.max_model_len, self.limits = info.pid, info.max_model_len, info.limits
+        self._assemblers: Dict[str, OutputAssembler] = {}
+        self._calls: Dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._reader: Optional[threading.Thread] = None
+        self._stopped = threading.Event()
+        self.stop_message: Optional[str] = None
+        self._shutdown_sent = False
+
+    def _wait_ready(self, timeout_s: Optional[float]) -> CoreInfo:
+        waited = 0.0
+        while not self._results.poll(1.0):
+            waited += 1.0
+            if not self._proc.is_alive():
+                raise EngineStartError(f"the engine core process exited with code {self._proc.exitcode} before it "
+                                       "was ready (see its log above)")
+            if timeout_s is not None and waited >= timeout_s:
+                self._proc.kill()
+                raise EngineStartError(f"the engine core was not ready after {timeout_s:.0f} s")
+        try:
+            msg = self._results.recv()
+        except EOFError:
+            self._proc.join(10)
+            raise EngineStartError(f"the engine core process exited with code {self._proc.exitcode} before it "
+                                   "was ready (see its log above)") from None
+        if msg[0] == "start_failed":
+            self._proc.join(30)
+            raise EngineStartError(f"the engine did not start: {msg[1]}")
+        return msg[1]
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._reader is not None:
+            raise RuntimeError("ProcessEngine.start() was already called")
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="moe-infer-core-reader", daemon=True)
+        self._reader.start()
+
+    def _alive(self) -> bool:
+        return self._reader is not None and not self._stopped.is_set()
+
+    async def _stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the core process (synchronous; also what a server that never started its loop calls)."""
+        if self._proc.is_alive() and not self._stopped.is_set() and not self._shutdown_sent:
+            self._shutdown_sent = True
+            self._sender.send(("shutdown",))
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            logger.error("the engine core did not stop in %.0f s: killing it", timeout_s)
+            self._proc.kill()
+            self._proc.join(10)
+        self._sender.close(timeout_s=1.0)
+        if self._reader is not None:
+            self._reader.join(5.0)
+
+    # ------------------------------------------------------------------ commands
+    def _submit(self, request_id: str, prompt, params: SamplingParams) -> None:
+        text, ids, sent = self._prompt(prompt)
+        self._assemblers[request_id] = OutputAssembler(request_id, text, ids, params.n)
+        self._sender.send(("add", request_id, sent, params))
+
+    def _prompt(self, prompt):
+        """(text, token ids, what the core gets) of a prompt: text is tokenized here; the core checks the
+        ids as the offline engine does, and answers a malformed prompt with its error."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            ids = list(ids) if isinstance(ids, (list, tuple)) else []
+            text = prompt.get("prompt")
+            if text is None and self.tokenizer is not None and all(isinstance(t, int) for t in ids):
+                text = self.tokenizer.decode(ids)
+            return text, ids, prompt
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) and self.tokenizer is not None:
+            ids = list(self.tokenizer(text)["input_ids"])
+            return text, ids, {"prompt_token_ids": ids, "prompt": text}
+        return (text if isinstance(text, str) else None), [], prompt
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        self._sender.send(("abort", list(request_ids)))
+
+    async def utility(self, name: str):
+        if not self._alive():
+            raise EngineClosed("the engine loop is not running")
+        call_id = next(self._call_ids)
+        fut = self._calls[call_id] = self._loop.create_future()
+        self._sender.send(("utility", call_id, name))
+        return await fut
+
+    # ------------------------------------------------------------------ the reader thread
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._results.recv()
+            except (EOFError, OSError):
+                code = self._proc.exitcode
+                msg = ("stopped", f"the engine core process exited (code {code})" if code else
+                       "the engine core process is gone")
+            if msg[0] == "stopped":
+                self._stopped.set()
+                self._loop.call_soon_threadsafe(self._on_stopped, msg[1])
+                return
+            self._loop.call_soon_threadsafe(self._on_message, msg)
+
+    # ------------------------------------------------------------------ the event loop side
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            self._dispatch([self._assemble(d) for d in msg[1] if d.request_id in self._assemblers])
+        elif kind == "failed":
+            for rid in msg[1]:
+                self._assemblers.pop(rid, None)
+            self._fail(msg[1], RequestFailed(msg[2]))
+        elif kind == "result":
+            fut = self._calls.pop(msg[1], None)
+            if fut is not None and not fut.cancelled():
+                if msg[3] is None:
+                    fut.set_result(msg[2])
+                else:
+                    fut.set_exception(RuntimeError(msg[3]))
+
+    def _assemble(self, delta: OutputDelta) -> RequestOutput:
+        out = self._assemblers[delta.request_id].apply(delta)
+        if out.finished:
+            del self._assemblers[delta.request_id]
+        return out
+
+    def _on_stopped(self, message: Optional[str]) -> None:
+        self.stop_message = message
+        if message is not None or self._streams:
+            logger.error("the engine core stopped: %s", message or "with requests in flight")
+        self._closing = True
+        error = EngineClosed(message or "the engine core stopped")
+        self._fail(None, error)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._calls.clear()
+        self._assemblers.clear()

@@ -1,0 +1,182 @@
+"""The engine core process: an `LLMEngine` in a process of its own, driven over two pipes.
+
+Why a process: in one process the HTTP side (request parsing, JSON, one server-sent event per token)
+and the engine loop (scheduling, kernel launches, detokenization) share one GIL; with async scheduling
+the engine's host work must keep ahead of the GPU, and every millisecond the HTTP side holds the GIL
+leaves the GPU idle. vLLM's v1 engine core runs apart from its API server for the same reason.
+
+`run_engine_core` is the process's target (started by `ProcessEngine`, moe_infer/engine/core_client.py).
+It builds the engine, answers `("ready", CoreInfo)` (or `("start_failed", why)`), then loops: between two
+steps it takes every queued command, then runs `LLMEngine.step()` while requests are unfinished and
+sends the step's outputs as deltas (moe_infer/engine/output_delta.py). Messages are pickled tuples:
+
+    client -> core   ("add", request_id, prompt, SamplingParams)      {"prompt_token_ids", "prompt"} as a rule
+                     ("abort", [request_id, ...])
+                     ("utility", call_id, name)                 moe_infer/engine/introspection.py
+                     ("shutdown",)
+    core -> client   ("ready", CoreInfo) | ("start_failed", message)
+                     ("outputs", [OutputDelta, ...])            one message per step
+                     ("failed", [request_id, ...], message)     failed outside a step
+                     ("result", call_id, value, error_message)
+                     ("stopped", message or None)               the last message
+
+A request that fails alone (a bad prompt, a failing forward) finishes with finish_reason "error" as in
+the offline engine; an error outside a step fails the requests in flight and the loop goes on. The core
+stops on "shutdown" or when the client's pipe closes (its process died): it never outlives the server.
+Signals: SIGINT and SIGTERM are ignored here (a terminal's Ctrl-C reaches the whole process group); the
+server drains, then sends "shutdown". Sends go through a thread, so a slow reader never stalls a step.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import List
+
+from moe_infer.engine.output_delta import DeltaEncoder
+from moe_infer.engine.prompt_limits import PromptLimits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreInfo:
+    """What the client needs of the engine it did not build."""
+
+    pid: int
+    max_model_len: int
+    limits: PromptLimits
+
+
+class PipeSender:
+    """conn.send from a thread of its own, in order; `close()` sends what is queued, then stops."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, msg) -> None:
+        self._queue.put(msg)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            msg = self._queue.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError):  # the other side is gone: nothing left to tell it
+                return
+
+
+def run_engine_core(cfg, model_path: str, commands: Connection, results: Connection, log_level: int) -> None:
+    import os
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sender = PipeSender(results, "moe-infer-core-sender")
+    try:
+        from moe_infer.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(cfg, model_path)
+    except BaseException as err:  # a bad config, an unreadable checkpoint, no memory: the server says why
+        logger.exception("the engine did not start")
+        sender.send(("start_failed", f"{type(err).__name__}: {err}"))
+        sender.close()
+        return
+    sender.send(("ready", CoreInfo(os.getpid(), engine.max_model_len, engine.limits)))
+    message = None
+    try:
+        EngineCore(engine, commands, sender).serve()
+    except BaseException as err:  # the loop itself died (e.g. a collective timed out)
+        logger.exception("the engine loop stopped")
+        message = f"the engine loop stopped: {type(err).__name__}: {err}"
+    finally:
+        sender.send(("stopped", message))
+        sender.close()
+        engine.parallel.shutdown()
+
+
+class EngineCore:
+    def __init__(self, engine, commands: Connection, sender: PipeSender) -> None:
+        self.engine, self.commands, self.sender = engine, commands, sender
+        self.encoder = DeltaEncoder()
+        self.num_loop_errors = 0
+
+    def serve(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            if not busy or self.commands.poll():  # idle: block until a command comes
+                if not self._run_commands(self._receive(block=not busy)):
+                    break
+            if engine.has_unfinished_requests():
+                self._step()
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        engine.executor.finish([])
+
+    def _receive(self, block: bool) -> List[tuple]:
+        msgs = []
+        try:
+            if block:
+                msgs.append(self.commands.recv())
+            while self.commands.poll():
+                msgs.append(self.commands.recv())
+        except (EOFError, OSError):  # the client's process is gone
+            msgs.append(("shutdown",))
+        return msgs
+
+    def _run_commands(self, msgs: List[tuple]) -> bool:
+        """Runs them; False once "shutdown" came."""
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt, params = msg
+                try:
+                    self.engine.add_request(prompt, params, rid)
+                except Exception as err:  # e.g. a duplicate id: this request fails, nothing else
+                    self.sender.send(("failed", [rid], f"{type(err).__name__}: {err}"))
+            elif kind == "abort":
+                for rid in msg[1]:
+                    self.engine.abort_request(rid)
+            elif kind == "utility":
+                self._utility(msg[1], msg[2])
+            elif kind == "shutdown":
+                return False
+            else:
+                logger.error("unknown command %r", kind)
+        return True
+
+    def _utility(self, call_id: int, name: str) -> None:
+        from moe_infer.engine.introspection import run_utility
+
+        try:
+            self.sender.send(("result", call_id, run_utility(self.engine, name), None))
+        except Exception as err:
+            self.sender.send(("result", call_id, None, f"{type(err).__name__}: {err}"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # not a forward failure (the engine handles those): fail what is in flight
+            logger.exception("engine step failed outside the forward; failing the requests in flight")
+            self.num_loop_errors += 1
+            failed = list(self.engine.requests)
+            for rid in failed:
+                self.engine.abort_request(rid)  # frees their blocks
+                self.encoder.forget(rid)
+            self.sender.send(("failed", failed, f"{type(err).__name__}: {err}"))
+            return
+        if outputs:
+            self.sender.send(("outputs", [self.encoder.encode(out) for out in outputs]))

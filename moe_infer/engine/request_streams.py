@@ -1,0 +1,224 @@
+"""StreamingEngine: one output stream per request for asyncio, over an engine loop that runs elsewhere.
+
+Two engines derive from it and differ only in where the `LLMEngine` loop runs: `AsyncEngine` (a thread
+of this process, moe_infer/engine/async_engine.py) and `ProcessEngine` (a process of its own,
+moe_infer/engine/core_client.py). Both answer the same calls, so a server takes either:
+
+    stream = engine.open(prompt, params, "req-1")   # EngineOverloaded / EngineClosed at once
+    async for out in stream: ...                    # cumulative RequestOutputs until the finished one
+    stream.close()                                  # before the end: aborts the request, frees its blocks
+    engine.check_prompt(ids, params)                # why the engine would reject them (None: it would not)
+    await engine.utility("stats")                   # (EngineStats, expert load), read between two steps
+    await engine.shutdown(drain_timeout_s=10)       # finish or abort what is in flight, stop the loop
+
+Streams: outputs are cumulative, so a request's stream keeps only the newest one (a slow reader skips to
+it instead of queueing copies). A generator closed early (client disconnect, task cancelled) aborts its
+request. A request whose engine step raises gets its error as an output (finish_reason "error"); an
+error outside a step fails the requests in flight with `RequestFailed` and the loop goes on. Past
+`max_requests` unfinished requests, `open` raises `EngineOverloaded` (the server answers 429).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
+
+from moe_infer.engine.outputs import RequestOutput
+from moe_infer.engine.prompt_limits import PromptLimits
+from moe_infer.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many unfinished requests: retry later."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or its loop has stopped."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed outside a step while this request was in flight."""
+
+
+class _Stream:
+    """The newest output of one request (outputs are cumulative), or the error that ended it."""
+
+    def __init__(self) -> None:
+        self.output: Optional[RequestOutput] = None
+        self.error: Optional[BaseException] = None
+        self.event = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self.output = out
+        self.event.set()
+
+    def fail(self, err: BaseException) -> None:
+        self.error = err
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        await self.event.wait()
+        self.event.clear()
+        if self.error is not None:
+            raise self.error
+        out, self.output = self.output, None
+        return out
+
+
+class StreamingEngine:
+    """The event-loop side shared by the engines; subclasses run the loop and set `tokenizer`,
+    `max_model_len` and `limits`."""
+
+    tokenizer: Any = None
+    max_model_len: int = 0
+    limits: Optional[PromptLimits] = None
+
+    def __init__(self, max_requests: int = 1024,
+                 on_finished: Optional[List[Callable[[RequestOutput], None]]] = None) -> None:
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.max_requests = max_requests
+        self.on_finished = list(on_finished or [])
+        self._streams: Dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._closing = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the event loop `start()` ran in
+
+    @property
+    def loop(self) -> Optional[asyncio.AbstractEventLoop]:
+        return self._loop
+
+    # ------------------------------------------------------------------ what a subclass provides
+    def _alive(self) -> bool:
+        """The engine loop runs."""
+        raise NotImplementedError
+
+    def _submit(self, request_id: str, prompt, params: SamplingParams) -> None:
+        """Hand the request to the engine loop (no await: see `open`)."""
+        raise NotImplementedError
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        """Stop the engine loop (every stream is closed by now) and wait for it."""
+        raise NotImplementedError
+
+    async def utility(self, name: str):
+        """A read of the engine between two steps: "stats" -> (EngineStats, expert-load rows),
+        "state" -> EngineState (moe_infer/engine/introspection.py)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def is_running(self) -> bool:
+        return self._alive() and not self._closing
+
+    @property
+    def num_requests(self) -> int:
+        """Unfinished requests (an n > 1 request counts once)."""
+        return len(self._streams)
+
+    def check_prompt(self, token_ids: List[int], params: SamplingParams) -> Optional[str]:
+        """Why the engine would reject these prompt ids with params (None: they can run)."""
+        return self.limits.check(token_ids, params)
+
+    def open(self, prompt, params: SamplingParams, request_id: Optional[str] = None) -> "RequestStream":
+        """Queue a request and return its stream; raises EngineOverloaded / EngineClosed at once (no await
+        between a caller's capacity check and its `open` calls, so a batch is admitted whole or not)."""
+        if not self.is_running:
+            raise EngineClosed("the engine is shutting down" if self._closing else "the engine loop is not running")
+        if len(self._streams) >= self.max_requests:
+            raise EngineOverloaded(f"{len(self._streams)} requests in flight (the limit is {self.max_requests})")
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stream = self._streams[rid] = _Stream()
+        self._submit(rid, prompt, params)
+        return RequestStream(self, rid, stream)
+
+    async def generate(self, prompt, params: SamplingParams,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until its finished one; closing the generator early aborts it."""
+        stream = self.open(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        self._abort([request_id])
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Refuse new requests, let the ones in flight finish for up to drain_timeout_s, abort the rest,
+        then stop the loop (under torchrun: release the other ranks)."""
+        self._closing = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self._alive():
+            await asyncio.sleep(0.02)
+        if self._streams and self._alive():
+            self._abort(list(self._streams))
+        deadline = time.monotonic() + 5.0
+        while self._streams and self._alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the abort outputs reach their readers
+        await self._stop()
+
+    # ------------------------------------------------------------------ the event loop side
+    def _release(self, rid: str, abort: bool) -> None:
+        """A stream is done with; abort=True: the engine frees the request's blocks."""
+        if self._streams.pop(rid, None) is not None and abort and self._alive():
+            self._abort([rid])
+
+    def _dispatch(self, outputs: List[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+            if out.finished:
+                for hook in self.on_finished:
+                    try:
+                        hook(out)
+                    except Exception:
+                        logger.exception("on_finished hook failed")
+
+    def _fail(self, request_ids: Optional[List[str]], err: BaseException) -> None:
+        for rid in request_ids if request_ids is not None else list(self._streams):
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.fail(err)
+
+
+class RequestStream:
+    """The outputs of one request, cumulative, until the finished one. `close()` before the end aborts it
+    (synchronous, so it also works from a cancelled task's cleanup)."""
+
+    def __init__(self, engine: StreamingEngine, request_id: str, stream: _Stream) -> None:
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._stream.get()
+        except (RequestFailed, EngineClosed):
+            self._done = True
+            self.engine._release(self.request_id, abort=False)  # the engine already dropped it
+            raise
+        if out.finished:
+            self._done = True
+            self.engine._release(self.request_id, abort=False)
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self.engine._release(self.request_id, abort=True)
