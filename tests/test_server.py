@@ -34,7 +34,7 @@ def client(srv):
 
 @pytest.fixture(scope="module")
 def tokenizer(srv):
-    return srv.core.tokenizer
+    return srv.engine.tokenizer
 
 
 def test_greedy_completion_equals_transformers(client, tokenizer, srv):
@@ -169,7 +169,7 @@ def test_models_health_version_and_metrics(client, srv):
     assert value("requests_finished_total", finished_reason="length") >= 1
     assert value("num_kv_blocks") == 128 and value("num_kv_blocks_used") == 0
     assert value("prefix_cache_queries_total") >= value("prefix_cache_hits_total") >= 2
-    load = srv.core.get_expert_load()
+    load = srv.utility("stats")[1]
     assert [value("expert_routed_tokens_total", layer="0", expert=str(e)) for e in range(16)] == load[0]["routed"]
     assert sum(load[0]["routed"]) > 0 and value("expert_load_imbalance", layer="5") == load[5]["imbalance"]
     assert value("num_requests_running") == 0 and value("num_preemptions_total") >= 0

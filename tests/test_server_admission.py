@@ -82,7 +82,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(srv):
         seen = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
         assert len(seen) >= 2 and srv.blocks_used() > 0
     srv.wait_idle(timeout=10)  # the abort reached the engine: every block is free again
-    assert srv.core.get_stats().num_running == 0
+    assert srv.state().num_running == 0
 
 
 def test_non_stream_disconnect_aborts_too(srv):
@@ -94,8 +94,9 @@ def test_non_stream_disconnect_aborts_too(srv):
 
 
 @pytest.mark.timeout(120)
-def test_shutdown_drains_in_flight_streams():
-    with live_server(serve=dict(drain_timeout_s=60)) as s:
+@pytest.mark.parametrize("engine_loop", ["process", "thread"])
+def test_shutdown_drains_in_flight_streams(engine_loop):
+    with live_server(serve=dict(drain_timeout_s=60, engine_loop=engine_loop)) as s:
         with httpx.stream("POST", f"{s.base_url}/completions", json=body(40, stream=True), timeout=60) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))

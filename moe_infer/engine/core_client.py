@@ -118,7 +118,7 @@ class ProcessEngine(StreamingEngine):
     # ------------------------------------------------------------------ commands
     def _submit(self, request_id: str, prompt, params: SamplingParams) -> None:
         text, ids, sent = self._prompt(prompt)
-        self._assemblers[request_id] = OutputAssembler(request_id, text, ids, params.n)
+        self._assemblers[request_id] = OutputAssembler(request_id, text, ids, params.n, params.logprobs is not None)
         self._sender.send(("add", request_id, sent, params))
 
     def _prompt(self, prompt):
@@ -155,8 +155,7 @@ class ProcessEngine(StreamingEngine):
                 msg = self._results.recv()
             except (EOFError, OSError):
                 code = self._proc.exitcode
-                msg = ("stopped", f"the engine core process exited (code {code})" if code else
-                       "the engine core process is gone")
+                msg = ("stopped", "the engine core process exited" + (f" (code {code})" if code is not None else ""))
             if msg[0] == "stopped":
                 self._stopped.set()
                 self._loop.call_soon_threadsafe(self._on_stopped, msg[1])

@@ -4,7 +4,8 @@ The engine's `RequestOutput`s are cumulative (every token, the whole text), so s
 would cost O(length) per request per step. `DeltaEncoder` (engine side) sends what changed since the
 last output of the request: per choice, the text and token ids past what was sent (as "keep the first
 `text_keep` characters, then add `text`", so a text that ever shrinks, e.g. a stop string cut at the
-end, still arrives right), the new logprob entries, and the finish fields. `OutputAssembler` (client
+end, still arrives right), the new logprob entries, and the finish fields. Token ids are taken as the
+engine makes them: appended, never rewritten in place (a list that gets shorter is handled). `OutputAssembler` (client
 side, one per request) applies them to its own lists and returns cumulative `RequestOutput`s equal to
 the engine's. The prompt never travels: the client has it.
 
@@ -78,9 +79,12 @@ def _common_prefix(a: str, b: str) -> int:
 class OutputAssembler:
     """Client side, one request: deltas in, cumulative RequestOutputs out."""
 
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int], n: int) -> None:
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int], n: int,
+                 logprobs: bool = False) -> None:
+        """n choices, as the engine starts them (with logprobs: empty lists, a cumulative 0.0)."""
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.choices = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(n)]
+        self.choices = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if logprobs else None,
+                                         cumulative_logprob=0.0 if logprobs else None) for i in range(n)]
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
         for d in delta.choices:
@@ -92,8 +96,6 @@ class OutputAssembler:
                     del c.logprobs[d.token_keep:]
             c.token_ids.extend(d.token_ids)
             if d.logprobs is not None:
-                if c.logprobs is None:
-                    c.logprobs = []
                 c.logprobs.extend(d.logprobs)
             c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error = (
                 d.cumulative_logprob, d.finish_reason, d.stop_reason, d.error)

@@ -1,4 +1,4 @@
-"""build_app: the FastAPI app over an AsyncEngine (routes, errors in OpenAI's shape, admission, lifespan).
+"""build_app: the FastAPI app over an engine (routes, errors in OpenAI's shape, admission, lifespan).
 
 The app's lifespan starts the engine loop and, on shutdown, drains it (`serve.drain_timeout_s`)
 then aborts what is left. Every error leaves as `{"error": {"message", "type", "param", "code"}}`:
@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from moe_infer.engine.async_engine import AsyncEngine, RequestFailed
+from moe_infer.engine.request_streams import RequestFailed, StreamingEngine
 from moe_infer.server import chat, completions, info, metrics
 from moe_infer.server.config import ServeConfig
 from moe_infer.server.middleware import AdmissionMiddleware
@@ -26,10 +26,11 @@ from moe_infer.server.serving import ApiError, ServerState, error_response
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncEngine, cfg: ServeConfig, model_path: str) -> FastAPI:
-    core = engine.engine
+def build_app(engine: StreamingEngine, cfg: ServeConfig, model_path: str) -> FastAPI:
+    """The app over an engine whose loop runs in its own process (ProcessEngine, the default) or in a thread
+    of this one (AsyncEngine): both answer the same calls."""
     state = ServerState(engine=engine, cfg=cfg, model_name=cfg.served_model_name or _model_name(model_path),
-                        model_path=model_path, tokenizer=core.tokenizer, max_model_len=core.max_model_len,
+                        model_path=model_path, tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
                         created=now_s(), metrics=metrics.ServerMetrics())
     engine.on_finished.append(state.metrics.on_finished)
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+ENGINE_LOOPS = ("process", "thread")
 
 
 @dataclass
@@ -22,7 +23,10 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # on shutdown: in-flight requests get this long, then are aborted
     log_level: str = "info"
     access_log: bool = False
-    # the engine thread gives the GIL up at every kernel launch and waits for it back while HTTP handlers
+    # where the engine loop runs: "process" (its own process, moe_infer/engine/core_proc.py: HTTP work and
+    # the engine do not share a GIL) or "thread" (a thread of the server's process, as in an embedding app)
+    engine_loop: str = "process"
+    # engine_loop=thread: the engine thread gives the GIL up at every kernel launch and waits for it back while HTTP handlers
     # run; CPython's default 5 ms switch interval would make each wait up to 5 ms (sys.setswitchinterval)
     gil_switch_interval_s: float = 0.0005
 
@@ -43,5 +47,7 @@ class ServeConfig:
             raise ValueError(f"serve.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("serve.api_key must be a non-empty string or null")
+        if self.engine_loop not in ENGINE_LOOPS:
+            raise ValueError(f"serve.engine_loop must be one of {ENGINE_LOOPS}, got {self.engine_loop!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"serve.log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -5,13 +5,16 @@
 
 Composes the same conf/config.yaml as the main job (every group, plus `serve`); `--name value` and
 `--name=value` are shorthands for `serve.name=value` (vLLM's `--api-key`, `--port`, ...). Every rank
-builds the engine; the driver rank serves HTTP (uvicorn) and the other ranks run the driver's steps
-(`moe_infer.parallel.pipeline.serve`) until it shuts down. `serve(engine_cfg, serve_cfg)` is the same without Hydra.
+builds the engine; the driver rank (RANK 0) serves HTTP (uvicorn) and the other ranks run the driver's steps
+(`moe_infer.parallel.pipeline.serve`) until it shuts down. On the driver the engine runs in a process of
+its own (`serve.engine_loop=process`, moe_infer/engine/core_proc.py), which joins the mesh as rank 0.
+`serve(engine_cfg, serve_cfg)` is the same without Hydra.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from typing import List, Optional
@@ -25,9 +28,6 @@ logger = logging.getLogger(__name__)
 def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
     import uvicorn
 
-    from moe_infer.engine.async_engine import AsyncEngine
-    from moe_infer.engine.llm_engine import LLMEngine
-    from moe_infer.parallel.pipeline import serve as run_driver_steps
     from moe_infer.server.app import build_app
 
     path = engine_cfg.model.path
@@ -35,25 +35,50 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
         from moe_infer.assets import default_model_path
 
         path = default_model_path()
-    engine = LLMEngine(engine_cfg, str(path))
+    path = str(path)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: a rank that runs the driver's steps until it shuts down
+        _serve_steps(engine_cfg, path)
+        return
+    max_requests = engine_cfg.scheduler.max_num_seqs + serve_cfg.max_queued_requests
+    engine, finish = _driver_engine(engine_cfg, serve_cfg, path, max_requests)
     try:
-        if not engine.parallel.is_driver:  # torchrun: the driver's steps until it shuts down
-            run_driver_steps(engine.parallel, engine.runner)
-            return
-        async_engine = AsyncEngine(engine, max_requests=engine_cfg.scheduler.max_num_seqs
-                                   + serve_cfg.max_queued_requests)
-        app = build_app(async_engine, serve_cfg, str(path))
+        app = build_app(engine, serve_cfg, path)
         config = uvicorn.Config(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level,
                                 access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s)
         # uvicorn drains on SIGINT/SIGTERM, then raises the signal again; with these handlers in place that
         # last signal is a no-op, so the ranks are released and the process exits 0 after a clean drain
-        sys.setswitchinterval(serve_cfg.gil_switch_interval_s)  # see ServeConfig
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             uvicorn.Server(config).run()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    finally:
+        finish()
+
+
+def _driver_engine(engine_cfg: EngineConfig, serve_cfg: ServeConfig, path: str, max_requests: int):
+    """(the engine the app serves, what stops it after the server); serve.engine_loop picks where its loop runs."""
+    if serve_cfg.engine_loop == "process":
+        from moe_infer.engine.core_client import ProcessEngine
+
+        engine = ProcessEngine(engine_cfg, path, max_requests=max_requests)
+        return engine, engine.close  # after a clean shutdown the core has stopped already: close just joins
+    from moe_infer.engine.async_engine import AsyncEngine
+    from moe_infer.engine.llm_engine import LLMEngine
+
+    core = LLMEngine(engine_cfg, path)
+    sys.setswitchinterval(serve_cfg.gil_switch_interval_s)  # see ServeConfig
+    return AsyncEngine(core, max_requests=max_requests), core.parallel.shutdown
+
+
+def _serve_steps(engine_cfg: EngineConfig, path: str) -> None:
+    from moe_infer.engine.llm_engine import LLMEngine
+    from moe_infer.parallel.pipeline import serve as run_driver_steps
+
+    engine = LLMEngine(engine_cfg, path)
+    try:
+        run_driver_steps(engine.parallel, engine.runner)
     finally:
         engine.parallel.shutdown()
 

@@ -1,8 +1,8 @@
 """GET /metrics: Prometheus metrics (prometheus-client), read from the engine.
 
 Latency histograms are observed as each request finishes, from the engine's own RequestMetrics
-(AsyncEngine's `on_finished` hook); the scheduler, KV-cache, prefix-cache and expert-load series are
-read from the engine at scrape time, on the engine thread between two steps (`LLMEngine.get_stats`,
+(the engine's `on_finished` hook); the scheduler, KV-cache, prefix-cache and expert-load series are
+read from the engine at scrape time, on the engine's loop between two steps (`LLMEngine.get_stats`,
 `get_expert_load`: one host sync for the expert counters). Names (vLLM's style, `moe_infer:` prefix):
 
     time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds   histograms
@@ -120,7 +120,7 @@ async def metrics(request: Request) -> Response:
     m: ServerMetrics = state.metrics
     eng = state.engine
     try:
-        stats, load = await eng.call(lambda: (eng.engine.get_stats(), eng.engine.get_expert_load()))
+        stats, load = await eng.utility("stats")
         m.engine.snapshot = (stats, load, eng.num_requests)
     except Exception:  # the engine loop is gone: serve what the server itself counted
         logger.exception("could not read the engine's metrics")

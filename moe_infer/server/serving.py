@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_infer.engine.async_engine import AsyncEngine, RequestStream
+from moe_infer.engine.request_streams import RequestStream, StreamingEngine
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.server.config import ServeConfig
@@ -52,7 +52,7 @@ def sse(model) -> str:
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: StreamingEngine
     cfg: ServeConfig
     model_name: str
     model_path: str
@@ -128,7 +128,7 @@ def tokenize(state: ServerState, prompt, field: str, add_special_tokens: bool = 
 
 
 def check_prompt(state: ServerState, ids: List[int], params: SamplingParams, field: str) -> None:
-    error = state.engine.engine.check_prompt(ids, params)  # read-only: the engine thread may be stepping
+    error = state.engine.check_prompt(ids, params)  # the engine's limits, held here: no round trip
     if error is not None:
         raise ApiError(400, error, field)
 
