@@ -10,7 +10,9 @@ process, the same warm-up, then servebench at rates of 25/50/75/90 % of the offl
 arrivals, fresh prompts per level) and at rate=inf with the saturation load's own prompts. servebench
 streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
 TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms).
-Target: at saturation the server delivers >= 90 % of the offline output tok/s. The decode roofline
+Target: at saturation the server delivers >= 90 % of the offline output tok/s. `--engine-loops process,thread`
+also measures the saturation level with the engine in a thread of the server's process (the design before
+the engine core process) in the same run. The decode roofline
 (HBM bytes per step at the batch size, H100's measured 2.99 TB/s) is printed for scale.
 
 Why servebench: an OpenAI-compatible load generator with Poisson rate sweeps, goodput and a local HF
@@ -86,13 +88,14 @@ def _offline(ckpt: str, kw: dict, warm: list, prompts: list, output_len: int, qu
                    torch=torch.__version__))
 
 
-def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float) -> None:
+def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float, engine_loop: str) -> None:
     from moe_infer.engine.llm import build_config
     from moe_infer.server.config import ServeConfig
     from moe_infer.server.launch import serve
 
     serve(build_config(model=ckpt, **kw), ServeConfig(port=port, log_level="warning", served_model_name="bench",
-                                                      max_queued_requests=max_queued, gil_switch_interval_s=switch_s))
+                                                      max_queued_requests=max_queued, gil_switch_interval_s=switch_s,
+                                                      engine_loop=engine_loop))
 
 
 def run_child(target, *args, with_queue: bool = False):
@@ -202,6 +205,9 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument("--gil-switch-interval-s", type=float, default=_serve_default("gil_switch_interval_s"))
+    ap.add_argument("--engine-loops", default="process",
+                    help="serve.engine_loop values, comma-separated: the first gets the rate sweep, the others the "
+                         "saturation level only (e.g. process,thread: the engine core process against the thread)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiny = args.tiny
@@ -231,19 +237,15 @@ def main() -> None:
               f"({args.num_requests} requests in {offline['elapsed_s']:.1f} s)", flush=True)
         sat_rate = offline["output_tok_s"] / args.output_len
         rates = [round(f * sat_rate, 2) for f in map(float, args.rate_fractions.split(","))] + [float("inf")]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server, _ = run_child(_server, ckpt, kw, port, args.num_requests + 64, args.gil_switch_interval_s)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, server)
-            asyncio.run(warm_server(f"{url}/v1", warm))
-            levels = asyncio.run(sweep(f"{url}/v1", ckpt, args, rates, saturation))
-        finally:
-            server.terminate()  # SIGTERM: the server drains and exits
-            server.join(60)
-    rows = [summary_row(r, lv) for r, lv in zip(rates, levels)]
+        loops = args.engine_loops.split(",")
+        by_loop = {}
+        for i, loop in enumerate(loops):
+            loop_rates = rates if i == 0 else rates[-1:]
+            levels = serve_and_measure(ckpt, kw, args, loop, loop_rates, warm, saturation)
+            by_loop[loop] = [summary_row(r, lv) for r, lv in zip(loop_rates, levels)]
+            if i > 0:
+                print(f"  engine_loop={loop}, rate inf: {by_loop[loop][-1]['output_tok_s']:.0f} tok/s", flush=True)
+    rows = by_loop[loops[0]]
     sat = rows[-1]
     ratio = sat["output_tok_s"] / offline["output_tok_s"]
     roofline = decode_roofline_tok_s(dims, args.max_num_seqs, args.input_len + args.output_len // 2)
@@ -257,7 +259,9 @@ def main() -> None:
         slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), offline=offline, rates=rows,
         server_over_offline_at_saturation=ratio, target=0.9, meets_target=ratio >= 0.9,
         decode_roofline_tok_s_h100=roofline, uvicorn_extras=_uvicorn_extras(),
-        gil_switch_interval_s=args.gil_switch_interval_s,
+        gil_switch_interval_s=args.gil_switch_interval_s, engine_loop=loops[0],
+        saturation_by_engine_loop={loop: dict(rows_[-1], over_offline=rows_[-1]["output_tok_s"] / offline["output_tok_s"])
+                                   for loop, rows_ in by_loop.items()},
         wall_s=time.perf_counter() - t_start)
     print(f"\nserving, {result['device']}, qwen3_moe x{dims['num_hidden_layers']} layers, {args.num_requests} "
           f"requests x ({args.input_len} in, {args.output_len} out), max_num_seqs={args.max_num_seqs}; "
@@ -267,7 +271,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['rate']:>10g} {r['completed']:>4}/{r['sent']:<3} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} "
               f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f}")
-    print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server at saturation {sat['output_tok_s']:.0f} "
+    for loop, r in result["saturation_by_engine_loop"].items():
+        print(f"engine_loop={loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline")
+    print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation {sat['output_tok_s']:.0f} "
           f"tok/s = {ratio:.1%} of offline (target >= 90%); decode roofline at batch {args.max_num_seqs} "
           f"(H100 HBM) {roofline:.0f} tok/s; wall {result['wall_s']:.0f} s")
     name = f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json"
@@ -278,6 +284,23 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
+
+
+def serve_and_measure(ckpt: str, kw: dict, args, engine_loop: str, rates: list, warm: list, saturation) -> list:
+    """A server (`serve()` in a child process, serve.engine_loop=engine_loop): warmed up, then servebench at
+    each rate; SIGTERM after (the server drains and exits)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, _ = run_child(_server, ckpt, kw, port, args.num_requests + 64, args.gil_switch_interval_s, engine_loop)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, server)
+        asyncio.run(warm_server(f"{url}/v1", warm))
+        return asyncio.run(sweep(f"{url}/v1", ckpt, args, rates, saturation))
+    finally:
+        server.terminate()
+        server.join(60)
 
 
 def _label(device_name: str) -> str:
