@@ -15,12 +15,14 @@ from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 pytestmark = pytest.mark.timeout(120)
 
 
-def through_the_pipe(encoder, assemblers, out):
-    delta = pickle.loads(pickle.dumps(encoder.encode(out)))
-    return assemblers[out.request_id].apply(delta)
+def through_the_pipe(assemblers, wire):
+    wire = pickle.loads(pickle.dumps(wire))
+    return assemblers[wire[0]].apply(wire)
 
 
 def test_deltas_rebuild_every_output_of_an_engine_run():
+    """The engine core's path (`step(encoder=...)`, deltas read from the requests' state) against each
+    request's own cumulative output after the same step."""
     llm = LLM(device="cpu", dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=4)
     engine = llm.engine
     requests = {
@@ -31,10 +33,13 @@ def test_deltas_rebuild_every_output_of_an_engine_run():
         "abort": ("x = [1, 2", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
         "bad": ({"prompt_token_ids": [1, 10**7]}, SamplingParams(max_tokens=4)),
     }
-    encoder, assemblers = DeltaEncoder(), {}
+    encoder, assemblers, states, rejected = DeltaEncoder(), {}, {}, None
     for rid, (prompt, params) in requests.items():
         engine.add_request(prompt, params, rid)
         req = engine.requests.get(rid)
+        if req is None:  # rejected at once: its output waits for the next step
+            rejected = engine._pending[-1]
+        states[rid] = req
         ids = list(req.children[0].seq.prompt_token_ids) if req is not None else []
         text = req.children[0].seq.prompt if req is not None else None
         assemblers[rid] = OutputAssembler(rid, text, ids, params.n, params.logprobs is not None)
@@ -43,17 +48,21 @@ def test_deltas_rebuild_every_output_of_an_engine_run():
         steps += 1
         if steps == 6:
             engine.abort_request("abort")
-        for out in engine.step():
-            got = through_the_pipe(encoder, assemblers, out)
-            want = dataclasses.replace(out, prompt_token_ids=got.prompt_token_ids, prompt=got.prompt)
-            assert got == want, (out.request_id, steps)
-            if out.request_id != "bad":
-                assert got.prompt_token_ids == out.prompt_token_ids and got.prompt == out.prompt
-            seen.add((out.request_id, out.finished))
+        for wire in engine.step(encoder=encoder):
+            got = through_the_pipe(assemblers, wire)
+            rid = got.request_id
+            want = rejected if states[rid] is None else states[rid].output()
+            if not want.finished:
+                want = dataclasses.replace(want, metrics=None)  # metrics come with the finished output
+            if rid == "bad":
+                want = dataclasses.replace(want, prompt_token_ids=got.prompt_token_ids, prompt=got.prompt)
+            assert got == want, (rid, steps)
+            seen.add((rid, got.finished))
     assert {rid for rid, done in seen if done} == set(requests)
     assert encoder._sent == {}  # finished requests are forgotten
     reasons = {rid: [c.finish_reason for c in assemblers[rid].choices] for rid in requests}
     assert reasons["abort"] == ["abort"] and reasons["bad"] == ["error"] and reasons["greedy"] == ["length"]
+    assert reasons["stop"] == ["stop"] and assemblers["stop"].choices[0].stop_reason in ("\n\n", "self")
     assert len(assemblers["n2"].choices) == 2 and all(len(c.logprobs) == len(c.token_ids)
                                                       for c in assemblers["n2"].choices)
 
@@ -72,5 +81,6 @@ def test_a_text_or_token_list_that_shrinks_arrives_right():
                _out("ab", [1, 2], True, [lp(1), lp(2)], "stop")]
     encoder, asm = DeltaEncoder(), {"r": OutputAssembler("r", "p", [1], 1, logprobs=True)}
     for out in outputs:
-        assert through_the_pipe(encoder, asm, out) == out
-    assert encoder.encode(_out("", [])).choices == []  # a new request of the same id starts afresh
+        got = through_the_pipe(asm, encoder.encode(out))
+        assert got == (out if out.finished else dataclasses.replace(out, metrics=None))
+    assert encoder.encode(_out("", []))[1] == []  # a new request of the same id starts afresh

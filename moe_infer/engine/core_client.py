@@ -26,7 +26,7 @@ import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
 from moe_infer.engine.core_proc import CoreInfo, PipeSender, run_engine_core
-from moe_infer.engine.output_delta import OutputAssembler, OutputDelta
+from moe_infer.engine.output_delta import OutputAssembler
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.request_streams import EngineClosed, RequestFailed, StreamingEngine
 from moe_infer.engine.sampling_params import SamplingParams
@@ -166,7 +166,7 @@ class ProcessEngine(StreamingEngine):
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "outputs":
-            self._dispatch([self._assemble(d) for d in msg[1] if d.request_id in self._assemblers])
+            self._dispatch([self._assemble(d) for d in msg[1] if d[0] in self._assemblers])
         elif kind == "failed":
             for rid in msg[1]:
                 self._assemblers.pop(rid, None)
@@ -179,10 +179,11 @@ class ProcessEngine(StreamingEngine):
                 else:
                     fut.set_exception(RuntimeError(msg[3]))
 
-    def _assemble(self, delta: OutputDelta) -> RequestOutput:
-        out = self._assemblers[delta.request_id].apply(delta)
+    def _assemble(self, wire: tuple) -> RequestOutput:
+        """A delta (an OutputDelta as a plain tuple) applied to its request's assembler."""
+        out = self._assemblers[wire[0]].apply(wire)
         if out.finished:
-            del self._assemblers[delta.request_id]
+            del self._assemblers[wire[0]]
         return out
 
     def _on_stopped(self, message: Optional[str]) -> None:

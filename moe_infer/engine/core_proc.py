@@ -15,7 +15,7 @@ sends the step's outputs as deltas (moe_infer/engine/output_delta.py). Messages 
                      ("utility", call_id, name)                 moe_infer/engine/introspection.py
                      ("shutdown",)
     core -> client   ("ready", CoreInfo) | ("start_failed", message)
-                     ("outputs", [OutputDelta, ...])            one message per step
+                     ("outputs", [OutputDelta as a tuple, ...])  one message per step
                      ("failed", [request_id, ...], message)     failed outside a step
                      ("result", call_id, value, error_message)
                      ("stopped", message or None)               the last message
@@ -182,7 +182,7 @@ class EngineCore:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(encoder=self.encoder)
         except Exception as err:  # not a forward failure (the engine handles those): fail what is in flight
             logger.exception("engine step failed outside the forward; failing the requests in flight")
             self.num_loop_errors += 1
@@ -193,4 +193,4 @@ class EngineCore:
             self.sender.send(("failed", failed, f"{type(err).__name__}: {err}"))
             return
         if outputs:
-            self.sender.send(("outputs", [self.encoder.encode(out) for out in outputs]))
+            self.sender.send(("outputs", outputs))

@@ -165,11 +165,15 @@ class LLMEngine:
         return [row for row in stats.summary() if row["layer"] in moe_layers]
 
     # ------------------------------------------------------------------ the step
-    def step(self, final_only: bool = False) -> List[RequestOutput]:
+    def step(self, final_only: bool = False, encoder=None) -> List[RequestOutput]:
         """One step; returns the outputs of requests that progressed or finished in it (final_only: of the
         finished ones only, as vLLM's offline generate does: an output copies the request's token lists,
-        and building one per request per step is wasted work when only the final one is read)."""
+        and building one per request per step is wasted work when only the final one is read).
+        encoder (a DeltaEncoder, moe_infer/engine/output_delta.py): the outputs as the deltas an engine core
+        process sends, built from the requests' state without building their cumulative outputs."""
         outputs, self._pending = self._pending, []
+        if encoder is not None:
+            outputs = [encoder.encode(out) for out in outputs]
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for item in plan.seqs:
@@ -186,7 +190,7 @@ class LLMEngine:
                 for seq in req.seqs:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "error", error=str(failed))
-                outputs.append(req.output())
+                outputs.append(req.output() if encoder is None else encoder.encode_request(req))
                 self._drop(req)
             self.scheduler.discard(failed.plan)  # never postprocessed: its finished sequences' blocks come back
             return outputs
@@ -216,7 +220,9 @@ class LLMEngine:
             progressed[req.request_id] = req
         for req in progressed.values():
             finished = req.is_finished
-            if finished or not final_only:
+            if encoder is not None:
+                outputs.append(encoder.encode_request(req))
+            elif finished or not final_only:
                 outputs.append(req.output())
             if finished:
                 self._drop(req)

@@ -10,10 +10,16 @@ side, one per request) applies them to its own lists and returns cumulative `Req
 the engine's. The prompt never travels: the client has it.
 
 Outputs returned by one assembler share their lists with the later ones of the same request (appending
-is what keeps the client O(new tokens)): read the newest output, as a stream's reader does.
+is what keeps the client O(new tokens)): read the newest output, as a stream's reader does. Request
+metrics come with the finished output only (None before: a server reads them when a request ends).
+
+On the wire a delta is a plain tuple in `OutputDelta`'s field order, its choices tuples in `ChoiceDelta`'s
+(metrics: a tuple of RequestMetrics' fields): pickling named tuples or dataclasses costs a Python call per
+object, about 8x the bytes' worth (128 requests a step: 0.15 ms against 0.02 ms), on the engine's host path.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -34,35 +40,66 @@ class ChoiceDelta(NamedTuple):
 
 class OutputDelta(NamedTuple):
     request_id: str
-    choices: List[ChoiceDelta]  # the choices that changed
+    choices: List[tuple]  # ChoiceDelta tuples of the choices that changed
     finished: bool
-    metrics: Optional[RequestMetrics]
+    metrics: Optional[tuple]  # RequestMetrics' fields, with the finished output only
     num_cached_tokens: int
 
 
+_METRICS_FIELDS = [f.name for f in dataclasses.fields(RequestMetrics)]
+
+
 class DeltaEncoder:
-    """Engine side: each request's output as the delta from the one sent before (forgets finished requests)."""
+    """Engine side: each request's output as the delta from the one sent before (forgets finished requests).
+    `encode_request` reads a RequestState (the engine core's path: no cumulative output is built);
+    `encode` takes a RequestOutput (outputs the engine built anyway: aborts, rejections)."""
 
     def __init__(self) -> None:
         self._sent: Dict[str, Dict[int, Tuple[str, int, Optional[str]]]] = {}  # id -> index -> (text, tokens, finish)
 
-    def encode(self, out: RequestOutput) -> OutputDelta:
+    def encode(self, out: RequestOutput) -> tuple:
         sent = self._sent.setdefault(out.request_id, {})
         choices = []
         for c in out.outputs:
-            text, num_tokens, finish = sent.get(c.index, ("", 0, None))
-            if c.text == text and len(c.token_ids) == num_tokens and c.finish_reason == finish:
-                continue
-            keep = len(text) if c.text.startswith(text) else _common_prefix(text, c.text)
-            tokens_keep = min(num_tokens, len(c.token_ids))
-            choices.append(ChoiceDelta(
-                c.index, keep, c.text[keep:], tokens_keep, c.token_ids[tokens_keep:],
-                c.logprobs[tokens_keep:] if c.logprobs is not None else None, c.cumulative_logprob,
-                c.finish_reason, c.stop_reason, c.error))
-            sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
-        if out.finished:
-            del self._sent[out.request_id]
-        return OutputDelta(out.request_id, choices, out.finished, out.metrics, out.num_cached_tokens)
+            choice = self._choice(sent, c.index, c.text, c.token_ids, 0, c.logprobs, c.cumulative_logprob,
+                                  c.finish_reason, c.stop_reason, c.error)
+            if choice is not None:
+                choices.append(choice)
+        return self._delta(out.request_id, choices, out.finished, out.metrics, out.num_cached_tokens)
+
+    def encode_request(self, req) -> tuple:
+        """The delta of a RequestState (moe_infer/engine/request_state.py) since its last one."""
+        sent = self._sent.setdefault(req.request_id, {})
+        choices = []
+        for child in req.children:
+            seq = child.seq
+            choice = self._choice(sent, child.index, child.text, seq.token_ids, seq.num_prompt_tokens, child.logprobs,
+                                  child.cumulative_logprob if child.logprobs is not None else None,
+                                  seq.finish_reason, seq.stop_reason, seq.error)
+            if choice is not None:
+                choices.append(choice)
+        finished = req.is_finished
+        return self._delta(req.request_id, choices, finished, req.metrics() if finished else None,
+                           req.children[0].seq.num_cached_tokens)
+
+    @staticmethod
+    def _choice(sent, index, text, token_ids, start, logprobs, cumulative, finish, stop_reason, error):
+        """token_ids[start:] are the choice's tokens (a sequence's list holds its prompt first)."""
+        num_tokens = len(token_ids) - start
+        prev_text, prev_tokens, prev_finish = sent.get(index, ("", 0, None))
+        if num_tokens == prev_tokens and finish == prev_finish and text == prev_text:
+            return None
+        keep = len(prev_text) if text.startswith(prev_text) else _common_prefix(prev_text, text)
+        tokens_keep = min(prev_tokens, num_tokens)
+        sent[index] = (text, num_tokens, finish)
+        return (index, keep, text[keep:], tokens_keep, token_ids[start + tokens_keep:],
+                logprobs[tokens_keep:] if logprobs is not None else None, cumulative, finish, stop_reason, error)
+
+    def _delta(self, request_id, choices, finished, metrics, num_cached_tokens) -> tuple:
+        if finished:
+            del self._sent[request_id]
+        m = None if metrics is None or not finished else tuple(getattr(metrics, f) for f in _METRICS_FIELDS)
+        return (request_id, choices, finished, m, num_cached_tokens)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -86,8 +123,9 @@ class OutputAssembler:
         self.choices = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if logprobs else None,
                                          cumulative_logprob=0.0 if logprobs else None) for i in range(n)]
 
-    def apply(self, delta: OutputDelta) -> RequestOutput:
-        for d in delta.choices:
+    def apply(self, wire: tuple) -> RequestOutput:
+        delta = OutputDelta._make(wire)
+        for d in map(ChoiceDelta._make, delta.choices):
             c = self.choices[d.index]
             c.text = c.text[:d.text_keep] + d.text if d.text_keep < len(c.text) else c.text + d.text
             if d.token_keep < len(c.token_ids):
@@ -101,5 +139,6 @@ class OutputAssembler:
                 d.cumulative_logprob, d.finish_reason, d.stop_reason, d.error)
         outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason,
                                     c.stop_reason, c.error) for c in self.choices]
+        metrics = RequestMetrics(*delta.metrics) if delta.metrics is not None else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, delta.finished,
-                             metrics=delta.metrics, num_cached_tokens=delta.num_cached_tokens)
+                             metrics=metrics, num_cached_tokens=delta.num_cached_tokens)

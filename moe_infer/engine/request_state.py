@@ -91,10 +91,12 @@ class RequestState:
         lead = self.children[0].seq
         if self._prompt_ids is None:
             self._prompt_ids = list(lead.prompt_token_ids)
-        metrics = _one_metrics(self.children[0].seq) if len(self.children) == 1 else self._metrics()
         return RequestOutput(self.request_id, lead.prompt, self._prompt_ids,
                              [c.completion() for c in self.children], finished=self.is_finished,
-                             metrics=metrics, num_cached_tokens=lead.num_cached_tokens)
+                             metrics=self.metrics(), num_cached_tokens=lead.num_cached_tokens)
+
+    def metrics(self) -> RequestMetrics:
+        return _one_metrics(self.children[0].seq) if len(self.children) == 1 else self._metrics()
 
     def _metrics(self) -> RequestMetrics:
         """Over the children: first token of any, the mean per-token time, the last finish."""
