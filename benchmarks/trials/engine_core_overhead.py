@@ -1,5 +1,5 @@
 """Trial (measurement notes): where the server loses throughput against the offline engine. serving.py's
-saturation load (N prompts at once), timed in one process each, after a full warm-up pass of the same load:
+saturation load (N prompts at once), timed in one process each, after a warm-up pass of a load of the same shape (other prompts: no prefix-cache hits):
 
     offline      LLM.generate (final outputs only)
     step         LLMEngine.step() in a loop: every request's cumulative output built every step, as a server needs
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 
-def _timed(mode, ckpt, kw, prompts, output_len, queue):
+def _timed(mode, ckpt, kw, warm, prompts, output_len, queue):
     import torch
 
     sync = torch.cuda.synchronize if kw["device"] != "cpu" else (lambda: None)
@@ -32,7 +32,7 @@ def _timed(mode, ckpt, kw, prompts, output_len, queue):
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
 
-    def once_sync(llm):
+    def once_sync(llm, prompts):
         eng = llm.engine
         enc = DeltaEncoder() if mode == "deltas" else None
         for i, p in enumerate(prompts):
@@ -49,7 +49,7 @@ def _timed(mode, ckpt, kw, prompts, output_len, queue):
 
     if mode == "offline":
         llm = LLM(model=ckpt, **kw)
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(warm, params, use_tqdm=False)
         sync()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -57,8 +57,8 @@ def _timed(mode, ckpt, kw, prompts, output_len, queue):
         elapsed, steps = time.perf_counter() - start, None
     elif mode in ("step", "deltas"):
         llm = LLM(model=ckpt, **kw)
-        once_sync(llm)
-        elapsed, steps = once_sync(llm)
+        once_sync(llm, warm)
+        elapsed, steps = once_sync(llm, prompts)
     else:
         from moe_infer.engine.core_client import ProcessEngine
 
@@ -72,13 +72,12 @@ def _timed(mode, ckpt, kw, prompts, output_len, queue):
                     pass
                 return out
 
-            times = []
-            for _ in range(2):
-                start = time.perf_counter()
-                await asyncio.gather(*(one(p) for p in prompts))
-                times.append(time.perf_counter() - start)
+            await asyncio.gather(*(one(p) for p in warm))
+            start = time.perf_counter()
+            await asyncio.gather(*(one(p) for p in prompts))
+            elapsed = time.perf_counter() - start
             await engine.shutdown()
-            return times[-1]
+            return elapsed
 
         elapsed, steps = asyncio.run(run()), None
         engine.close()
@@ -104,8 +103,9 @@ def main():
                                         args.device, ckpt)
         proc.join()
         prompts = [p.text for p in serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=7)]
+        warm = [p.text for p in serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=8)]
         for mode in args.modes.split(","):
-            proc, queue = serving.run_child(_timed, mode, ckpt, serving.engine_kwargs(args), prompts,
+            proc, queue = serving.run_child(_timed, mode, ckpt, serving.engine_kwargs(args), warm, prompts,
                                             args.output_len, with_queue=True)
             row = queue.get(timeout=600)
             proc.join()
