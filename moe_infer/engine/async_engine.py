@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 from typing import Callable, List, Optional, Sequence
 
 from moe_infer.engine.introspection import run_utility
@@ -47,17 +46,9 @@ class AsyncEngine(StreamingEngine):
         self.engine = engine
         self.tokenizer, self.max_model_len, self.limits = engine.tokenizer, engine.max_model_len, engine.limits
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
         self.num_loop_errors = 0  # errors outside a step (each failed the requests in flight)
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("AsyncEngine.start() was already called")
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="moe-infer-engine", daemon=True)
-        self._thread.start()
-
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -86,7 +77,7 @@ class AsyncEngine(StreamingEngine):
         return await fut
 
     # ------------------------------------------------------------------ the engine thread
-    def _run(self) -> None:
+    def _thread_main(self) -> None:
         try:
             self._serve()
         except BaseException as err:  # the loop itself died (e.g. a collective timed out): fail everything

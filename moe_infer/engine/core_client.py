@@ -22,10 +22,12 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import queue
 import threading
+from multiprocessing.connection import Connection
 from typing import Callable, Dict, List, Optional, Sequence
 
-from moe_infer.engine.core_proc import CoreInfo, PipeSender, run_engine_core
+from moe_infer.engine.core_proc import CoreInfo, run_engine_core
 from moe_infer.engine.output_delta import OutputAssembler
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.request_streams import EngineClosed, RequestFailed, StreamingEngine
@@ -34,11 +36,41 @@ from moe_infer.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class PipeSender:
+    """conn.send from a thread of its own, in order: a long prompt never blocks the event loop on a full pipe;
+    `close()` sends what is queued, then stops."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, msg) -> None:
+        self._queue.put(msg)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            msg = self._queue.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError):  # the other side is gone: nothing left to tell it
+                return
+
+
 class EngineStartError(RuntimeError):
     """The engine core process could not build its engine (the message says why)."""
 
 
 class ProcessEngine(StreamingEngine):
+    _thread_name = "moe-infer-core-reader"
+
     def __init__(self, cfg, model_path: str, max_requests: int = 1024,
                  on_finished: Optional[List[Callable[[RequestOutput], None]]] = None,
                  start_timeout_s: Optional[float] = None) -> None:
@@ -61,7 +93,6 @@ class ProcessEngine(StreamingEngine):
         self._assemblers: Dict[str, OutputAssembler] = {}
         self._calls: Dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._reader: Optional[threading.Thread] = None
         self._stopped = threading.Event()
         self.stop_message: Optional[str] = None
         self._shutdown_sent = False
@@ -71,8 +102,7 @@ class ProcessEngine(StreamingEngine):
         while not self._results.poll(1.0):
             waited += 1.0
             if not self._proc.is_alive():
-                raise EngineStartError(f"the engine core process exited with code {self._proc.exitcode} before it "
-                                       "was ready (see its log above)")
+                raise self._exited_early()
             if timeout_s is not None and waited >= timeout_s:
                 self._proc.kill()
                 raise EngineStartError(f"the engine core was not ready after {timeout_s:.0f} s")
@@ -80,23 +110,19 @@ class ProcessEngine(StreamingEngine):
             msg = self._results.recv()
         except EOFError:
             self._proc.join(10)
-            raise EngineStartError(f"the engine core process exited with code {self._proc.exitcode} before it "
-                                   "was ready (see its log above)") from None
+            raise self._exited_early() from None
         if msg[0] == "start_failed":
             self._proc.join(30)
             raise EngineStartError(f"the engine did not start: {msg[1]}")
         return msg[1]
 
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        if self._reader is not None:
-            raise RuntimeError("ProcessEngine.start() was already called")
-        self._loop = asyncio.get_running_loop()
-        self._reader = threading.Thread(target=self._read, name="moe-infer-core-reader", daemon=True)
-        self._reader.start()
+    def _exited_early(self) -> EngineStartError:
+        return EngineStartError(f"the engine core process exited with code {self._proc.exitcode} before it was "
+                                "ready (see its log above)")
 
+    # ------------------------------------------------------------------ lifecycle
     def _alive(self) -> bool:
-        return self._reader is not None and not self._stopped.is_set()
+        return self._thread is not None and not self._stopped.is_set()
 
     async def _stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -112,8 +138,8 @@ class ProcessEngine(StreamingEngine):
             self._proc.kill()
             self._proc.join(10)
         self._sender.close(timeout_s=1.0)
-        if self._reader is not None:
-            self._reader.join(5.0)
+        if self._thread is not None:
+            self._thread.join(5.0)
 
     # ------------------------------------------------------------------ commands
     def _submit(self, request_id: str, prompt, params: SamplingParams) -> None:
@@ -149,7 +175,8 @@ class ProcessEngine(StreamingEngine):
         return await fut
 
     # ------------------------------------------------------------------ the reader thread
-    def _read(self) -> None:
+    def _thread_main(self) -> None:
+        """The reader: the core's messages, handed to the event loop."""
         while True:
             try:
                 msg = self._results.recv()

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
-import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import List
@@ -50,34 +48,6 @@ class CoreInfo:
     pid: int
     max_model_len: int
     limits: PromptLimits
-
-
-class PipeSender:
-    """conn.send from a thread of its own, in order (the client's commands: a long prompt never blocks the
-    event loop on a full pipe); `close()` sends what is queued, then stops."""
-
-    def __init__(self, conn: Connection, name: str) -> None:
-        self.conn = conn
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def send(self, msg) -> None:
-        self._queue.put(msg)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            msg = self._queue.get()
-            if msg is None:
-                return
-            try:
-                self.conn.send(msg)
-            except (OSError, EOFError):  # the other side is gone: nothing left to tell it
-                return
 
 
 class DirectSender:
@@ -157,7 +127,6 @@ class EngineCore:
     def __init__(self, engine, commands: Connection, sender: DirectSender) -> None:
         self.engine, self.commands, self.sender = engine, commands, sender
         self.encoder = DeltaEncoder()
-        self.num_loop_errors = 0
 
     def serve(self) -> None:
         engine = self.engine
@@ -217,7 +186,6 @@ class EngineCore:
             outputs = self.engine.step(encoder=self.encoder)
         except Exception as err:  # not a forward failure (the engine handles those): fail what is in flight
             logger.exception("engine step failed outside the forward; failing the requests in flight")
-            self.num_loop_errors += 1
             failed = list(self.engine.requests)
             for rid in failed:
                 self.engine.abort_request(rid)  # frees their blocks

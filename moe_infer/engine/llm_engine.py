@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -33,6 +33,9 @@ from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
 from moe_infer.parallel.engine_hooks import init_engine_parallel, make_executor
 from moe_infer.parallel.pipeline import StepFailed
+
+if TYPE_CHECKING:
+    from moe_infer.engine.output_delta import DeltaEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ class LLMEngine:
             lookahead=why_sync is None,
         )
         self.limits = replace(self.scheduler.limits, vocab_size=self.vocab_size,
-                                          has_tokenizer=self.tokenizer is not None)
+                              has_tokenizer=self.tokenizer is not None)
         self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
@@ -165,7 +168,7 @@ class LLMEngine:
         return [row for row in stats.summary() if row["layer"] in moe_layers]
 
     # ------------------------------------------------------------------ the step
-    def step(self, final_only: bool = False, encoder=None) -> List[RequestOutput]:
+    def step(self, final_only: bool = False, encoder: Optional["DeltaEncoder"] = None) -> list:
         """One step; returns the outputs of requests that progressed or finished in it (final_only: of the
         finished ones only, as vLLM's offline generate does: an output copies the request's token lists,
         and building one per request per step is wasted work when only the final one is read).

@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
 
 from moe_infer.engine.outputs import RequestOutput
@@ -69,10 +71,12 @@ class _Stream:
         return out
 
 
-class StreamingEngine:
+class StreamingEngine(ABC):
     """The event-loop side shared by the engines; subclasses run the loop and set `tokenizer`,
-    `max_model_len` and `limits`."""
+    `max_model_len` and `limits`. `start()` runs `_thread_main` in a thread of this process: the engine
+    loop itself (AsyncEngine) or the reader of the engine core's pipe (ProcessEngine)."""
 
+    _thread_name = "moe-infer-engine"
     tokenizer: Any = None
     max_model_len: int = 0
     limits: Optional[PromptLimits] = None
@@ -87,31 +91,45 @@ class StreamingEngine:
         self._ids = itertools.count()
         self._closing = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the event loop `start()` ran in
+        self._thread: Optional[threading.Thread] = None
 
     @property
     def loop(self) -> Optional[asyncio.AbstractEventLoop]:
         return self._loop
 
+    async def start(self) -> None:
+        """Inside the event loop that will read the streams."""
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__}.start() was already called")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name=self._thread_name, daemon=True)
+        self._thread.start()
+
     # ------------------------------------------------------------------ what a subclass provides
+    @abstractmethod
+    def _thread_main(self) -> None:
+        """The body of the thread `start()` runs."""
+
+    @abstractmethod
     def _alive(self) -> bool:
         """The engine loop runs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _submit(self, request_id: str, prompt, params: SamplingParams) -> None:
         """Hand the request to the engine loop (no await: see `open`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _abort(self, request_ids: Sequence[str]) -> None:
-        raise NotImplementedError
+        """Abort these requests (their finished outputs follow)."""
 
+    @abstractmethod
     async def _stop(self) -> None:
         """Stop the engine loop (every stream is closed by now) and wait for it."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def utility(self, name: str):
         """A read of the engine between two steps: "stats" -> (EngineStats, expert-load rows),
         "state" -> EngineState (moe_infer/engine/introspection.py)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ requests
     @property

@@ -26,8 +26,8 @@ class ServeConfig:
     # where the engine loop runs: "process" (its own process, moe_infer/engine/core_proc.py: HTTP work and
     # the engine do not share a GIL) or "thread" (a thread of the server's process, as in an embedding app)
     engine_loop: str = "process"
-    # engine_loop=thread: the engine thread gives the GIL up at every kernel launch and waits for it back while HTTP handlers
-    # run; CPython's default 5 ms switch interval would make each wait up to 5 ms (sys.setswitchinterval)
+    # engine_loop=thread: the engine thread gives the GIL up at every kernel launch and waits for it back
+    # while HTTP handlers run; CPython's default 5 ms switch interval would make each wait up to 5 ms
     gil_switch_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:

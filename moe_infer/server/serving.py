@@ -13,8 +13,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_infer.engine.request_streams import RequestStream, StreamingEngine
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from moe_infer.engine.request_streams import RequestStream, StreamingEngine
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.server.config import ServeConfig
 from moe_infer.server.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, Usage
