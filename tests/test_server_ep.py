@@ -1,5 +1,6 @@
-"""`moe-infer serve` under torchrun (EP=2, gloo): rank 0 serves HTTP, rank 1 runs its steps; an idle server
-outlives the collective timeout (ranks idle on the control group); SIGTERM to rank 0 drains and every rank exits 0."""
+"""`moe-infer serve` under torchrun (EP=2; gloo on CPU, NCCL on two GPUs): rank 0 serves HTTP, rank 1 runs its
+steps; an idle server outlives the collective timeout (ranks idle on the control group); SIGTERM to rank 0 drains
+and every rank exits 0."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ pytest.importorskip("hydra")
 import httpx  # noqa: E402
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
+from tests.dist.launch import worker_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(360)]
@@ -57,13 +59,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise AssertionError("the server did not come up")
 
 
-def test_torchrun_serves_on_the_driver_and_exits_cleanly():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torchrun_serves_on_the_driver_and_exits_cleanly(device):
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    env = worker_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "moe_infer.launch", "serve", "parallel=ep", "parallel.ep=2", "parallel.timeout_s=8", "model.device=cpu",
-           "model.dtype=float32", "cache.num_kv_blocks=64", "scheduler.max_num_seqs=4", f"--port={port}",
-           "--log-level", "info"]
+           "moe_infer.launch", "serve", "parallel=ep", "parallel.ep=2", "parallel.timeout_s=8",
+           f"model.device={device}", "model.dtype=float32", "cache.num_kv_blocks=64", "scheduler.max_num_seqs=4",
+           f"--port={port}", "--log-level", "info"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -71,7 +79,7 @@ def test_torchrun_serves_on_the_driver_and_exits_cleanly():
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny_moe", prompt=PROMPT, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True})
-        ref = LLM(device="cpu", dtype="float32", num_kv_blocks=64).generate(
+        ref = LLM(device=device, dtype="float32", num_kv_blocks=64).generate(
             PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
         assert r.choices[0].text == ref.outputs[0].text
         time.sleep(12)  # idle past parallel.timeout_s: rank 1 waits for the next step without a timeout

@@ -62,7 +62,8 @@ def main() -> int:
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
             tokens[eplb] = [o.outputs[0].token_ids for o in outs]
         reb = llm.engine.runner.rebalancer
-        counts = torch.tensor([reb.num_rebalances, reb.slots_moved, int(slots_hold_checkpoint_weights(llm, reference))])
+        counts = torch.tensor([reb.num_rebalances, reb.slots_moved, int(slots_hold_checkpoint_weights(llm, reference))],
+                              device=llm.engine.runner.device)  # NCCL gathers device tensors only
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
         placements = [list(layer.dispatcher.placement.slots) for layer in llm.engine.runner.model.moe_layers()]
