@@ -7,8 +7,9 @@
 
 Why, the core's loop and its messages: moe_infer/engine/core_proc.py. This side keeps what HTTP needs
 without asking the core: the tokenizer (text prompts are tokenized here, as the server does anyway), the
-prompt limits (400s before a request leaves), and per request an `OutputAssembler` that turns the core's
-deltas back into the cumulative `RequestOutput`s every stream reader gets. A reader thread receives; the
+prompt limits (400s before a request leaves), and per request a `DetokenizingAssembler` that turns the
+core's deltas (token ids) back into the cumulative `RequestOutput`s every stream reader gets: text, stop
+strings and logprobs' decoded tokens are made here, not in the core. A reader thread receives; the
 event loop applies each step's deltas in one callback. Sends go through a thread too, so a long prompt
 never blocks the event loop on a full pipe.
 
@@ -28,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Callable, Dict, List, Optional, Sequence
 
 from moe_infer.engine.core_proc import CoreInfo, run_engine_core
+from moe_infer.engine.detok_assembler import DetokenizingAssembler
 from moe_infer.engine.output_delta import OutputAssembler
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.request_streams import EngineClosed, RequestFailed, StreamingEngine
@@ -90,7 +92,7 @@ class ProcessEngine(StreamingEngine):
         self.tokenizer = load_tokenizer(model_path)  # while the core builds its engine
         info = self._wait_ready(start_timeout_s)
         self.core_pid, self.max_model_len, self.limits = info.pid, info.max_model_len, info.limits
-        self._assemblers: Dict[str, OutputAssembler] = {}
+        self._assemblers: Dict[str, object] = {}  # request id -> its assembler
         self._calls: Dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopped = threading.Event()
@@ -144,8 +146,15 @@ class ProcessEngine(StreamingEngine):
     # ------------------------------------------------------------------ commands
     def _submit(self, request_id: str, prompt, params: SamplingParams) -> None:
         text, ids, sent = self._prompt(prompt)
-        self._assemblers[request_id] = OutputAssembler(request_id, text, ids, params.n, params.logprobs is not None)
+        if self.tokenizer is not None:  # the core sends token ids: text and stop strings are made here
+            self._assemblers[request_id] = DetokenizingAssembler(request_id, text, ids, params, self.tokenizer,
+                                                                 self._stop_sample)
+        else:
+            self._assemblers[request_id] = OutputAssembler(request_id, text, ids, params.n, params.logprobs is not None)
         self._sender.send(("add", request_id, sent, params))
+
+    def _stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        self._sender.send(("stop", request_id, index, stop))
 
     def _prompt(self, prompt):
         """(text, token ids, what the core gets) of a prompt: text is tokenized here; the core checks the

@@ -86,8 +86,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model_path: str) -> None:
+    def __init__(self, cfg: EngineConfig, model_path: str, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only (empty text, logprob entries without decoded
+        tokens) and stop strings are not checked here; whoever reads the outputs detokenizes and ends a
+        sample on its stop string with `stop_sample` (the engine core process: the server's process does it,
+        moe_infer/engine/detok_assembler.py)."""
         self.cfg = cfg
+        self.detokenize = detokenize
         self.parallel = init_engine_parallel(cfg, model_path)  # the mesh first: it picks this rank's GPU
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -122,7 +127,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids, error = self._tokenize(prompt, params)
-        req = self.requests[request_id] = RequestState(request_id, text, token_ids, params, self.tokenizer)
+        req = self.requests[request_id] = RequestState(request_id, text, token_ids, params,
+                                                       self.tokenizer if self.detokenize else None)
         for child in req.children:
             self._by_seq[child.seq.seq_id] = (req, child)
             if error is None:
@@ -143,6 +149,17 @@ class LLMEngine:
                 self.scheduler.abort(seq)
             self._pending.append(req.output())
             self._drop(req)
+
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        """End sample `index` of a request with finish_reason "stop" (its stop string, found by the reader of
+        undetokenized outputs); its blocks are free once no step in flight uses them. A finished sample or
+        request is left as it is."""
+        req = self.requests.get(request_id)
+        if req is not None and 0 <= index < len(req.children) and not req.children[index].seq.is_finished:
+            self.scheduler.finish(req.children[index].seq, "stop", stop)
+            if req.is_finished:
+                self._pending.append(req.output())
+                self._drop(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
@@ -250,7 +267,7 @@ class LLMEngine:
             error = self.limits.ids_error(ids)
             if error is not None:
                 return text, [], error
-            if text is None and self.tokenizer is not None:
+            if text is None and self.tokenizer is not None and self.detokenize:
                 text = self.tokenizer.decode(ids)
             return text, list(ids), None
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
@@ -264,4 +281,4 @@ class LLMEngine:
             del self._by_seq[seq.seq_id]
 
     def _decode_one(self, token: int) -> Optional[str]:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+        return self.tokenizer.decode([token]) if self.tokenizer is not None and self.detokenize else None
