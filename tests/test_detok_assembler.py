@@ -131,3 +131,16 @@ def test_a_stopped_sample_ignores_what_the_core_sends_after(reference):
     assert stops == [("r", 0, "y")] and outs[first].text == "x = 1\n"
     assert all(o == outs[first] for o in outs[first:])  # later tokens (the core ran on) change nothing
     assert outs[first].token_ids == ids[:first + 1]
+
+
+def test_logprob_tokens_are_decoded_as_the_engine_decodes_them(reference):
+    """Special tokens among the top logprobs show their text (the engine's `tokenizer.decode([id])`)."""
+    from moe_infer.engine.outputs import Logprob
+
+    tokenizer = reference[1].engine.tokenizer
+    eos = tokenizer.all_special_ids[0]
+    entry = {5: Logprob(-0.1, 1), eos: Logprob(-2.5, 2)}
+    wire = ("r", [(0, 0, "", 0, [5], [entry], -0.1, None, None, None)], False, None, 0)
+    asm = DetokenizingAssembler("r", None, [1, 2], SamplingParams(max_tokens=4, logprobs=1), tokenizer, None)
+    got = asm.apply(wire).outputs[0].logprobs[0]
+    assert {t: lp.decoded_token for t, lp in got.items()} == {5: tokenizer.decode([5]), eos: tokenizer.decode([eos])}

@@ -88,3 +88,25 @@ def test_engine_text_is_the_decode_of_its_tokens(tok, incomplete_ids):
     for c in completions:
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True), c.token_ids
     assert sum(c.token_ids[-1] in incomplete_ids for c in completions) >= 2  # the held-back case happened
+
+
+def test_backend_decode_equals_the_tokenizers_decode(tok):
+    """The detokenizer's fast path (the Rust tokenizer's decode) where transformers' decode adds nothing,
+    with special tokens among random ids; a tokenizer that cleans up spaces keeps transformers' decode."""
+    import copy
+
+    from moe_infer.engine.detokenizer import backend_decode
+
+    fast = backend_decode(tok)
+    assert fast is not None
+    rng = random.Random(1)
+    specials = list(tok.all_special_ids)
+    assert specials
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(tok))
+               for _ in range(rng.randint(1, 8))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert backend_decode(cleaning) is None

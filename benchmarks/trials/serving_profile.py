@@ -69,6 +69,16 @@ def summarize(raw_path: str, names: dict, top: int) -> dict:
             for proc, (s, selfs, incl) in per.items()}
 
 
+def token_timeline(level, bin_s: float = 0.1) -> list:
+    """Output tokens/s delivered to the client in each bin_s of the level (servebench's per-chunk times; one
+    chunk is one token here)."""
+    times = [r.start + t for r in level.requests for t in r.chunk_times]
+    bins = [0] * (int(max(times) / bin_s) + 1)
+    for t in times:
+        bins[int(t / bin_s)] += 1
+    return [b / bin_s for b in bins]
+
+
 def main():
     import serving
     from e2e_generate import REAL, TINY
@@ -80,6 +90,7 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--offline", action="store_true", help="also time LLM.generate on the plain level's load")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU, 32 requests x (32 in, 16 out): a smoke run")
     args = ap.parse_args()
     args.device, args.slo_ttft_ms, args.slo_tpot_ms = "cpu" if args.tiny else "cuda", 1000.0, 50.0
@@ -93,6 +104,14 @@ def main():
         warm = serving.warm_load(ckpt, args)
         loads = [serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=s) for s in (7, 9)]
         warm += [(p.text, args.output_len) for p in serving.prompts_from(ckpt, args.num_requests, args.input_len, 8)]
+        offline = None
+        if args.offline:  # serving.py's offline measurement of this load (its own process, first)
+            proc, queue = serving.run_child(serving._offline, ckpt, kw, serving.warm_load(ckpt, args),
+                                            [p.text for p in loads[1]], [p.text for p in loads[0]], args.output_len,
+                                            with_queue=True)
+            offline = queue.get(timeout=900)
+            proc.join()
+            print(f"offline: {offline['output_tok_s']:.0f} tok/s ({offline['elapsed_s']:.2f} s)", flush=True)
         port = 18000 + os.getpid() % 1000
         server, _ = serving.run_child(serving._server, ckpt, kw, port, args.num_requests + 64, 0.005, "process")
         url = f"http://127.0.0.1:{port}"
@@ -107,6 +126,9 @@ def main():
             wall = time.perf_counter() - start
             used = {k: cpu_s(p) - before[k] for k, p in pids.items()}
             print(f"plain: {level.summary.output_throughput:.0f} tok/s, wall {wall:.2f} s", flush=True)
+            timeline = token_timeline(level)
+            print("  sends end at %.3f s; output tok/s per 100 ms: %s" % (
+                max(r.start for r in level.requests), " ".join(f"{v / 1000:.1f}k" for v in timeline)), flush=True)
             for k, v in used.items():
                 print(f"  {k:>7} pid {pids[k]}: {v:.2f} CPU s = {v / wall:.0%} of one core", flush=True)
             profile = {}
@@ -141,7 +163,8 @@ def main():
             server.terminate()
             server.join(60)
     with open(os.path.join(args.out, "serving_profile.json"), "w") as f:
-        json.dump(dict(tok_s=level.summary.output_throughput, wall_s=wall, cpu_s=used, profile=profile), f, indent=1)
+        json.dump(dict(tok_s=level.summary.output_throughput, wall_s=wall, cpu_s=used, timeline_tok_s=timeline,
+                       offline=offline, profile=profile), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
-from moe_infer.engine.detokenizer import IncrementalDetokenizer
+from moe_infer.engine.detokenizer import IncrementalDetokenizer, backend_decode
 from moe_infer.engine.output_delta import OutputAssembler
 from moe_infer.engine.outputs import CompletionOutput, RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
@@ -43,11 +43,11 @@ class DetokenizingAssembler:
         self._decoded = [0] * n  # logprob entries given their decoded tokens
         self._stopped: List[Optional[Tuple[int, str]]] = [None] * n  # (tokens kept, stop string): ended here
         self._final: List[Optional[CompletionOutput]] = [None] * n  # a sample's last output, once it ended
+        self._decode = backend_decode(tokenizer) or tokenizer.decode  # logprobs' tokens, special ones shown
 
     def apply(self, wire: tuple) -> RequestOutput:
-        out = self._base.apply(wire)
-        out.outputs = [self._choice(c) for c in out.outputs]
-        return out
+        self._base.update(wire)
+        return self._base.output(wire, [self._choice(c) for c in self._base.choices])
 
     def _choice(self, c: CompletionOutput) -> CompletionOutput:
         i = c.index
@@ -83,7 +83,7 @@ class DetokenizingAssembler:
     def _decode_logprobs(self, i: int, logprobs: list, keep: int) -> None:
         for entry in logprobs[self._decoded[i]:keep]:
             for token, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([token])
+                lp.decoded_token = self._decode([token], skip_special_tokens=False)
         self._decoded[i] = max(self._decoded[i], min(keep, len(logprobs)))
 
     @staticmethod

@@ -11,9 +11,20 @@ U+FFFD, as a full decode shows them): the final text is the decode of all the ou
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 _CONTEXT_TOKENS = 5
+
+
+def backend_decode(tokenizer) -> Optional[Callable[..., str]]:
+    """The fast tokenizer's own (Rust) decode where `tokenizer.decode` returns exactly its result (no
+    clean-up pass over the text), else None. It skips transformers' Python wrapper, which took about
+    two thirds of a short decode (4.4 us against 1.6 us for 6 ids, the tiny model's tokenizer), and the
+    detokenizer decodes twice per token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
 
 
 class IncrementalDetokenizer:
@@ -26,6 +37,7 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.token_ids)
         self.text = ""
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._backend_decode = backend_decode(tokenizer)
 
     @property
     def stable_text(self) -> str:
@@ -34,6 +46,8 @@ class IncrementalDetokenizer:
         return self.text[: len(self.text) - hold] if hold > 0 else self.text
 
     def _decode(self, ids: List[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> Tuple[str, Optional[str]]:

@@ -124,21 +124,29 @@ class OutputAssembler:
                                          cumulative_logprob=0.0 if logprobs else None) for i in range(n)]
 
     def apply(self, wire: tuple) -> RequestOutput:
-        delta = OutputDelta._make(wire)
-        for d in map(ChoiceDelta._make, delta.choices):
-            c = self.choices[d.index]
-            c.text = c.text[:d.text_keep] + d.text if d.text_keep < len(c.text) else c.text + d.text
-            if d.token_keep < len(c.token_ids):
-                del c.token_ids[d.token_keep:]
-                if c.logprobs is not None:
-                    del c.logprobs[d.token_keep:]
-            c.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                c.logprobs.extend(d.logprobs)
-            c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error = (
-                d.cumulative_logprob, d.finish_reason, d.stop_reason, d.error)
+        self.update(wire)
         outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason,
                                     c.stop_reason, c.error) for c in self.choices]
-        metrics = RequestMetrics(*delta.metrics) if delta.metrics is not None else None
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, delta.finished,
-                             metrics=metrics, num_cached_tokens=delta.num_cached_tokens)
+        return self.output(wire, outputs)
+
+    def update(self, wire: tuple) -> None:
+        """Apply a delta to `self.choices` (the request's cumulative state; no output built)."""
+        for index, text_keep, text, token_keep, token_ids, logprobs, cumulative, finish, stop, error in wire[1]:
+            c = self.choices[index]  # tuples unpacked, not ChoiceDelta._make: this runs per request per step
+            if text or text_keep < len(c.text):
+                c.text = c.text[:text_keep] + text if text_keep < len(c.text) else c.text + text
+            if token_keep < len(c.token_ids):
+                del c.token_ids[token_keep:]
+                if c.logprobs is not None:
+                    del c.logprobs[token_keep:]
+            c.token_ids.extend(token_ids)
+            if logprobs is not None:
+                c.logprobs.extend(logprobs)
+            c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error = cumulative, finish, stop, error
+
+    def output(self, wire: tuple, outputs: List[CompletionOutput]) -> RequestOutput:
+        """The request's output after `update(wire)`, with these choices."""
+        _, _, finished, metrics, num_cached_tokens = wire
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+                             metrics=RequestMetrics(*metrics) if metrics is not None else None,
+                             num_cached_tokens=num_cached_tokens)
