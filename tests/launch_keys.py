@@ -13,26 +13,12 @@ disk cache) of a process.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 from typing import Callable, Dict, List
 
 import torch
 
-KERNEL_MODULES = ("ep_rows", "fused_moe_align", "fused_moe_gemm", "paged_attention_kernels", "permute_rows",
-                  "rms_norm", "rope_kv", "routing_capacity", "routing_gate")
-
-
-def project_kernels() -> List:
-    """Every @triton.jit object of moe_infer.kernels' kernel modules (helpers included: never launched)."""
-    from triton.runtime.jit import KernelInterface
-
-    out = []
-    for name in KERNEL_MODULES:
-        module = importlib.import_module(f"moe_infer.kernels.{name}")
-        out += [obj for obj in vars(module).values() if isinstance(obj, KernelInterface) and obj not in out]
-    return out
-
+from moe_infer.kernels import jit_kernels
 
 def _no_specialize(kernel) -> set:
     names = getattr(kernel, "do_not_specialize", None)  # JITFunction
@@ -79,7 +65,7 @@ class LaunchKeys:
     def __init__(self, monkeypatch) -> None:
         self.keys: Dict[tuple, str] = {}  # key -> where it was first seen
         self.where = ""
-        for kernel in project_kernels():
+        for kernel in jit_kernels():
             monkeypatch.setattr(kernel, "run", self._recorder(kernel))
 
     def _recorder(self, kernel):
