@@ -47,8 +47,9 @@ def _moe_inputs(E: int, F: int, D: int, max_tokens: int):
                          ids=["qwen3-30b-a3b", "mixtral-8x7b", "untuned-k6"])
 def test_moe_steps_of_any_size_select_warmed_variants(monkeypatch, E, F, D, K):
     """gate + fused experts at every T in 1..4096 select only keys of the warm-up's token counts."""
+    from moe_infer.experts.triton_experts import experts_triton
     from moe_infer.kernels import fused_moe_config
-    from moe_infer.kernels.fused_moe import fused_experts, launch_config
+    from moe_infer.kernels.fused_moe import fused_experts
     from moe_infer.routing.spec import RoutingSpec
     from moe_infer.routing.triton_select import select_experts_triton
 
@@ -58,7 +59,6 @@ def test_moe_steps_of_any_size_select_warmed_variants(monkeypatch, E, F, D, K):
     w13_E2FD, w2_EDF, x_TD, logits_TE = _moe_inputs(E, F, D, max_tokens)
     spec = RoutingSpec(num_experts=E, top_k=K)
     layer = SimpleNamespace(spec=spec, store=SimpleNamespace(weights=lambda: (w13_E2FD, w2_EDF)))
-    experts = SimpleNamespace(launch_config=launch_config)  # the Triton experts backend's
     recorder = LaunchKeys(monkeypatch)
 
     def step(T: int) -> None:
@@ -66,7 +66,7 @@ def test_moe_steps_of_any_size_select_warmed_variants(monkeypatch, E, F, D, K):
         weights_TK, ids_TK = select_experts_triton(logits_TE[:T], spec)
         fused_experts(x_TD[:T], ids_TK, weights_TK, w13_E2FD, w2_EDF)
 
-    for T in warmup_token_counts(max_tokens, K, moe_config_of([layer], experts)):
+    for T in warmup_token_counts(max_tokens, K, moe_config_of([layer], experts_triton)):
         step(T)
     warmed = dict(recorder.keys)
     for T in range(1, max_tokens + 1):
