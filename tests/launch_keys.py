@@ -20,7 +20,7 @@ import torch
 
 from moe_infer.kernels import jit_kernels
 
-def _no_specialize(kernel) -> set:
+def no_specialize(kernel) -> set:
     names = getattr(kernel, "do_not_specialize", None)  # JITFunction
     if names is None:  # the interpreter's function keeps its decorator arguments
         names = getattr(kernel, "kwargs", {}).get("do_not_specialize")
@@ -47,7 +47,7 @@ def launch_key(kernel, args: tuple, kwargs: dict) -> tuple:
     sig = inspect.signature(kernel.fn)
     bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
     bound.apply_defaults()
-    dns = _no_specialize(kernel)
+    dns = no_specialize(kernel)
     fields = []
     for i, (name, param) in enumerate(sig.parameters.items()):
         value = bound.arguments[name]

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch_keys import LaunchKeys, count_compiles, shapes_of
+from launch_keys import LaunchKeys, count_compiles, no_specialize, shapes_of
 from moe_infer.engine.warmup import moe_config_of, warmup_context_lengths, warmup_token_counts
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,6 +33,20 @@ def test_warmup_token_counts():
     assert warmup_context_lengths(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     with pytest.raises(ValueError, match="positive"):
         warmup_token_counts(0, 1, lambda T: None)
+
+
+def test_do_not_specialize_names_are_kernel_arguments():
+    """Triton ignores a do_not_specialize name that is not a (non-constexpr) argument: a typo would go unseen."""
+    import inspect
+
+    from moe_infer.kernels import jit_kernels
+
+    listed = {k.fn.__name__: no_specialize(k) for k in jit_kernels() if no_specialize(k)}
+    assert {"tile_scatter_kernel", "gate_up_kernel", "paged_attention_kernel", "rope_store_kv_kernel"} <= set(listed)
+    for kernel in jit_kernels():
+        params = inspect.signature(kernel.fn).parameters
+        for name in no_specialize(kernel):
+            assert name in params and "constexpr" not in str(params[name].annotation), (kernel.fn.__name__, name)
 
 
 def _moe_inputs(E: int, F: int, D: int, max_tokens: int):
