@@ -2,7 +2,8 @@
 
 Same model as `e2e_generate.py` (Qwen3-MoE-shaped, real dimensions, 4 layers, random weights). Each
 arm runs in a fresh process with an empty Triton cache, so JIT compiles show up where they happen:
-- `warmup` / `no_warmup`: CUDA-graph decode with `DecodeGraphs.warmup` on (the default) or off. A
+- `warmup` / `no_warmup`: CUDA-graph decode with the start-up warm-ups (`DecodeGraphs.warmup` and the
+  runner's `moe_infer.engine.warmup`) on (the default) or off. A
   batch-16 generate warms up, then a batch-64 generate of 64 tokens is timed step by step (the first
   64-sequence decode step meets a new capture size). Reports engine load time, the slowest step,
   the median step and the host time of `ModelRunner.prepare` per step.
@@ -54,10 +55,12 @@ def _timed_steps(llm):
 
 def run_arm(arm: str) -> dict:
     from moe_infer import LLM
+    from moe_infer.engine import model_runner
     from moe_infer.engine.cuda_graph import DecodeGraphs
 
     if arm == "no_warmup":
         DecodeGraphs.warmup = lambda self: None
+        model_runner.warm_up_runner = lambda runner: None
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="steps_ckpt_") as ckpt:

@@ -35,6 +35,7 @@ from moe_infer.engine.step_inputs import (
     LaunchedStep, StepDecoder, StepEncoder, StepInputs, decode_inputs, flat_inputs, message_sizes, per_plan_entry,
     placeholder_rows, plan_requests,
 )
+from moe_infer.engine.warmup import warm_up_runner
 from moe_infer.layers.forward_context import forward_context
 from moe_infer.parallel.engine_hooks import expert_dispatcher, init_engine_parallel
 from moe_infer.parallel.step_message import FLAG_RESET_STATS, H_FLAGS, StepMessage
@@ -88,6 +89,7 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
+        self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
         self.graphs = self._decode_graphs()
         self.extend_graphs = self._extend_graphs()
         self.rebalancer = None

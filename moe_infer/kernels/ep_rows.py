@@ -20,7 +20,7 @@ import triton.language as tl
 from moe_infer.kernels.pdl import pdl_enter
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "C", "X"])
 def slot_rows_kernel(ids_ptr, rank_ptr, table_ptr, dest_ptr, src_ptr, N, C, X, BLOCK_N: tl.constexpr):
     n_B = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_row_B = n_B < N
@@ -53,7 +53,7 @@ def pack_rows_kernel(x_ptr, w_ptr, src_ptr, out_ptr, out_w_ptr, D, K, stride_x, 
         tl.store(out_w_ptr + row * stride_ow + w_col + lane_2, w_2, mask=lane_2 == 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["X"])
 def recv_rows_kernel(recv_w_ptr, slot_ptr, ids_ptr, w_ptr, X, stride_w, w_col, BLOCK_X: tl.constexpr):
     x_B = tl.program_id(0) * BLOCK_X + tl.arange(0, BLOCK_X)
     is_row_B = x_B < X
@@ -63,7 +63,7 @@ def recv_rows_kernel(recv_w_ptr, slot_ptr, ids_ptr, w_ptr, X, stride_w, w_col, B
     tl.store(w_ptr + x_B, w_B, mask=is_row_B)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["X"])
 def combine_rows_kernel(y_ptr, dest_ptr, out_ptr, D, X, stride_y, stride_o, K: tl.constexpr, BLOCK_D: tl.constexpr):
     """grid (T, cdiv(D, BLOCK_D))."""
     t = tl.program_id(0).to(tl.int64)
@@ -78,7 +78,7 @@ def combine_rows_kernel(y_ptr, dest_ptr, out_ptr, D, X, stride_y, stride_o, K: t
     tl.store(out_ptr + t * stride_o + d_B, acc_B.to(out_ptr.dtype.element_ty), mask=is_d_B)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "C", "X", "v_start"])
 def slot_pack_kernel(ids_ptr, slots_ptr, x_ptr, w_ptr, dest_ptr, src_ptr, out_ptr, out_w_ptr,
                      N, C, X, D, K, ep_rank, v_start, stride_x, stride_o, stride_ow, w_col,
                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):

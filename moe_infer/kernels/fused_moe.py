@@ -182,6 +182,14 @@ def down_with_tail_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg:
     return out_TD
 
 
+def launch_config(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor) -> FusedMoEConfig:
+    """The config (tuned for this shape and device, else the heuristic) the kernels run with at num_tokens
+    tokens over these experts. With the schedule's block sizes, which follow powers of two of the routed
+    rows, it selects which compiled variant of each kernel a step runs (the engine's start-up warm-up)."""
+    E, F2, D = w13_E2FD.shape
+    return get_config(num_tokens, E, F2 // 2, D, top_k, _DTYPE_NAMES[w13_E2FD.dtype])
+
+
 def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0,
                   config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
@@ -197,10 +205,10 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
            f"{tuple(topk_weights_TK.shape)} disagree")
     _check(x_TD.device == topk_ids_TK.device == topk_weights_TK.device, "inputs on different devices")
     T, K = topk_ids_TK.shape
-    E, F2, D = w13_E2FD.shape
+    E = w13_E2FD.shape[0]
     if T == 0:
         return torch.empty_like(x_TD)
-    cfg = config or get_config(T, E, F2 // 2, D, K, _DTYPE_NAMES[x_TD.dtype])
+    cfg = config or launch_config(T, K, w13_E2FD)
     combine = COMBINE_MODES.get(cfg.combine)
     weights_N = topk_weights_TK.reshape(-1)
     sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m, allow_inline=True,

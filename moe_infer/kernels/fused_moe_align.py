@@ -44,7 +44,7 @@ def _chunk_hist(ids_ptr, start, N, expert_start, E, CHUNK: tl.constexpr, SUB: tl
     return hist
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def align_count_kernel(ids_ptr, counts_ptr, N, expert_start, E,
                        CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """counts_CE[c] = histogram of chunk c's local experts."""
@@ -54,7 +54,7 @@ def align_count_kernel(ids_ptr, counts_ptr, N, expert_start, E,
     tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_chunks", "num_tiles"])
 def align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                          N, expert_start, E, num_chunks, num_tiles,
                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,

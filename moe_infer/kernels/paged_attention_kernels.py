@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "stride_ps", "stride_ms"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -102,7 +102,7 @@ def paged_attention_kernel(
         tl.store(l_part_ptr + split * stride_ms + t * stride_mt + head, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ps", "stride_ms"])
 def paged_attention_reduce_kernel(
     part_ptr, m_part_ptr, l_part_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,

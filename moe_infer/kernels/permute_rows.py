@@ -28,7 +28,7 @@ def _visit_keys(ids_ptr, order_ptr, v_B, N, E, expert_start, HAS_ORDER: tl.const
     return n_B, tl.where(is_local_B, local_B, -1), is_row_B
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_tiles", "num_slots"])
 def tile_hist_kernel(
     ids_ptr, order_ptr, tile_counts_ptr, sorted_rows_ptr, N, E, expert_start, num_tiles, num_slots,
     HAS_ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr,
@@ -48,7 +48,7 @@ def tile_hist_kernel(
     tl.store(sorted_rows_ptr + p_F, tl.full((FILL,), N, tl.int32), mask=p_F < num_slots)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def tile_scan_kernel(
     tile_counts_ptr, counts_ptr, num_tiles, E, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_E: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -68,7 +68,7 @@ def tile_scan_kernel(
     tl.store(counts_ptr + cols_C, carry_C.to(tl.int64), mask=cols_C < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_tiles", "num_blocks", "num_groups"])
 def tile_scatter_kernel(
     ids_ptr, order_ptr, weights_ptr, tile_counts_ptr, counts_ptr, within_ptr, hist_ptr,
     rank_ptr, order_out_ptr, inv_ptr, token_ptr, w_out_ptr, offsets_ptr,

@@ -53,7 +53,7 @@ def _rotate(x_ptr, row_off, half, c, s, mask, DTYPE: tl.constexpr, HALF: tl.cons
     return out1, out2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["positions_ptr", "slots_ptr"])
 def rope_store_kv_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, q_out_ptr, num_positions,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cp,

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "capacity"])
 def drop_rows_kernel(
     ids_ptr, w_ptr, rank_ptr, out_ids_ptr, out_w_ptr, T, capacity,
     K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -32,7 +32,7 @@ def drop_rows_kernel(
     tl.store(out_w_ptr + offs_BK, kept_w_BK, mask=mask_BK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "capacity"])
 def reroute_kernel(
     ids_ptr, topk_ids_ptr, choice_ptr, counts_ptr, order_ptr, N, E, capacity,
     K: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,

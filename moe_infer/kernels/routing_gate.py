@@ -71,7 +71,7 @@ def _group_scores_reshape(key_BE, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
     return _key_value(m1_BG)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_slots"])
 def routing_gate_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, tile_counts_ptr, hist_ptr, within_ptr, sorted_rows_ptr,
     T, E, stride_lt, stride_le, routed_scaling_factor, num_slots,

@@ -1,0 +1,141 @@
+"""Start-up warm-up of the Triton kernels: every kernel variant a step can select is compiled (or loaded
+from Triton's disk cache) before the first request, so that no step of any size pays a JIT compile while
+serving (on an H100 one took hundreds of ms in the middle of a timed serving level).
+
+Triton compiles one variant of a kernel per specialization: its constexprs (the block sizes and configs
+the launch wrappers choose) and, for every other int and pointer argument, whether it is 1 and whether it
+is divisible by 16. The kernels mark the arguments that follow the step's size `do_not_specialize`
+(moe_infer/kernels), so what is left varies with the step only through the wrappers' choices, which are
+functions of:
+  - the token count T and the routed rows N = T*K, through their powers of two (block sizes from
+    `triton.next_power_of_2`, the fused MoE schedule backend by thresholds on N);
+  - the fused MoE config, tuned per token count (`launch_config` of the experts backend);
+  - decode or not (the attention tiles), and for decode the context length (split-KV counts, powers of two).
+`warmup_token_counts` gives one T for each distinct combination up to the largest step; `warmup_kernels`
+runs an eager forward at each, then a one-token decode at each power-of-two context length. The GPU test
+(tests/test_jit_warmup.py) runs steps of many sizes after start-up and counts Triton compiles: none.
+
+The forwards run padding rows only: no K/V slot written (slot -1), keys read from block 0, every row left
+out of the expert-load statistics (valid_T all False). One rank only (a mesh would need every rank's
+forward in step), resident experts only (an offloading store would move experts for the padding rows).
+
+Legend: T tokens, K top-k, N = T*K routed rows, B sequences, L context length.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from moe_infer.layers.forward_context import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def pow2_buckets(n: int) -> tuple:
+    """Which power-of-two ranges n lies in, (2^k, 2^(k+1)] (a next power of two) and [2^k, 2^(k+1))."""
+    return (n - 1).bit_length(), n.bit_length()
+
+
+def warmup_token_counts(max_tokens: int, top_k: int, config_of: Callable[[int], Hashable]) -> List[int]:
+    """The smallest T of each distinct (powers of two of T and T*top_k, config_of(T)) over 1..max_tokens."""
+    if max_tokens <= 0 or top_k <= 0:
+        raise ValueError(f"max_tokens ({max_tokens}) and top_k ({top_k}) must be positive")
+    first = {}
+    for T in range(1, max_tokens + 1):
+        first.setdefault((pow2_buckets(T), pow2_buckets(T * top_k), config_of(T)), T)
+    return sorted(first.values())
+
+
+def warmup_context_lengths(max_model_len: int) -> List[int]:
+    """Decode context lengths: each power of two up to max_model_len, and max_model_len."""
+    return sorted({1 << k for k in range(max_model_len.bit_length()) if 1 << k <= max_model_len} | {max_model_len})
+
+
+def moe_config_of(moe_layers: Sequence, experts_backend) -> Callable[[int], Hashable]:
+    """T -> the experts backend's launch config of every distinct MoE layer shape (None without one)."""
+    launch_config = getattr(experts_backend, "launch_config", None)
+    if launch_config is None or not moe_layers:
+        return lambda T: None
+    shapes = {}
+    for layer in moe_layers:
+        w13_E2FD = layer.store.weights()[0]
+        shapes.setdefault((layer.spec.top_k, tuple(w13_E2FD.shape), w13_E2FD.dtype), (layer.spec.top_k, w13_E2FD))
+    return lambda T: tuple(launch_config(T, k, w13) for k, w13 in shapes.values())
+
+
+def warmup_blocker(device: torch.device, backends, is_single: bool) -> Optional[str]:
+    """Why this engine skips the warm-up; None when it runs."""
+    if device.type != "cuda":
+        return f"no Triton kernels on {device.type}"
+    if not is_single:
+        return "a mesh (every rank would have to run the warm-up forwards in step)"
+    if backends.store != "resident" or backends.dispatcher is not None:
+        return "offloaded or expert-parallel experts"
+    return None
+
+
+def padding_step(lengths: Sequence[int], block_size: int, device: torch.device, max_seq_len: int = 0):
+    """(input_ids_T, metadata, valid_T) of sequences of the given query lengths, each its whole context, made
+    of padding rows: token 0, no slot written, keys from block 0. max_seq_len (decode) widens the block table
+    and the host-side context length; the device-side lengths stay the query lengths."""
+    T, B = sum(lengths), len(lengths)
+    max_seq_len = max(max_seq_len, *lengths)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        positions_T=torch.cat([torch.arange(n) for n in lengths]).to(device),
+        slot_mapping_T=torch.full((T,), -1, dtype=torch.int64, device=device),
+        block_tables_BM=torch.zeros(B, -(-max_seq_len // block_size), dtype=torch.int32, device=device),
+        query_start_loc_B1=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens_B=torch.tensor(lengths, dtype=torch.int32, device=device), max_query_len=max(lengths),
+        max_seq_len=max_seq_len, block_size=block_size,
+    )
+    return torch.zeros(T, dtype=torch.int64, device=device), meta, torch.zeros(T, dtype=torch.bool, device=device)
+
+
+@torch.inference_mode()
+def warmup_kernels(model, token_counts: Sequence[int], context_lengths: Sequence[int], max_model_len: int,
+                   block_size: int, device: torch.device) -> float:
+    """One eager forward per token count (sequences of at most max_model_len tokens), then a one-token decode
+    per context length. Returns the seconds it took."""
+    start = time.perf_counter()
+    steps = [([max_model_len] * (T // max_model_len) + ([T % max_model_len] if T % max_model_len else []), 0)
+             for T in token_counts]
+    steps += [([1], L) for L in context_lengths]
+    for lengths, max_seq_len in steps:
+        input_ids_T, meta, valid_T = padding_step(lengths, block_size, device, max_seq_len)
+        with forward_context(meta, valid_T=valid_T):
+            model(input_ids_T, meta.positions_T)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def warmup_plan(runner) -> Tuple[List[int], List[int]]:
+    """(token counts, decode context lengths) a ModelRunner's warm-up runs: steps of up to
+    max_num_batched_tokens tokens (and the decode batches its CUDA graphs pad to), contexts up to the
+    widest block table."""
+    from moe_infer.experts.reference import EXPERT_BACKENDS
+
+    cfg = runner.cfg
+    max_tokens = max(cfg.scheduler.max_num_batched_tokens, min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs))
+    config_of = moe_config_of(runner.model.moe_layers(), EXPERT_BACKENDS.get(runner.backends.experts))
+    max_context = -(-runner.max_model_len // runner.block_size) * runner.block_size
+    return warmup_token_counts(max_tokens, runner.arch.top_k, config_of), warmup_context_lengths(max_context)
+
+
+def warm_up_runner(runner) -> Optional[float]:
+    """A ModelRunner's start-up warm-up (`warmup_plan`): the seconds it took, None where skipped (logged)."""
+    why_not = warmup_blocker(runner.device, runner.backends, runner.parallel.dims.is_single)
+    if why_not:
+        logger.info("no start-up warm-up of the Triton kernels: %s", why_not)
+        return None
+    counts, contexts = warmup_plan(runner)
+    seconds = warmup_kernels(runner.model, counts, contexts, runner.max_model_len, runner.block_size, runner.device)
+    logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), decodes at %d context "
+                "lengths", seconds, len(counts), counts[-1], len(contexts))
+    return seconds
