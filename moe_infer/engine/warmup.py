@@ -9,7 +9,8 @@ is divisible by 16. The kernels mark the arguments that follow the step's size `
 functions of:
   - the token count T and the routed rows N = T*K, through their powers of two (block sizes from
     `triton.next_power_of_2`, the fused MoE schedule backend by thresholds on N);
-  - the fused MoE config, tuned per token count (`launch_config` of the experts backend);
+  - the fused MoE config, tuned per token count, and the expert GEMMs' row and tile counts, which stay
+    specialized (`launch_variant` of the experts backend);
   - decode or not (the attention tiles), and for decode the context length (split-KV counts, powers of two).
 `warmup_token_counts` gives one T for each distinct combination up to the largest step; `warmup_kernels`
 runs an eager forward at each, then a one-token decode at each power-of-two context length. The GPU test
@@ -55,8 +56,9 @@ def warmup_context_lengths(max_model_len: int) -> List[int]:
 
 
 def moe_config_of(moe_layers: Sequence, experts_backend) -> Callable[[int], Hashable]:
-    """T -> the experts backend's launch config of every distinct MoE layer shape (None without one)."""
-    launch_config = getattr(experts_backend, "launch_config", None)
+    """T -> the experts backend's launch variant (config, specialized sizes) of every distinct MoE layer shape
+    (None without one)."""
+    launch_config = getattr(experts_backend, "launch_variant", None)
     if launch_config is None or not moe_layers:
         return lambda T: None
     shapes = {}

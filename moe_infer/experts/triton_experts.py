@@ -18,7 +18,7 @@ import torch
 
 from moe_infer.experts.local_dispatch import DispatchMetadata
 from moe_infer.experts.reference import EXPERT_BACKENDS
-from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up, launch_config
+from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up, launch_config, launch_variant
 
 
 def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -43,4 +43,5 @@ def experts_triton(
 
 
 experts_triton.fused_experts = fused_experts
-experts_triton.launch_config = launch_config  # which kernel variants a step of T tokens runs (engine warm-up)
+experts_triton.launch_config = launch_config
+experts_triton.launch_variant = launch_variant  # which kernel variants a step of T tokens runs (engine warm-up)

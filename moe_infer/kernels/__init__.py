@@ -6,7 +6,10 @@ Arguments that follow the step's size (token, row, tile, slot counts; workspace 
 step's flat input buffer) are listed in the kernel's `do_not_specialize`, so a step of a new size reuses
 a compiled kernel; constexprs the wrappers derive from sizes follow powers of two or the tuned configs,
 and the engine compiles all of them at start-up (moe_infer/engine/warmup.py). Arguments fixed by the
-model (hidden sizes, head counts, weight strides) stay specialized.
+model (hidden sizes, head counts, weight strides) stay specialized. Exception: the expert GEMMs
+(gate_up_kernel, down_kernel) keep their row and tile counts specialized, as they measured up to 1.14x
+slower without (H100, Mixtral shape, T=2048, benchmarks/trials/specialize_ab.py); the warm-up compiles
+each of their size variants (`fused_moe.launch_variant`).
 """
 
 

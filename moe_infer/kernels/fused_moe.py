@@ -190,6 +190,16 @@ def launch_config(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor) -> FusedM
     return get_config(num_tokens, E, F2 // 2, D, top_k, _DTYPE_NAMES[w13_E2FD.dtype])
 
 
+def launch_variant(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor) -> tuple:
+    """`launch_config` and how Triton specializes the expert GEMMs' size arguments at num_tokens tokens
+    (num_rows and num_tiles_m: equal to 1, divisible by 16; kept specialized, as the GEMMs measured slower
+    without): what selects the compiled variants of the fused experts (the engine's start-up warm-up)."""
+    cfg = launch_config(num_tokens, top_k, w13_E2FD)
+    N, E = num_tokens * top_k, w13_E2FD.shape[0]
+    tiles_m = triton.cdiv(max(N + min(E, N) * (cfg.block_m - 1), 1), cfg.block_m)  # block_schedule's p_max
+    return cfg, tuple((n == 1, n % 16 == 0) for n in (N, tiles_m))
+
+
 def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0,
                   config: Optional[FusedMoEConfig] = None) -> torch.Tensor:

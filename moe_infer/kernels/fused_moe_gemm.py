@@ -32,7 +32,7 @@ def _tile_ids(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tiles_m"])
+@triton.jit  # num_rows, num_tiles_m stay specialized: see launch_variant (fused_moe.py)
 def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                    num_rows, ROW_DIV, D, F, num_tiles_m, expert_start, E,
                    stride_xm, stride_we, stride_wn, stride_wk, stride_am,
@@ -89,7 +89,7 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tiles_m"])
+@triton.jit  # num_rows, num_tiles_m stay specialized: see launch_variant (fused_moe.py)
 def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                 out_ptr, ids_ptr, count_ptr,
                 num_rows, D, F, num_tiles_m, expert_start, E,
