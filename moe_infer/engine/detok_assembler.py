@@ -34,7 +34,7 @@ class DetokenizingAssembler:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int], params: SamplingParams,
                  tokenizer, on_stop: OnStop) -> None:
         n = params.n
-        self.request_id, self.tokenizer, self.on_stop = request_id, tokenizer, on_stop
+        self.request_id, self.on_stop = request_id, on_stop
         self._base = OutputAssembler(request_id, prompt, prompt_token_ids, n, params.logprobs is not None)
         self._detoks = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop_strings,
                                                params.skip_special_tokens, params.include_stop_str_in_output)
@@ -65,7 +65,7 @@ class DetokenizingAssembler:
             if finish is None:
                 self.on_stop(self.request_id, i, stop)
             finish, stop_reason = "stop", stop
-        elif stop is None and finish in ("length", "stop"):  # ended by its last token: the held-back tail ends the text
+        elif stop is None and finish in ("length", "stop"):  # ended by its last token: the held-back tail shows
             _, stop = detok.flush()
             if stop is not None and finish == "length":
                 finish, stop_reason = "stop", stop
