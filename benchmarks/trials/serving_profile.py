@@ -69,16 +69,6 @@ def summarize(raw_path: str, names: dict, top: int) -> dict:
             for proc, (s, selfs, incl) in per.items()}
 
 
-def token_timeline(level, bin_s: float = 0.1) -> list:
-    """Output tokens/s delivered to the client in each bin_s of the level (servebench's per-chunk times; one
-    chunk is one token here)."""
-    times = [r.start + t for r in level.requests for t in r.chunk_times]
-    bins = [0] * (int(max(times) / bin_s) + 1)
-    for t in times:
-        bins[int(t / bin_s)] += 1
-    return [b / bin_s for b in bins]
-
-
 def main():
     import serving
     from e2e_generate import REAL, TINY
@@ -126,9 +116,7 @@ def main():
             wall = time.perf_counter() - start
             used = {k: cpu_s(p) - before[k] for k, p in pids.items()}
             print(f"plain: {level.summary.output_throughput:.0f} tok/s, wall {wall:.2f} s", flush=True)
-            timeline = token_timeline(level)
-            print("  sends end at %.3f s; output tok/s per 100 ms: %s" % (
-                max(r.start for r in level.requests), " ".join(f"{v / 1000:.1f}k" for v in timeline)), flush=True)
+            print(f"  sends end at {max(r.start for r in level.requests):.3f} s", flush=True)
             for k, v in used.items():
                 print(f"  {k:>7} pid {pids[k]}: {v:.2f} CPU s = {v / wall:.0%} of one core", flush=True)
             profile = {}
@@ -163,8 +151,8 @@ def main():
             server.terminate()
             server.join(60)
     with open(os.path.join(args.out, "serving_profile.json"), "w") as f:
-        json.dump(dict(tok_s=level.summary.output_throughput, wall_s=wall, cpu_s=used, timeline_tok_s=timeline,
-                       offline=offline, profile=profile), f, indent=1)
+        json.dump(dict(tok_s=level.summary.output_throughput, wall_s=wall, cpu_s=used, offline=offline,
+                       profile=profile), f, indent=1)
 
 
 if __name__ == "__main__":
