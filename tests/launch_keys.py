@@ -20,6 +20,7 @@ import torch
 
 from moe_infer.kernels import jit_kernels
 
+
 def no_specialize(kernel) -> set:
     names = getattr(kernel, "do_not_specialize", None)  # JITFunction
     if names is None:  # the interpreter's function keeps its decorator arguments
