@@ -89,7 +89,8 @@ def main():
     pyspy = shutil.which("py-spy")
     kw = serving.engine_kwargs(args)
     with tempfile.TemporaryDirectory(prefix="serving_profile_") as ckpt:
-        proc, _ = serving.run_child(serving._build, dict(TINY if args.tiny else REAL, vocab_size=6144), args.device, ckpt)
+        dims = dict(TINY if args.tiny else REAL, vocab_size=6144)
+        proc, _ = serving.run_child(serving._build, dims, args.device, ckpt)
         proc.join()
         warm = serving.warm_load(ckpt, args)
         loads = [serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=s) for s in (7, 9)]

@@ -58,14 +58,14 @@ def warmup_context_lengths(max_model_len: int) -> List[int]:
 def moe_config_of(moe_layers: Sequence, experts_backend) -> Callable[[int], Hashable]:
     """T -> the experts backend's launch variant (config, specialized sizes) of every distinct MoE layer shape
     (None without one)."""
-    launch_config = getattr(experts_backend, "launch_variant", None)
-    if launch_config is None or not moe_layers:
+    launch_variant = getattr(experts_backend, "launch_variant", None)
+    if launch_variant is None or not moe_layers:
         return lambda T: None
     shapes = {}
     for layer in moe_layers:
         w13_E2FD = layer.store.weights()[0]
         shapes.setdefault((layer.spec.top_k, tuple(w13_E2FD.shape), w13_E2FD.dtype), (layer.spec.top_k, w13_E2FD))
-    return lambda T: tuple(launch_config(T, k, w13) for k, w13 in shapes.values())
+    return lambda T: tuple(launch_variant(T, k, w13) for k, w13 in shapes.values())
 
 
 def warmup_blocker(device: torch.device, backends, is_single: bool) -> Optional[str]:
@@ -124,7 +124,8 @@ def warmup_plan(runner) -> Tuple[List[int], List[int]]:
     from moe_infer.experts.reference import EXPERT_BACKENDS
 
     cfg = runner.cfg
-    max_tokens = max(cfg.scheduler.max_num_batched_tokens, min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs))
+    max_tokens = max(cfg.scheduler.max_num_batched_tokens,
+                     min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs))
     config_of = moe_config_of(runner.model.moe_layers(), EXPERT_BACKENDS.get(runner.backends.experts))
     max_context = -(-runner.max_model_len // runner.block_size) * runner.block_size
     return warmup_token_counts(max_tokens, runner.arch.top_k, config_of), warmup_context_lengths(max_context)
