@@ -11,9 +11,11 @@ saturation load (N prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> 
 arrivals, fresh prompts per level) and at rate=inf with the saturation load's own prompts. servebench
 streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
 TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms).
-Target: at saturation the server delivers >= 90 % of the offline output tok/s. `--engine-loops process,thread`
-also measures the saturation level with the engine in a thread of the server's process (the design before
-the engine core process) in the same run. The decode roofline
+Target: at saturation the server delivers >= 90 % of the offline output tok/s. A server is an engine loop
+(`--engine-loops`: process, thread) and a number of API server processes (`--api-server-counts`, with the
+process loop only): the first of them gets the rate sweep, the others the saturation level only, in the
+same run (`--engine-loops process,thread`: the engine core process against the design before it, a thread
+of the server's process; `--api-server-counts 2,1`: two HTTP processes against one). The decode roofline
 (HBM bytes per step at the batch size, H100's measured 2.99 TB/s) is printed for scale.
 
 Why servebench: an OpenAI-compatible load generator with Poisson rate sweeps, goodput and a local HF
@@ -93,14 +95,15 @@ def _offline(ckpt: str, kw: dict, warm: list, warm_prompts: list, prompts: list,
                    torch=torch.__version__))
 
 
-def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float, engine_loop: str) -> None:
+def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float, engine_loop: str,
+            api_servers: int) -> None:
     from moe_infer.engine.llm import build_config
     from moe_infer.server.config import ServeConfig
     from moe_infer.server.launch import serve
 
     serve(build_config(model=ckpt, **kw), ServeConfig(port=port, log_level="warning", served_model_name="bench",
                                                       max_queued_requests=max_queued, gil_switch_interval_s=switch_s,
-                                                      engine_loop=engine_loop))
+                                                      engine_loop=engine_loop, api_server_count=api_servers))
 
 
 def run_child(target, *args, with_queue: bool = False):
@@ -213,6 +216,9 @@ def main() -> None:
     ap.add_argument("--engine-loops", default="process",
                     help="serve.engine_loop values, comma-separated: the first gets the rate sweep, the others the "
                          "saturation level only (e.g. process,thread: the engine core process against the thread)")
+    ap.add_argument("--api-server-counts", default="1",
+                    help="serve.api_server_count values for engine_loop=process, comma-separated (after the first "
+                         "server: the saturation level only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiny = args.tiny
@@ -243,15 +249,18 @@ def main() -> None:
               f"({args.num_requests} requests in {offline['elapsed_s']:.1f} s)", flush=True)
         sat_rate = offline["output_tok_s"] / args.output_len
         rates = [round(f * sat_rate, 2) for f in map(float, args.rate_fractions.split(","))] + [float("inf")]
-        loops = args.engine_loops.split(",")
+        servers = [(loop, count) for loop in args.engine_loops.split(",")
+                   for count in (map(int, args.api_server_counts.split(",")) if loop == "process" else [1])]
         by_loop = {}
-        for i, loop in enumerate(loops):
+        for i, (loop, count) in enumerate(servers):
             loop_rates = rates if i == 0 else rates[-1:]
-            levels = serve_and_measure(ckpt, kw, args, loop, loop_rates,
+            levels = serve_and_measure(ckpt, kw, args, loop, count, loop_rates,
                                        warm + [(text, args.output_len) for text in warm_saturation], saturation)
-            by_loop[loop] = [summary_row(r, lv) for r, lv in zip(loop_rates, levels)]
+            by_loop[server_label(loop, count)] = [summary_row(r, lv) for r, lv in zip(loop_rates, levels)]
             if i > 0:
-                print(f"  engine_loop={loop}, rate inf: {by_loop[loop][-1]['output_tok_s']:.0f} tok/s", flush=True)
+                print(f"  {server_label(loop, count)}, rate inf: "
+                      f"{by_loop[server_label(loop, count)][-1]['output_tok_s']:.0f} tok/s", flush=True)
+    loops = list(by_loop)
     rows = by_loop[loops[0]]
     sat = rows[-1]
     ratio = sat["output_tok_s"] / offline["output_tok_s"]
@@ -266,8 +275,8 @@ def main() -> None:
         slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), offline=offline, rates=rows,
         server_over_offline_at_saturation=ratio, target=0.9, meets_target=ratio >= 0.9,
         decode_roofline_tok_s_h100=roofline, uvicorn_extras=_uvicorn_extras(),
-        gil_switch_interval_s=args.gil_switch_interval_s, engine_loop=loops[0],
-        saturation_by_engine_loop={loop: dict(rows_[-1], over_offline=rows_[-1]["output_tok_s"] / offline["output_tok_s"])
+        gil_switch_interval_s=args.gil_switch_interval_s, server=loops[0],
+        saturation_by_server={loop: dict(rows_[-1], over_offline=rows_[-1]["output_tok_s"] / offline["output_tok_s"])
                                    for loop, rows_ in by_loop.items()},
         wall_s=time.perf_counter() - t_start)
     print(f"\nserving, {result['device']}, qwen3_moe x{dims['num_hidden_layers']} layers, {args.num_requests} "
@@ -278,8 +287,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['rate']:>10g} {r['completed']:>4}/{r['sent']:<3} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} "
               f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f}")
-    for loop, r in result["saturation_by_engine_loop"].items():
-        print(f"engine_loop={loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline")
+    for loop, r in result["saturation_by_server"].items():
+        print(f"{loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline")
     print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation {sat['output_tok_s']:.0f} "
           f"tok/s = {ratio:.1%} of offline (target >= 90%); decode roofline at batch {args.max_num_seqs} "
           f"(H100 HBM) {roofline:.0f} tok/s; wall {result['wall_s']:.0f} s")
@@ -293,14 +302,20 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def serve_and_measure(ckpt: str, kw: dict, args, engine_loop: str, rates: list, warm: list, saturation) -> list:
-    """A server (`serve()` in a child process, serve.engine_loop=engine_loop): warmed up (decode batches of every
+def server_label(engine_loop: str, api_servers: int) -> str:
+    return f"engine_loop={engine_loop}" + (f", {api_servers} API servers" if api_servers > 1 else "")
+
+
+def serve_and_measure(ckpt: str, kw: dict, args, engine_loop: str, api_servers: int, rates: list, warm: list,
+                      saturation) -> list:
+    """A server (`serve()` in a child process, serve.engine_loop=engine_loop, serve.api_server_count): warmed up (decode batches of every
     size, then a load of the saturation load's shape), then servebench at each rate; SIGTERM after (the server
     drains and exits)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server, _ = run_child(_server, ckpt, kw, port, args.num_requests + 64, args.gil_switch_interval_s, engine_loop)
+    server, _ = run_child(_server, ckpt, kw, port, args.num_requests + 64, args.gil_switch_interval_s, engine_loop,
+                          api_servers)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, server)

@@ -88,7 +88,7 @@ def test_streams_equal_offline_generate_and_the_core_ends_clean():
     assert good.outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert busy.num_free_kv_blocks < busy.num_kv_blocks and idle.is_idle and engine.num_requests == 0
     engine.close()
-    assert engine._proc.exitcode == 0
+    assert engine._core.proc.exitcode == 0
 
 
 def test_overload_and_shutdown_drain_or_abort():
@@ -111,7 +111,7 @@ def test_overload_and_shutdown_drain_or_abort():
 
     run(main())
     engine.close()
-    assert engine._proc.exitcode == 0
+    assert engine._core.proc.exitcode == 0
 
 
 def test_a_core_that_dies_fails_every_stream_at_once():

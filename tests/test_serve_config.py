@@ -31,7 +31,9 @@ def test_serve_composes_with_the_other_groups():
 
 @pytest.mark.parametrize("kw,field", [(dict(port=70000), "serve.port"), (dict(max_n=0), "serve.max_n"),
                                       (dict(log_level="loud"), "serve.log_level"), (dict(api_key=""), "serve.api_key"),
-                                      (dict(max_prompt_tokens=0), "serve.max_prompt_tokens")])
+                                      (dict(max_prompt_tokens=0), "serve.max_prompt_tokens"),
+                                      (dict(api_server_count=0), "serve.api_server_count"),
+                                      (dict(api_server_count=2, engine_loop="thread"), "serve.engine_loop=process")])
 def test_bad_serve_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ServeConfig(**kw)

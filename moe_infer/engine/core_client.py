@@ -22,17 +22,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import queue
 import threading
 from multiprocessing.connection import Connection
 from typing import Callable, Dict, List, Optional, Sequence
 
-from moe_infer.engine.core_proc import CoreInfo, run_engine_core
+from moe_infer.engine.core_proc import CoreInfo
+from moe_infer.engine.core_spawn import CoreEndpoint, CoreProcess, EngineStartError  # noqa: F401 (re-export)
 from moe_infer.engine.detok_assembler import DetokenizingAssembler
 from moe_infer.engine.output_delta import OutputAssembler
 from moe_infer.engine.outputs import RequestOutput
-from moe_infer.engine.request_streams import EngineClosed, RequestFailed, StreamingEngine
+from moe_infer.engine.request_streams import EngineClosed, RequestFailed, RequestSlots, StreamingEngine
 from moe_infer.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,31 +66,38 @@ class PipeSender:
                 return
 
 
-class EngineStartError(RuntimeError):
-    """The engine core process could not build its engine (the message says why)."""
-
-
 class ProcessEngine(StreamingEngine):
     _thread_name = "moe-infer-core-reader"
 
     def __init__(self, cfg, model_path: str, max_requests: int = 1024,
                  on_finished: Optional[List[Callable[[RequestOutput], None]]] = None,
                  start_timeout_s: Optional[float] = None) -> None:
-        super().__init__(max_requests, on_finished)
+        """Spawns the core (one client: this engine) and waits until it is ready."""
         from moe_infer.engine.llm_engine import load_tokenizer
 
-        ctx = mp.get_context("spawn")  # CUDA cannot be forked; the server's process never touches it
-        cmd_read, cmd_write = ctx.Pipe(duplex=False)
-        res_read, res_write = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, name="moe-infer-engine-core",
-                                 args=(cfg, model_path, cmd_read, res_write, logging.getLogger().getEffectiveLevel()))
-        self._proc.start()
-        cmd_read.close()
-        res_write.close()  # the core holds the only write end: its exit is an EOF here
-        self._results = res_read
-        self._sender = PipeSender(cmd_write, "moe-infer-core-commands")
-        self.tokenizer = load_tokenizer(model_path)  # while the core builds its engine
-        info = self._wait_ready(start_timeout_s)
+        core = CoreProcess(cfg, model_path)
+        tokenizer = load_tokenizer(model_path)  # while the core builds its engine
+        info = core.wait_ready(start_timeout_s)
+        self._setup(core.endpoints[0], info, tokenizer, RequestSlots(max_requests), on_finished)
+        self._core: Optional[CoreProcess] = core
+
+    @classmethod
+    def attached(cls, endpoint: CoreEndpoint, info: CoreInfo, model_path: str, slots: RequestSlots,
+                 on_finished: Optional[List[Callable[[RequestOutput], None]]] = None) -> "ProcessEngine":
+        """A client of a core that another process started and found ready (CoreProcess, one endpoint per
+        API server process; slots: the request limit the servers share)."""
+        from moe_infer.engine.llm_engine import load_tokenizer
+
+        engine = cls.__new__(cls)
+        engine._setup(endpoint, info, load_tokenizer(model_path), slots, on_finished)
+        engine._core = None
+        return engine
+
+    def _setup(self, endpoint: CoreEndpoint, info: CoreInfo, tokenizer, slots: RequestSlots, on_finished) -> None:
+        StreamingEngine.__init__(self, slots.limit, on_finished, slots=slots)
+        self._results = endpoint.results
+        self._sender = PipeSender(endpoint.commands, "moe-infer-core-commands")
+        self.tokenizer = tokenizer
         self.core_pid, self.max_model_len, self.limits = info.pid, info.max_model_len, info.limits
         self._assemblers: Dict[str, object] = {}  # request id -> its assembler
         self._calls: Dict[int, asyncio.Future] = {}
@@ -98,29 +105,6 @@ class ProcessEngine(StreamingEngine):
         self._stopped = threading.Event()
         self.stop_message: Optional[str] = None
         self._shutdown_sent = False
-
-    def _wait_ready(self, timeout_s: Optional[float]) -> CoreInfo:
-        waited = 0.0
-        while not self._results.poll(1.0):
-            waited += 1.0
-            if not self._proc.is_alive():
-                raise self._exited_early()
-            if timeout_s is not None and waited >= timeout_s:
-                self._proc.kill()
-                raise EngineStartError(f"the engine core was not ready after {timeout_s:.0f} s")
-        try:
-            msg = self._results.recv()
-        except EOFError:
-            self._proc.join(10)
-            raise self._exited_early() from None
-        if msg[0] == "start_failed":
-            self._proc.join(30)
-            raise EngineStartError(f"the engine did not start: {msg[1]}")
-        return msg[1]
-
-    def _exited_early(self) -> EngineStartError:
-        return EngineStartError(f"the engine core process exited with code {self._proc.exitcode} before it was "
-                                "ready (see its log above)")
 
     # ------------------------------------------------------------------ lifecycle
     def _alive(self) -> bool:
@@ -130,15 +114,16 @@ class ProcessEngine(StreamingEngine):
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the core process (synchronous; also what a server that never started its loop calls)."""
-        if self._proc.is_alive() and not self._stopped.is_set() and not self._shutdown_sent:
+        """Leave the core (synchronous; also what a server that never started its loop calls): a core this
+        engine started stops, and close waits for it; a shared one goes on for its other clients."""
+        core_alive = self._core.proc.is_alive() if self._core is not None else True
+        if core_alive and not self._stopped.is_set() and not self._shutdown_sent:
             self._shutdown_sent = True
             self._sender.send(("shutdown",))
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
-            logger.error("the engine core did not stop in %.0f s: killing it", timeout_s)
-            self._proc.kill()
-            self._proc.join(10)
+        if self._core is not None:
+            self._core.join(timeout_s)
+        elif self._thread is not None:
+            self._stopped.wait(timeout_s)  # the core's ("stopped", None) to this client
         self._sender.close(timeout_s=1.0)
         if self._thread is not None:
             self._thread.join(5.0)
@@ -190,7 +175,7 @@ class ProcessEngine(StreamingEngine):
             try:
                 msg = self._results.recv()
             except (EOFError, OSError):
-                code = self._proc.exitcode
+                code = self._core.proc.exitcode if self._core is not None else None
                 msg = ("stopped", "the engine core process exited" + (f" (code {code})" if code is not None else ""))
             if msg[0] == "stopped":
                 self._stopped.set()

@@ -1,4 +1,4 @@
-"""The engine core process: an `LLMEngine` in a process of its own, driven over two pipes.
+"""The engine core process: an `LLMEngine` in a process of its own, driven over two pipes per client.
 
 Why a process: in one process the HTTP side (request parsing, JSON, one server-sent event per token)
 and the engine loop (scheduling, kernel launches, output handling) share one GIL; with async scheduling
@@ -14,7 +14,9 @@ deltas carry token ids, and the client turns them into text and checks stop stri
 each step took about 13 % of the core's step time at saturation on an H100 (py-spy, 2026-11-24), host
 time that async scheduling cannot hide once the host is the bound. A stop string found by the client ends
 its sample with a "stop" command; the core may have run a step or two of it meanwhile, whose tokens
-the client drops. Messages are pickled tuples:
+the client drops. A client is one API server process: with `serve.api_server_count` > 1 (vLLM's
+`--api-server-count`) several of them share the core, each over its own pair of pipes, and each request's
+messages go to the client that added it. Messages are pickled tuples:
 
     client -> core   ("add", request_id, prompt, SamplingParams)      {"prompt_token_ids", "prompt"} as a rule
                      ("abort", [request_id, ...])
@@ -25,11 +27,13 @@ the client drops. Messages are pickled tuples:
                      ("outputs", [OutputDelta as a tuple, ...])  one message per step
                      ("failed", [request_id, ...], message)     failed outside a step
                      ("result", call_id, value, error_message)
-                     ("stopped", message or None)               the last message
+                     ("stopped", message or None)               the last message (to a client that
+                                                                said "shutdown": None, the others go on)
 
 A request that fails alone (a bad prompt, a failing forward) finishes with finish_reason "error" as in
-the offline engine; an error outside a step fails the requests in flight and the loop goes on. The core
-stops on "shutdown" or when the client's pipe closes (its process died): it never outlives the server.
+the offline engine; an error outside a step fails the requests in flight and the loop goes on. A client's
+"shutdown", or its pipe closing (its process died), aborts that client's requests; the core stops when
+no client is left: it never outlives the server.
 Signals: SIGINT and SIGTERM are ignored here (a terminal's Ctrl-C reaches the whole process group); the
 server drains, then sends "shutdown". The core sends on its own thread (see `DirectSender`).
 """
@@ -39,8 +43,8 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import List
+from multiprocessing.connection import Connection, wait
+from typing import Dict, List, Sequence, Tuple
 
 from moe_infer.engine.output_delta import DeltaEncoder
 from moe_infer.engine.prompt_limits import PromptLimits
@@ -86,109 +90,137 @@ def widen_pipe(conn: Connection, size: int = 1 << 20) -> None:
         pass
 
 
-def run_engine_core(cfg, model_path: str, commands: Connection, results: Connection, log_level: int) -> None:
-    """The engine core process's main (its arguments are pickled: spawn)."""
+def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Connection]], log_level: int) -> None:
+    """The engine core process's main (its arguments are pickled: spawn). clients: one (commands, results)
+    pipe pair per API server process (`serve.api_server_count`)."""
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    widen_pipe(results)
-    sender = DirectSender(results)
+    senders = []
+    for _, results in clients:
+        widen_pipe(results)
+        senders.append(DirectSender(results))
     try:
         from moe_infer.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(cfg, model_path, detokenize=False)  # the server's process detokenizes
     except BaseException as err:  # a bad config, an unreadable checkpoint, no memory: the server says why
         logger.exception("the engine did not start")
-        sender.send(("start_failed", f"{type(err).__name__}: {err}"))
-        sender.close()
+        for sender in senders:
+            sender.send(("start_failed", f"{type(err).__name__}: {err}"))
         return
     if engine.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        leave_a_core_to_the_server()
-    sender.send(("ready", CoreInfo(os.getpid(), engine.max_model_len, engine.limits)))
+        leave_cores_to_the_servers(len(clients))
+    for sender in senders:
+        sender.send(("ready", CoreInfo(os.getpid(), engine.max_model_len, engine.limits)))
     message = None
+    core = EngineCore(engine, [commands for commands, _ in clients], senders)
     try:
-        EngineCore(engine, commands, sender).serve()
+        core.serve()
     except BaseException as err:  # the loop itself died (e.g. a collective timed out)
         logger.exception("the engine loop stopped")
         message = f"the engine loop stopped: {type(err).__name__}: {err}"
     finally:
-        sender.send(("stopped", message))
-        sender.close()
+        for client in core.live:  # those that did not leave ("stopped" went to each as it left)
+            senders[client].send(("stopped", message))
         engine.parallel.shutdown()
 
 
-def leave_a_core_to_the_server() -> None:
-    """An engine on the CPU: torch's intra-op threads take every core by default, and the server's process
-    needs one too. Oversubscribed OpenMP threads spin against it and steps slow down many times over (the
+def leave_cores_to_the_servers(num_servers: int) -> None:
+    """An engine on the CPU: torch's intra-op threads take every core by default, and each server process
+    needs one too. Oversubscribed OpenMP threads spin against them and steps slow down many times over (the
     soak test on 2 cores: 12 s of load took 31 s to over 120 s to serve, against 12.3 s with one thread)."""
     import torch
 
-    threads = max(1, torch.get_num_threads() - 1)
-    logger.info("CPU engine: %d intra-op threads, one core left to the server (set OMP_NUM_THREADS to choose)",
-                threads)
+    threads = max(1, torch.get_num_threads() - num_servers)
+    logger.info("CPU engine: %d intra-op threads, %d core(s) left to the server (set OMP_NUM_THREADS to choose)",
+                threads, num_servers)
     torch.set_num_threads(threads)
 
 
 class EngineCore:
-    def __init__(self, engine, commands: Connection, sender: DirectSender) -> None:
-        self.engine, self.commands, self.sender = engine, commands, sender
+    """The loop over one engine and its clients (one per API server process). Each request belongs to the
+    client that added it: its deltas, failures and utility results go to that client only. A client that
+    says "shutdown" (or whose pipe closes) has its requests aborted; the loop ends when no client is left."""
+
+    def __init__(self, engine, commands: Sequence[Connection], senders: Sequence[DirectSender]) -> None:
+        self.engine, self.commands, self.senders = engine, list(commands), list(senders)
         self.encoder = DeltaEncoder()
+        self.owner: Dict[str, int] = {}  # request id -> its client (with more than one client)
+        self.live = dict(enumerate(self.commands))  # client -> commands, of clients still connected
 
     def serve(self) -> None:
         engine = self.engine
-        while True:
+        index = {id(conn): i for i, conn in self.live.items()}
+        while self.live:
             busy = engine.has_unfinished_requests()
-            if not busy or self.commands.poll():  # idle: block until a command comes
-                if not self._run_commands(self._receive(block=not busy)):
-                    break
+            for conn in wait(list(self.live.values()), timeout=0 if busy else None):  # idle: block for one
+                client = index[id(conn)]
+                self._run_commands(client, self._receive(conn))
             if engine.has_unfinished_requests():
                 self._step()
         for rid in list(engine.requests):
             engine.abort_request(rid)
         engine.executor.finish([])
 
-    def _receive(self, block: bool) -> List[tuple]:
+    @staticmethod
+    def _receive(conn: Connection) -> List[tuple]:
         msgs = []
         try:
-            if block:
-                msgs.append(self.commands.recv())
-            while self.commands.poll():
-                msgs.append(self.commands.recv())
+            msgs.append(conn.recv())
+            while conn.poll():
+                msgs.append(conn.recv())
         except (EOFError, OSError):  # the client's process is gone
             msgs.append(("shutdown",))
         return msgs
 
-    def _run_commands(self, msgs: List[tuple]) -> bool:
-        """Runs them; False once "shutdown" came."""
+    def _run_commands(self, client: int, msgs: List[tuple]) -> None:
         for msg in msgs:
             kind = msg[0]
             if kind == "add":
                 _, rid, prompt, params = msg
+                if rid in self.owner:  # another client's request: the engine would take it for a duplicate
+                    self.senders[client].send(("failed", [rid], f"ValueError: request id {rid!r} is in use"))
+                    continue
                 try:
                     self.engine.add_request(prompt, params, rid)
                 except Exception as err:  # e.g. a duplicate id: this request fails, nothing else
-                    self.sender.send(("failed", [rid], f"{type(err).__name__}: {err}"))
+                    self.senders[client].send(("failed", [rid], f"{type(err).__name__}: {err}"))
+                    continue
+                if len(self.senders) > 1:
+                    self.owner[rid] = client
             elif kind == "abort":
                 for rid in msg[1]:
-                    self.engine.abort_request(rid)
+                    if self.owner.get(rid, client) == client:
+                        self.engine.abort_request(rid)
             elif kind == "stop":  # the client found sample msg[2]'s stop string msg[3]
-                self.engine.stop_sample(msg[1], msg[2], msg[3])
+                if self.owner.get(msg[1], client) == client:
+                    self.engine.stop_sample(msg[1], msg[2], msg[3])
             elif kind == "utility":
-                self._utility(msg[1], msg[2])
+                self._utility(client, msg[1], msg[2])
             elif kind == "shutdown":
-                return False
+                self._drop_client(client)
+                return
             else:
                 logger.error("unknown command %r", kind)
-        return True
 
-    def _utility(self, call_id: int, name: str) -> None:
+    def _drop_client(self, client: int) -> None:
+        """The client is gone or done: its requests are aborted (their outputs go nowhere), and it gets its
+        last message, ("stopped", None), while the loop goes on for the other clients."""
+        self.live.pop(client, None)
+        mine = [rid for rid in self.engine.requests if self.owner.get(rid, client) == client]
+        for rid in mine:
+            self.engine.abort_request(rid)
+        self.senders[client].send(("stopped", None))
+
+    def _utility(self, client: int, call_id: int, name: str) -> None:
         from moe_infer.engine.introspection import run_utility
 
         try:
-            self.sender.send(("result", call_id, run_utility(self.engine, name), None))
+            self.senders[client].send(("result", call_id, run_utility(self.engine, name), None))
         except Exception as err:
-            self.sender.send(("result", call_id, None, f"{type(err).__name__}: {err}"))
+            self.senders[client].send(("result", call_id, None, f"{type(err).__name__}: {err}"))
 
     def _step(self) -> None:
         try:
@@ -199,7 +231,28 @@ class EngineCore:
             for rid in failed:
                 self.engine.abort_request(rid)  # frees their blocks
                 self.encoder.forget(rid)
-            self.sender.send(("failed", failed, f"{type(err).__name__}: {err}"))
+            self._send_per_client("failed", failed, lambda rids: ("failed", rids, f"{type(err).__name__}: {err}"))
+            for rid in failed:
+                self.owner.pop(rid, None)
             return
-        if outputs:
-            self.sender.send(("outputs", outputs))
+        if not outputs:
+            return
+        if len(self.senders) == 1:
+            self.senders[0].send(("outputs", outputs))
+            return
+        self._send_per_client("outputs", outputs, lambda deltas: ("outputs", deltas), key=lambda d: d[0])
+        for d in outputs:
+            if d[2]:  # finished: its client has had its last delta
+                self.owner.pop(d[0], None)
+
+    def _send_per_client(self, kind: str, items: list, message, key=lambda rid: rid) -> None:
+        if len(self.senders) == 1:
+            self.senders[0].send(message(items))
+            return
+        per_client: Dict[int, list] = {}
+        for item in items:
+            client = self.owner.get(key(item))
+            if client is not None and client in self.live:
+                per_client.setdefault(client, []).append(item)
+        for client, part in per_client.items():
+            self.senders[client].send(message(part))

@@ -15,7 +15,8 @@ Streams: outputs are cumulative, so a request's stream keeps only the newest one
 it instead of queueing copies). A generator closed early (client disconnect, task cancelled) aborts its
 request. A request whose engine step raises gets its error as an output (finish_reason "error"); an
 error outside a step fails the requests in flight with `RequestFailed` and the loop goes on. Past
-`max_requests` unfinished requests, `open` raises `EngineOverloaded` (the server answers 429).
+`max_requests` unfinished requests, `open` raises `EngineOverloaded` (the server answers 429); API server
+processes that share one engine core share that limit (`RequestSlots`).
 """
 from __future__ import annotations
 
@@ -44,6 +45,40 @@ class EngineClosed(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """The engine failed outside a step while this request was in flight."""
+
+
+class RequestSlots:
+    """How many requests may be in flight: `limit`, counted in this process, or across the API server
+    processes that share one engine core (`shared`: a multiprocessing Value made by their launcher).
+    `take(k)` admits k requests at once or none."""
+
+    def __init__(self, limit: int, shared=None) -> None:
+        if limit < 1:
+            raise ValueError(f"max_requests must be >= 1, got {limit}")
+        self.limit, self._shared, self._local = limit, shared, 0
+
+    @property
+    def in_use(self) -> int:
+        return self._shared.value if self._shared is not None else self._local
+
+    def take(self, count: int = 1) -> bool:
+        if self._shared is None:
+            if self._local + count > self.limit:
+                return False
+            self._local += count
+            return True
+        with self._shared.get_lock():
+            if self._shared.value + count > self.limit:
+                return False
+            self._shared.value += count
+            return True
+
+    def give(self, count: int = 1) -> None:
+        if self._shared is None:
+            self._local -= count
+            return
+        with self._shared.get_lock():
+            self._shared.value -= count
 
 
 class _Stream:
@@ -82,10 +117,10 @@ class StreamingEngine(ABC):
     limits: Optional[PromptLimits] = None
 
     def __init__(self, max_requests: int = 1024,
-                 on_finished: Optional[List[Callable[[RequestOutput], None]]] = None) -> None:
-        if max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
-        self.max_requests = max_requests
+                 on_finished: Optional[List[Callable[[RequestOutput], None]]] = None,
+                 slots: Optional[RequestSlots] = None) -> None:
+        self.slots = slots if slots is not None else RequestSlots(max_requests)
+        self.max_requests = self.slots.limit
         self.on_finished = list(on_finished or [])
         self._streams: Dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -138,23 +173,29 @@ class StreamingEngine(ABC):
 
     @property
     def num_requests(self) -> int:
-        """Unfinished requests (an n > 1 request counts once)."""
+        """Unfinished requests of this process (an n > 1 request counts once)."""
         return len(self._streams)
+
+    @property
+    def num_requests_admitted(self) -> int:
+        """Unfinished requests counted against `max_requests` (of every server process sharing the slots)."""
+        return self.slots.in_use
 
     def check_prompt(self, token_ids: List[int], params: SamplingParams) -> Optional[str]:
         """Why the engine would reject these prompt ids with params (None: they can run)."""
         return self.limits.check(token_ids, params)
 
-    def open(self, prompt, params: SamplingParams, request_id: Optional[str] = None) -> "RequestStream":
-        """Queue a request and return its stream; raises EngineOverloaded / EngineClosed at once (no await
-        between a caller's capacity check and its `open` calls, so a batch is admitted whole or not)."""
+    def open(self, prompt, params: SamplingParams, request_id: Optional[str] = None,
+             admitted: bool = False) -> "RequestStream":
+        """Queue a request and return its stream; raises EngineOverloaded / EngineClosed at once.
+        admitted=True: the caller took its slot already (`slots.take(k)` for a batch admitted whole or not)."""
         if not self.is_running:
             raise EngineClosed("the engine is shutting down" if self._closing else "the engine loop is not running")
-        if len(self._streams) >= self.max_requests:
-            raise EngineOverloaded(f"{len(self._streams)} requests in flight (the limit is {self.max_requests})")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
+        if not admitted and not self.slots.take(1):
+            raise EngineOverloaded(f"{self.slots.in_use} requests in flight (the limit is {self.max_requests})")
         stream = self._streams[rid] = _Stream()
         self._submit(rid, prompt, params)
         return RequestStream(self, rid, stream)
@@ -189,8 +230,10 @@ class StreamingEngine(ABC):
     # ------------------------------------------------------------------ the event loop side
     def _release(self, rid: str, abort: bool) -> None:
         """A stream is done with; abort=True: the engine frees the request's blocks."""
-        if self._streams.pop(rid, None) is not None and abort and self._alive():
-            self._abort([rid])
+        if self._streams.pop(rid, None) is not None:
+            self.slots.give(1)
+            if abort and self._alive():
+                self._abort([rid])
 
     def _dispatch(self, outputs: List[RequestOutput]) -> None:
         for out in outputs:

@@ -26,6 +26,10 @@ class ServeConfig:
     # where the engine loop runs: "process" (its own process, moe_infer/engine/core_proc.py: HTTP work and
     # the engine do not share a GIL) or "thread" (a thread of the server's process, as in an embedding app)
     engine_loop: str = "process"
+    # HTTP server processes in front of the one engine core (vLLM's --api-server-count): at saturation one
+    # process's per-token work (an event per token per stream, detokenization) is the bound. Needs
+    # engine_loop=process. moe_infer/server/multi.py
+    api_server_count: int = 1
     # engine_loop=thread: the engine thread gives the GIL up at every kernel launch and waits for it back
     # while HTTP handlers run; CPython's default 5 ms switch interval would make each wait up to 5 ms
     gil_switch_interval_s: float = 0.0005
@@ -49,5 +53,10 @@ class ServeConfig:
             raise ValueError("serve.api_key must be a non-empty string or null")
         if self.engine_loop not in ENGINE_LOOPS:
             raise ValueError(f"serve.engine_loop must be one of {ENGINE_LOOPS}, got {self.engine_loop!r}")
+        if self.api_server_count < 1:
+            raise ValueError(f"serve.api_server_count must be >= 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_loop != "process":
+            raise ValueError(f"serve.api_server_count={self.api_server_count} needs serve.engine_loop=process "
+                             f"(got {self.engine_loop!r}): the server processes share an engine core process")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"serve.log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

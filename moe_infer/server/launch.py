@@ -7,7 +7,8 @@ Composes the same conf/config.yaml as the main job (every group, plus `serve`); 
 `--name=value` are shorthands for `serve.name=value` (vLLM's `--api-key`, `--port`, ...). Every rank
 builds the engine; the driver rank (RANK 0) serves HTTP (uvicorn) and the other ranks run the driver's steps
 (`moe_infer.parallel.pipeline.serve`) until it shuts down. On the driver the engine runs in a process of
-its own (`serve.engine_loop=process`, moe_infer/engine/core_proc.py), which joins the mesh as rank 0.
+its own (`serve.engine_loop=process`, moe_infer/engine/core_proc.py), which joins the mesh as rank 0;
+with `serve.api_server_count=N` N HTTP processes share that core (moe_infer/server/multi.py).
 `serve(engine_cfg, serve_cfg)` is the same without Hydra.
 """
 from __future__ import annotations
@@ -26,8 +27,6 @@ logger = logging.getLogger(__name__)
 
 
 def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
-    import uvicorn
-
     from moe_infer.server.app import build_app
 
     path = engine_cfg.model.path
@@ -40,21 +39,36 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
         _serve_steps(engine_cfg, path)
         return
     max_requests = engine_cfg.scheduler.max_num_seqs + serve_cfg.max_queued_requests
+    if serve_cfg.api_server_count > 1:
+        from moe_infer.server.multi import serve_many
+
+        code = serve_many(engine_cfg, serve_cfg, path, max_requests)
+        if code:
+            raise SystemExit(code)
+        return
     engine, finish = _driver_engine(engine_cfg, serve_cfg, path, max_requests)
     try:
-        app = build_app(engine, serve_cfg, path)
-        config = uvicorn.Config(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level,
-                                access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s)
-        # uvicorn drains on SIGINT/SIGTERM, then raises the signal again; with these handlers in place that
-        # last signal is a no-op, so the ranks are released and the process exits 0 after a clean drain
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            uvicorn.Server(config).run()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        run_uvicorn(build_app(engine, serve_cfg, path), serve_cfg)
     finally:
         finish()
+
+
+def run_uvicorn(app, serve_cfg: ServeConfig, sockets=None) -> None:
+    """uvicorn on serve.host/port, or on sockets bound already (moe_infer/server/multi.py), until SIGINT/SIGTERM
+    and a drain of up to serve.drain_timeout_s."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level,
+                            access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s,
+                            backlog=4096)
+    # uvicorn drains on SIGINT/SIGTERM, then raises the signal again; with these handlers in place that
+    # last signal is a no-op, so the ranks are released and the process exits 0 after a clean drain
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run(sockets=sockets)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _driver_engine(engine_cfg: EngineConfig, serve_cfg: ServeConfig, path: str, max_requests: int):

@@ -140,13 +140,22 @@ def open_streams(state: ServerState, base_id: str,
     engine = state.engine
     if not engine.is_running:
         raise ApiError(503, "the server is shutting down")
-    if engine.num_requests + len(prompts) > engine.max_requests:
+    if not engine.slots.take(len(prompts)):  # all or none, counted across the server processes
         if state.metrics is not None:
             state.metrics.rejected("queue_full")
-        raise ApiError(429, f"the server is at capacity ({engine.num_requests} requests in flight); retry later",
-                       headers={"Retry-After": str(state.cfg.retry_after_s)})
-    return [engine.open({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}")
-            for i, (text, ids, params) in enumerate(prompts)]  # no await since the checks: all are admitted
+        raise ApiError(429, f"the server is at capacity ({engine.num_requests_admitted} requests in flight); "
+                            "retry later", headers={"Retry-After": str(state.cfg.retry_after_s)})
+    streams: List[RequestStream] = []
+    try:
+        for i, (text, ids, params) in enumerate(prompts):
+            streams.append(engine.open({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}",
+                                       admitted=True))
+    except BaseException:
+        engine.slots.give(len(prompts) - len(streams))
+        for s in streams:
+            s.close()
+        raise
+    return streams
 
 
 async def final_outputs(request: Request, streams: List[RequestStream]) -> List[RequestOutput]:
