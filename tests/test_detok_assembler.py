@@ -47,7 +47,7 @@ def run_with_client_detok(llm, lag: int):
         ids = list(req.children[0].seq.prompt_token_ids) if req is not None else []
         assemblers[rid] = DetokenizingAssembler(rid, None, ids, params, llm.engine.tokenizer,
                                                 lambda r, i, s: stops.append([lag, r, i, s]))
-    encoder, steps = DeltaEncoder(), 0
+    encoder, steps, kinds = DeltaEncoder(), 0, set()
     while engine.has_unfinished_requests():
         steps += 1
         for cmd in [c for c in stops if c[0] == 0]:
@@ -57,7 +57,8 @@ def run_with_client_detok(llm, lag: int):
             cmd[0] -= 1
         for wire in engine.step(encoder=encoder):
             wire = pickle.loads(pickle.dumps(wire))
-            assert wire[1] == [] or all(c[2] == "" for c in wire[1])  # the engine sent no text
+            kinds.add(len(wire))
+            assert len(wire) == 2 or all(c[2] == "" for c in wire[1])  # the engine sent no text
             out = assemblers[wire[0]].apply(wire)
             for c in out.outputs:
                 prev = texts.get((out.request_id, c.index), "")
@@ -70,6 +71,7 @@ def run_with_client_detok(llm, lag: int):
     for rid, asm in assemblers.items():  # the engine ended a sample stopped by the client soon after
         for c, final in zip(asm._base.choices, finals[rid].outputs):
             assert len(c.token_ids) <= len(final.token_ids) + lag + 2, (rid, c.index)
+    assert kinds == {2, 5}  # token-only deltas and full ones both came
     return finals, engine
 
 

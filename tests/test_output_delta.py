@@ -9,6 +9,8 @@ import pickle
 import pytest
 
 from moe_infer import LLM, SamplingParams
+from moe_infer.assets import default_model_path
+from moe_infer.engine.llm_engine import LLMEngine
 from moe_infer.engine.output_delta import DeltaEncoder, OutputAssembler
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -20,11 +22,13 @@ def through_the_pipe(assemblers, wire):
     return assemblers[wire[0]].apply(wire)
 
 
-def test_deltas_rebuild_every_output_of_an_engine_run():
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_deltas_rebuild_every_output_of_an_engine_run(detokenize):
     """The engine core's path (`step(encoder=...)`, deltas read from the requests' state) against each
-    request's own cumulative output after the same step."""
+    request's own cumulative output after the same step. detokenize=False (as in the core): most deltas are
+    token-only ones."""
     llm = LLM(device="cpu", dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=4)
-    engine = llm.engine
+    engine = llm.engine if detokenize else LLMEngine(llm.engine.cfg, default_model_path(), detokenize=False)
     requests = {
         "greedy": ("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
         "stop": ("class Foo:", SamplingParams(temperature=0, max_tokens=40, stop=["\n\n", "self"])),
@@ -43,12 +47,13 @@ def test_deltas_rebuild_every_output_of_an_engine_run():
         ids = list(req.children[0].seq.prompt_token_ids) if req is not None else []
         text = req.children[0].seq.prompt if req is not None else None
         assemblers[rid] = OutputAssembler(rid, text, ids, params.n, params.logprobs is not None)
-    seen, steps = set(), 0
+    seen, steps, kinds = set(), 0, []
     while engine.has_unfinished_requests():
         steps += 1
         if steps == 6:
             engine.abort_request("abort")
         for wire in engine.step(encoder=encoder):
+            kinds.append(len(wire))
             got = through_the_pipe(assemblers, wire)
             rid = got.request_id
             want = rejected if states[rid] is None else states[rid].output()
@@ -62,7 +67,24 @@ def test_deltas_rebuild_every_output_of_an_engine_run():
     assert encoder._sent == {}  # finished requests are forgotten
     reasons = {rid: [c.finish_reason for c in assemblers[rid].choices] for rid in requests}
     assert reasons["abort"] == ["abort"] and reasons["bad"] == ["error"] and reasons["greedy"] == ["length"]
-    assert reasons["stop"] == ["stop"] and assemblers["stop"].choices[0].stop_reason in ("\n\n", "self")
+    # the same long prompt twice: the second finds its blocks in the prefix cache, and every output of it
+    # (the token-only deltas' too) says how many prompt tokens were cached
+    prompt = "def fibonacci(n):\n    return n\n" * 8
+    for rid in ("first", "cached"):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), rid)
+        req = engine.requests[rid]
+        assemblers[rid] = OutputAssembler(rid, prompt, list(req.children[0].seq.prompt_token_ids), 1)
+        while engine.has_unfinished_requests():
+            for wire in engine.step(encoder=encoder):
+                kinds.append(len(wire))
+                got, want = through_the_pipe(assemblers, wire), req.output()
+                assert got == (want if want.finished else dataclasses.replace(want, metrics=None)), rid
+    assert got.num_cached_tokens >= 32 and len(got.prompt_token_ids) > 48
+    if detokenize:  # stop strings are the client's when the engine does not detokenize
+        assert reasons["stop"] == ["stop"] and assemblers["stop"].choices[0].stop_reason in ("\n\n", "self")
+        assert 2 not in kinds  # texts grow every step: full deltas only
+    else:
+        assert kinds.count(2) > kinds.count(5)
     assert len(assemblers["n2"].choices) == 2 and all(len(c.logprobs) == len(c.token_ids)
                                                       for c in assemblers["n2"].choices)
 

@@ -5,7 +5,7 @@ this process, the load generator). Prints each process's CPU use over the plain 
 100 % of one core is the bottleneck) and, per process, the functions py-spy found most (self and inclusive,
 idle samples included, so waiting on the GPU or a socket shows as such).
 
-    python benchmarks/trials/serving_profile.py [--out DIR]     # H100: ~3 min; needs py-spy
+    python benchmarks/trials/serving_profile.py [--out DIR] [--api-servers N]    # H100: ~3 min; needs py-spy
 """
 import argparse
 import asyncio
@@ -42,6 +42,32 @@ def children(pid: int) -> list:
         except OSError:
             pass
     return out
+
+
+def has_socket(pid: int) -> bool:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def server_processes(server_pid: int, api_servers: int) -> dict:
+    """name -> pid: the HTTP process(es) and the engine core (the child without a socket), not multiprocessing's
+    resource tracker. With several API servers the launcher only supervises."""
+    kids = []
+    for pid in children(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                kids.append(pid)
+    core = [p for p in kids if not has_socket(p)]
+    https = [p for p in kids if has_socket(p)]
+    if api_servers == 1:
+        return {"http": server_pid, **{f"core{i}": p for i, p in enumerate(core)}}
+    return {"launcher": server_pid, **{f"http{i}": p for i, p in enumerate(https)},
+            **{f"core{i}": p for i, p in enumerate(core)}}
 
 
 def summarize(raw_path: str, names: dict, top: int) -> dict:
@@ -81,6 +107,7 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--offline", action="store_true", help="also time LLM.generate on the plain level's load")
+    ap.add_argument("--api-servers", type=int, default=1, help="serve.api_server_count")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU, 32 requests x (32 in, 16 out): a smoke run")
     args = ap.parse_args()
     args.device, args.slo_ttft_ms, args.slo_tpot_ms = "cpu" if args.tiny else "cuda", 1000.0, 50.0
@@ -104,13 +131,13 @@ def main():
             proc.join()
             print(f"offline: {offline['output_tok_s']:.0f} tok/s ({offline['elapsed_s']:.2f} s)", flush=True)
         port = 18000 + os.getpid() % 1000
-        server, _ = serving.run_child(serving._server, ckpt, kw, port, args.num_requests + 64, 0.005, "process")
+        server, _ = serving.run_child(serving._server, ckpt, kw, port, args.num_requests + 64, 0.005, "process",
+                                      args.api_servers)
         url = f"http://127.0.0.1:{port}"
         try:
             serving.wait_healthy(url, server)
             asyncio.run(serving.warm_server(f"{url}/v1", warm))
-            core = children(server.pid)
-            pids = {"http": server.pid, "client": os.getpid(), **{f"core{i}": p for i, p in enumerate(core)}}
+            pids = {**server_processes(server.pid, args.api_servers), "client": os.getpid()}
             before = {k: cpu_s(p) for k, p in pids.items()}
             start = time.perf_counter()
             level = asyncio.run(serving.sweep(f"{url}/v1", ckpt, args, [float("inf")], loads[0]))[0]
@@ -152,7 +179,7 @@ def main():
             server.terminate()
             server.join(60)
     with open(os.path.join(args.out, "serving_profile.json"), "w") as f:
-        json.dump(dict(tok_s=level.summary.output_throughput, wall_s=wall, cpu_s=used, offline=offline,
+        json.dump(dict(api_servers=args.api_servers, tok_s=level.summary.output_throughput, wall_s=wall, cpu_s=used, offline=offline,
                        profile=profile), f, indent=1)
 
 

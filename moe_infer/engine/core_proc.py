@@ -242,7 +242,7 @@ class EngineCore:
             return
         self._send_per_client("outputs", outputs, lambda deltas: ("outputs", deltas), key=lambda d: d[0])
         for d in outputs:
-            if d[2]:  # finished: its client has had its last delta
+            if len(d) == 5 and d[2]:  # a finished OutputDelta (a TokenDelta never is): its client's last one
                 self.owner.pop(d[0], None)
 
     def _send_per_client(self, kind: str, items: list, message, key=lambda rid: rid) -> None:

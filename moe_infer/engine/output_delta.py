@@ -13,7 +13,7 @@ Outputs returned by one assembler share their lists with the later ones of the s
 is what keeps the client O(new tokens)): read the newest output, as a stream's reader does. Request
 metrics come with the finished output only (None before: a server reads them when a request ends).
 
-On the wire a delta is a plain tuple in `OutputDelta`'s field order, its choices tuples in `ChoiceDelta`'s
+On the wire a delta is a plain tuple in `TokenDelta`'s field order (two fields) or `OutputDelta`'s (five), its choices tuples in `ChoiceDelta`'s
 (metrics: a tuple of RequestMetrics' fields): pickling named tuples or dataclasses costs a Python call per
 object, about 8x the bytes' worth (128 requests a step: 0.15 ms against 0.02 ms), on the engine's host path.
 """
@@ -36,6 +36,15 @@ class ChoiceDelta(NamedTuple):
     finish_reason: Optional[str]
     stop_reason: object
     error: Optional[str]
+
+
+class TokenDelta(NamedTuple):
+    """The delta of most steps: one choice, no logprobs, unfinished, its text unchanged (the core does not
+    detokenize): only new token ids. Half the encoding and pickling cost of an OutputDelta (128 requests a
+    step: 0.09 ms against 0.32 ms to encode, 0.02 against 0.05 ms to pickle, on a 2-core CPU, 2026-11-24)."""
+
+    request_id: str
+    token_ids: List[int]  # appended to choice 0
 
 
 class OutputDelta(NamedTuple):
@@ -69,6 +78,15 @@ class DeltaEncoder:
 
     def encode_request(self, req) -> tuple:
         """The delta of a RequestState (moe_infer/engine/request_state.py) since its last one."""
+        children = req.children
+        if len(children) == 1 and children[0].logprobs is None:  # the common case, as a TokenDelta
+            sent, seq = self._sent.get(req.request_id), children[0].seq
+            prev = sent.get(0) if sent is not None else None
+            if prev is not None and seq.finish_reason is None:
+                start = seq.num_prompt_tokens + prev[1]
+                if len(seq.token_ids) > start and children[0].text == prev[0]:
+                    sent[0] = (prev[0], len(seq.token_ids) - seq.num_prompt_tokens, None)
+                    return (req.request_id, seq.token_ids[start:])
         sent = self._sent.setdefault(req.request_id, {})
         choices = []
         for child in req.children:
@@ -122,6 +140,7 @@ class OutputAssembler:
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.choices = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if logprobs else None,
                                          cumulative_logprob=0.0 if logprobs else None) for i in range(n)]
+        self.num_cached_tokens = 0
 
     def apply(self, wire: tuple) -> RequestOutput:
         self.update(wire)
@@ -131,6 +150,10 @@ class OutputAssembler:
 
     def update(self, wire: tuple) -> None:
         """Apply a delta to `self.choices` (the request's cumulative state; no output built)."""
+        if len(wire) == 2:  # a TokenDelta
+            self.choices[0].token_ids.extend(wire[1])
+            return
+        self.num_cached_tokens = wire[4]
         for index, text_keep, text, token_keep, token_ids, logprobs, cumulative, finish, stop, error in wire[1]:
             c = self.choices[index]  # tuples unpacked, not ChoiceDelta._make: this runs per request per step
             if text or text_keep < len(c.text):
@@ -146,6 +169,9 @@ class OutputAssembler:
 
     def output(self, wire: tuple, outputs: List[CompletionOutput]) -> RequestOutput:
         """The request's output after `update(wire)`, with these choices."""
+        if len(wire) == 2:  # a TokenDelta
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, False,
+                                 num_cached_tokens=self.num_cached_tokens)
         _, _, finished, metrics, num_cached_tokens = wire
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
                              metrics=RequestMetrics(*metrics) if metrics is not None else None,
