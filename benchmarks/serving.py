@@ -10,7 +10,9 @@ saturation load (N prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> 
 `serve()` in a child process, the same warm-up, then servebench at rates of 25/50/75/90 % of the offline request rate (Poisson
 arrivals, fresh prompts per level) and at rate=inf with the saturation load's own prompts. servebench
 streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
-TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms).
+TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms), and
+its own event loop's lag (p99): a client that lags is itself a bound; `--client-procs K` deals the
+saturation level's requests over K load generator processes that start together.
 Target: at saturation the server delivers >= 90 % of the offline output tok/s. A server is an engine loop
 (`--engine-loops`: process, thread) and a number of API server processes (`--api-server-counts`, with the
 process loop only): the first of them gets the rate sweep, the others the saturation level only, in the
@@ -156,11 +158,66 @@ async def sweep(base_url: str, ckpt: str, args, rates: list, saturation_prompts)
             prompts = saturation_prompts
         else:
             prompts = prompts_from(ckpt, max(16, int(rate * args.level_s)), args.input_len, seed=1000 + i)
-        level = await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
-                                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+        if rate == float("inf") and args.client_procs > 1:
+            level = await asyncio.get_running_loop().run_in_executor(None, split_level, base_url, ckpt, args, prompts)
+        else:
+            level = await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
+                                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
         levels.append(level)
         print(f"  rate {rate:g} req/s: {level.summary.output_throughput:.0f} tok/s", flush=True)
     return levels
+
+
+class MergedLevel:
+    """A rate=inf level run by several client processes, as one servebench level (summary over every
+    request; the duration from the common start to the last finish)."""
+
+    def __init__(self, parts: list, args) -> None:
+        from servebench.metrics import summarize
+        from servebench.results import RequestResult
+
+        t0 = min(start for start, _, _, _ in parts)
+        self.requests, end = [], 0.0
+        for start, duration, requests, _ in parts:
+            for r in requests:
+                r = RequestResult.model_validate(r)
+                r.start += start - t0
+                self.requests.append(r)
+            end = max(end, start - t0 + duration)
+        self.requests.sort(key=lambda r: r.start)
+        self.client_lag_p99_ms = max((lag for _, _, _, lag in parts if lag is not None), default=None)
+        self.summary = summarize(self.requests, end, args.slo_ttft_ms, args.slo_tpot_ms)
+
+
+def split_level(base_url: str, ckpt: str, args, prompts) -> MergedLevel:
+    """The saturation level with its requests dealt over --client-procs load generator processes that start
+    together: one asyncio client streaming every token of hundreds of requests can itself be the bound."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    start_at = time.time() + 3.0  # after every process has imported servebench
+    k = args.client_procs
+    procs = [ctx.Process(target=_client_part, args=(base_url, ckpt, args.output_len, list(prompts)[i::k], start_at,
+                                                    queue)) for i in range(k)]
+    for proc in procs:
+        proc.start()
+    parts = [queue.get(timeout=900) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    return MergedLevel(parts, args)
+
+
+def _client_part(base_url: str, ckpt: str, output_len: int, prompts, start_at: float, queue) -> None:
+    from servebench.client import RequestSpec
+    from servebench.load import run_level
+    from servebench.tokens import make_counter
+
+    spec = RequestSpec(url=base_url, model="bench", endpoint="completions", output_len=output_len,
+                       ignore_eos=True, temperature=0.0)
+    counter = make_counter(ckpt)
+    time.sleep(max(0.0, start_at - time.time()))
+    start = time.time()
+    level = asyncio.run(run_level(spec, prompts, "rate", float("inf"), timeout=600, counter=counter))
+    queue.put((start, level.duration, [r.model_dump() for r in level.requests], level.client_lag_p99_ms))
 
 
 def wait_healthy(url: str, proc, timeout: float = 600) -> None:
@@ -198,7 +255,8 @@ def summary_row(rate: float, level) -> dict:
                 duration_s=s.duration, output_tok_s=s.output_throughput, request_s=s.request_throughput,
                 goodput_req_s=s.goodput, slo_attainment=s.slo_attainment,
                 ttft_p50_ms=ms(s.ttft, "p50"), ttft_p99_ms=ms(s.ttft, "p99"),
-                tpot_p50_ms=ms(s.tpot, "p50"), tpot_p99_ms=ms(s.tpot, "p99"), itl_p99_ms=ms(s.itl, "p99"))
+                tpot_p50_ms=ms(s.tpot, "p50"), tpot_p99_ms=ms(s.tpot, "p99"), itl_p99_ms=ms(s.itl, "p99"),
+                client_lag_p99_ms=level.client_lag_p99_ms)
 
 
 def main() -> None:
@@ -219,6 +277,8 @@ def main() -> None:
     ap.add_argument("--api-server-counts", default="1",
                     help="serve.api_server_count values for engine_loop=process, comma-separated (after the first "
                          "server: the saturation level only)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="load generator processes for the saturation level (its requests dealt over them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiny = args.tiny
@@ -271,7 +331,8 @@ def main() -> None:
         benchmark="serving", device=offline["device"], torch=offline["torch"], servebench=servebench.__version__,
         model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
         load=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
-                  max_num_seqs=args.max_num_seqs, endpoint="/v1/completions (streamed)", ignore_eos=True),
+                  max_num_seqs=args.max_num_seqs, endpoint="/v1/completions (streamed)", ignore_eos=True,
+                  saturation_client_procs=args.client_procs),
         slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), offline=offline, rates=rows,
         server_over_offline_at_saturation=ratio, target=0.9, meets_target=ratio >= 0.9,
         decode_roofline_tok_s_h100=roofline, uvicorn_extras=_uvicorn_extras(),
@@ -283,10 +344,12 @@ def main() -> None:
           f"requests x ({args.input_len} in, {args.output_len} out), max_num_seqs={args.max_num_seqs}; "
           f"goodput SLO: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
     print(f"{'rate req/s':>10} {'ok/sent':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
-          f"{'out tok/s':>10} {'goodput':>8}")
+          f"{'out tok/s':>10} {'goodput':>8} {'client lag p99 ms':>18}")
     for r in rows:
+        lag = r["client_lag_p99_ms"]
         print(f"{r['rate']:>10g} {r['completed']:>4}/{r['sent']:<3} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} "
-              f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f}")
+              f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f} "
+              f"{'-' if lag is None else f'{lag:.1f}':>18}")
     for loop, r in result["saturation_by_server"].items():
         print(f"{loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline")
     print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation {sat['output_tok_s']:.0f} "
