@@ -186,6 +186,7 @@ class MergedLevel:
             end = max(end, start - t0 + duration)
         self.requests.sort(key=lambda r: r.start)
         self.client_lag_p99_ms = max((lag for _, _, _, lag in parts if lag is not None), default=None)
+        self.start_spread_s = max(start for start, _, _, _ in parts) - t0  # how far apart the clients began
         self.summary = summarize(self.requests, end, args.slo_ttft_ms, args.slo_tpot_ms)
 
 
@@ -194,9 +195,9 @@ def split_level(base_url: str, ckpt: str, args, prompts) -> MergedLevel:
     together: one asyncio client streaming every token of hundreds of requests can itself be the bound."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    start_at = time.time() + 3.0  # after every process has imported servebench
     k = args.client_procs
-    procs = [ctx.Process(target=_client_part, args=(base_url, ckpt, args.output_len, list(prompts)[i::k], start_at,
+    ready = ctx.Barrier(k)  # every process set up (imports, tokenizer) before any sends
+    procs = [ctx.Process(target=_client_part, args=(base_url, ckpt, args.output_len, list(prompts)[i::k], ready,
                                                     queue)) for i in range(k)]
     for proc in procs:
         proc.start()
@@ -206,7 +207,7 @@ def split_level(base_url: str, ckpt: str, args, prompts) -> MergedLevel:
     return MergedLevel(parts, args)
 
 
-def _client_part(base_url: str, ckpt: str, output_len: int, prompts, start_at: float, queue) -> None:
+def _client_part(base_url: str, ckpt: str, output_len: int, prompts, ready, queue) -> None:
     from servebench.client import RequestSpec
     from servebench.load import run_level
     from servebench.tokens import make_counter
@@ -214,7 +215,7 @@ def _client_part(base_url: str, ckpt: str, output_len: int, prompts, start_at: f
     spec = RequestSpec(url=base_url, model="bench", endpoint="completions", output_len=output_len,
                        ignore_eos=True, temperature=0.0)
     counter = make_counter(ckpt)
-    time.sleep(max(0.0, start_at - time.time()))
+    ready.wait(timeout=300)
     start = time.time()
     level = asyncio.run(run_level(spec, prompts, "rate", float("inf"), timeout=600, counter=counter))
     queue.put((start, level.duration, [r.model_dump() for r in level.requests], level.client_lag_p99_ms))
@@ -256,7 +257,7 @@ def summary_row(rate: float, level) -> dict:
                 goodput_req_s=s.goodput, slo_attainment=s.slo_attainment,
                 ttft_p50_ms=ms(s.ttft, "p50"), ttft_p99_ms=ms(s.ttft, "p99"),
                 tpot_p50_ms=ms(s.tpot, "p50"), tpot_p99_ms=ms(s.tpot, "p99"), itl_p99_ms=ms(s.itl, "p99"),
-                client_lag_p99_ms=level.client_lag_p99_ms)
+                client_lag_p99_ms=level.client_lag_p99_ms, client_start_spread_s=getattr(level, "start_spread_s", None))
 
 
 def main() -> None:
