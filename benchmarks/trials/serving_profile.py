@@ -44,26 +44,43 @@ def children(pid: int) -> list:
     return out
 
 
-def has_socket(pid: int) -> bool:
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+def listening_inodes(port: int) -> set:
+    """Socket inodes listening on TCP `port` (from /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
-                return True
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # 0A: LISTEN
+                        inodes.add(cols[9])
         except OSError:
             pass
+    return inodes
+
+
+def listens(pid: int, inodes: set) -> bool:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
     return False
 
 
-def server_processes(server_pid: int, api_servers: int) -> dict:
-    """name -> pid: the HTTP process(es) and the engine core (the child without a socket), not multiprocessing's
-    resource tracker. With several API servers the launcher only supervises."""
-    kids = []
+def server_processes(server_pid: int, api_servers: int, port: int) -> dict:
+    """name -> pid: the HTTP process(es), those listening on the port, and the engine core, the child that does
+    not (multiprocessing's resource tracker left out). With several API servers the launcher only supervises."""
+    inodes, kids = listening_inodes(port), []
     for pid in children(server_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"resource_tracker" not in f.read():
                 kids.append(pid)
-    core = [p for p in kids if not has_socket(p)]
-    https = [p for p in kids if has_socket(p)]
+    core = [p for p in kids if not listens(p, inodes)]
+    https = [p for p in kids if listens(p, inodes)]
     if api_servers == 1:
         return {"http": server_pid, **{f"core{i}": p for i, p in enumerate(core)}}
     return {"launcher": server_pid, **{f"http{i}": p for i, p in enumerate(https)},
@@ -111,6 +128,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU, 32 requests x (32 in, 16 out): a smoke run")
     args = ap.parse_args()
     args.device, args.slo_ttft_ms, args.slo_tpot_ms = "cpu" if args.tiny else "cuda", 1000.0, 50.0
+    args.client_procs = 1  # one load generator: it is profiled too
     if args.tiny:
         args.num_requests, args.input_len, args.output_len, args.max_num_seqs = 32, 32, 16, 16
     pyspy = shutil.which("py-spy")
@@ -137,7 +155,7 @@ def main():
         try:
             serving.wait_healthy(url, server)
             asyncio.run(serving.warm_server(f"{url}/v1", warm))
-            pids = {**server_processes(server.pid, args.api_servers), "client": os.getpid()}
+            pids = {**server_processes(server.pid, args.api_servers, port), "client": os.getpid()}
             before = {k: cpu_s(p) for k, p in pids.items()}
             start = time.perf_counter()
             level = asyncio.run(serving.sweep(f"{url}/v1", ckpt, args, [float("inf")], loads[0]))[0]
