@@ -24,7 +24,7 @@ messages go to the client that added it. Messages are pickled tuples:
                      ("utility", call_id, name)                 moe_infer/engine/introspection.py
                      ("shutdown",)
     core -> client   ("ready", CoreInfo) | ("start_failed", message)
-                     ("outputs", [OutputDelta as a tuple, ...])  one message per step
+                     ("outputs", [TokenDelta or OutputDelta as a tuple, ...])  one message per step
                      ("failed", [request_id, ...], message)     failed outside a step
                      ("result", call_id, value, error_message)
                      ("stopped", message or None)               the last message (to a client that
@@ -231,7 +231,7 @@ class EngineCore:
             for rid in failed:
                 self.engine.abort_request(rid)  # frees their blocks
                 self.encoder.forget(rid)
-            self._send_per_client("failed", failed, lambda rids: ("failed", rids, f"{type(err).__name__}: {err}"))
+            self._send_per_client(failed, lambda rids: ("failed", rids, f"{type(err).__name__}: {err}"))
             for rid in failed:
                 self.owner.pop(rid, None)
             return
@@ -240,12 +240,13 @@ class EngineCore:
         if len(self.senders) == 1:
             self.senders[0].send(("outputs", outputs))
             return
-        self._send_per_client("outputs", outputs, lambda deltas: ("outputs", deltas), key=lambda d: d[0])
+        self._send_per_client(outputs, lambda deltas: ("outputs", deltas), key=lambda d: d[0])
         for d in outputs:
             if len(d) == 5 and d[2]:  # a finished OutputDelta (a TokenDelta never is): its client's last one
                 self.owner.pop(d[0], None)
 
-    def _send_per_client(self, kind: str, items: list, message, key=lambda rid: rid) -> None:
+    def _send_per_client(self, items: list, message, key=lambda rid: rid) -> None:
+        """message(part) to each client, part: the items of its requests (key: an item's request id)."""
         if len(self.senders) == 1:
             self.senders[0].send(message(items))
             return
