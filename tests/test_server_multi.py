@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -197,3 +198,12 @@ def test_a_dead_engine_core_stops_the_server(tmp_path):
     assert code != 0
     assert "the engine core (exit code -9) stopped on its own" in server.log()
     assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+
+
+def test_a_taken_port_is_a_clear_error():
+    from moe_infer.server.multi import reserve_port
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            reserve_port("127.0.0.1", port)

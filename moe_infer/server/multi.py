@@ -55,6 +55,9 @@ def serve_many(engine_cfg: EngineConfig, serve_cfg: ServeConfig, path: str, max_
     own_dir = METRICS_DIR_ENV not in os.environ
     if own_dir:  # set before any server process starts: prometheus-client reads it at import
         os.environ[METRICS_DIR_ENV] = tempfile.mkdtemp(prefix="moe-infer-metrics-")
+    elif os.listdir(os.environ[METRICS_DIR_ENV]):
+        logger.warning("%s=%s holds files of an earlier run: /metrics will count them too (empty it first)",
+                       METRICS_DIR_ENV, os.environ[METRICS_DIR_ENV])
     count = serve_cfg.api_server_count
     core = CoreProcess(engine_cfg, path, num_clients=count)
     try:
@@ -77,6 +80,7 @@ def serve_many(engine_cfg: EngineConfig, serve_cfg: ServeConfig, path: str, max_
         finally:
             reserved.close()
     finally:
+        core.close_endpoints()  # idempotent; if no server started (the port was taken), the core sees EOF
         core.join(timeout_s=60.0)
         if own_dir:
             shutil.rmtree(os.environ.pop(METRICS_DIR_ENV), ignore_errors=True)
