@@ -49,7 +49,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"torchrun exited with {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
+            raise AssertionError(f"the server process exited with {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return

@@ -23,7 +23,7 @@ import httpx  # noqa: E402
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
 from moe_infer.assets import default_model_path  # noqa: E402
-from tests.test_server_ep import free_port  # noqa: E402
+from tests.test_server_ep import free_port, wait_healthy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(300)
@@ -47,16 +47,7 @@ class Launcher:
                                      text=True, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the launcher exited with {self.proc.returncode}:\n{self.log()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("the server did not come up")
+        wait_healthy(self.url, self.proc, timeout)
 
     def children(self):
         """pids of the processes the launcher started (engine core, API servers; not multiprocessing's resource

@@ -231,7 +231,8 @@ class EngineCore:
             for rid in failed:
                 self.engine.abort_request(rid)  # frees their blocks
                 self.encoder.forget(rid)
-            self._send_per_client(failed, lambda rids: ("failed", rids, f"{type(err).__name__}: {err}"))
+            why = f"{type(err).__name__}: {err}"
+            self._send_per_client(failed, lambda rids: ("failed", rids, why))
             for rid in failed:
                 self.owner.pop(rid, None)
             return
