@@ -6,9 +6,12 @@ and the shipped tiny MoE's tokenizer copied in, the vocabulary cut to that token
 every generated token decodes to text (prompts are text, as an OpenAI client sends them). Steps, each engine in its own process (one GPU user
 at a time): build the checkpoint; offline: warm up (decode batches of every size, then N other prompts of
 the saturation load's shape: first sights compile kernels and capture graphs), then `LLM.generate` over the
-saturation load (N prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> output tok/s; server:
+saturation load (N prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> output tok/s (`--repeats`
+passes, 3 by default, each with prompts of its own: the median counts; one 512-request pass lasts ~2.5 s
+on an H100 and single passes swung by 10-25 % between runs); server:
 `serve()` in a child process, the same warm-up, then servebench at rates of 25/50/75/90 % of the offline request rate (Poisson
-arrivals, fresh prompts per level) and at rate=inf with the saturation load's own prompts. servebench
+arrivals, fresh prompts per level) and at rate=inf with the saturation passes' own prompts, as many passes
+and the median again. servebench
 streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
 TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms), and
 its own event loop's lag (p99): a client that lags is itself a bound; `--client-procs K` deals the
@@ -69,7 +72,9 @@ def _build(dims: dict, device: str, out_dir: str) -> None:
         shutil.copy(os.path.join(default_model_path(), name), out_dir)
 
 
-def _offline(ckpt: str, kw: dict, warm: list, warm_prompts: list, prompts: list, output_len: int, queue) -> None:
+def _offline(ckpt: str, kw: dict, warm: list, warm_prompts: list, prompt_sets: list, output_len: int, queue) -> None:
+    """LLM.generate over each prompt set in turn (fresh prompts each: the prefix cache gives a pass nothing);
+    output_tok_s is the median pass's."""
     import torch
 
     from moe_infer import LLM, SamplingParams
@@ -84,17 +89,20 @@ def _offline(ckpt: str, kw: dict, warm: list, warm_prompts: list, prompts: list,
     # 2026-11-24); other prompts than the timed ones, so that the prefix cache gives the timed pass nothing
     llm.generate(warm_prompts, params, use_tqdm=False)
     sync()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    elapsed = time.perf_counter() - start
-    bad = [o.outputs[0].error for o in outs if o.outputs[0].finish_reason != "length"]
-    assert not bad, f"{len(bad)} offline requests failed: {bad[0]}"
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    queue.put(dict(elapsed_s=elapsed, output_tokens=tokens, output_tok_s=tokens / elapsed,
-                   prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
-                   device=torch.cuda.get_device_name() if kw["device"] != "cpu" else "cpu",
-                   torch=torch.__version__))
+    passes = []
+    for prompts in prompt_sets:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        elapsed = time.perf_counter() - start
+        bad = [o.outputs[0].error for o in outs if o.outputs[0].finish_reason != "length"]
+        assert not bad, f"{len(bad)} offline requests failed: {bad[0]}"
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        passes.append(dict(elapsed_s=elapsed, output_tokens=tokens, output_tok_s=tokens / elapsed,
+                           prompt_tokens=sum(len(o.prompt_token_ids) for o in outs)))
+    median = sorted(passes, key=lambda p: p["output_tok_s"])[len(passes) // 2]
+    queue.put(dict(median, repeats_output_tok_s=[p["output_tok_s"] for p in passes],
+                   device=torch.cuda.get_device_name() if kw["device"] != "cpu" else "cpu", torch=torch.__version__))
 
 
 def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float, engine_loop: str,
@@ -144,7 +152,8 @@ async def warm_server(base_url: str, warm: list) -> None:
         await asyncio.gather(*(one(t, n) for t, n in warm))
 
 
-async def sweep(base_url: str, ckpt: str, args, rates: list, saturation_prompts) -> list:
+async def sweep(base_url: str, ckpt: str, args, rates: list, saturation_sets: list) -> list:
+    """servebench at each rate; rate=inf once per saturation prompt set, as its median level (`Repeated`)."""
     from servebench.client import RequestSpec
     from servebench.load import run_level
     from servebench.tokens import make_counter
@@ -154,18 +163,33 @@ async def sweep(base_url: str, ckpt: str, args, rates: list, saturation_prompts)
     counter = make_counter(ckpt)
     levels = []
     for i, rate in enumerate(rates):
-        if rate == float("inf"):
-            prompts = saturation_prompts
-        else:
+        if rate != float("inf"):
             prompts = prompts_from(ckpt, max(16, int(rate * args.level_s)), args.input_len, seed=1000 + i)
-        if rate == float("inf") and args.client_procs > 1:
-            level = await asyncio.get_running_loop().run_in_executor(None, split_level, base_url, ckpt, args, prompts)
-        else:
             level = await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
                                     slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+        else:
+            runs = []
+            for prompts in saturation_sets:
+                if args.client_procs > 1:
+                    runs.append(await asyncio.get_running_loop().run_in_executor(None, split_level, base_url, ckpt,
+                                                                                 args, prompts))
+                else:
+                    runs.append(await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
+                                                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
+            level = Repeated(runs)
         levels.append(level)
         print(f"  rate {rate:g} req/s: {level.summary.output_throughput:.0f} tok/s", flush=True)
     return levels
+
+
+class Repeated:
+    """The median (by output tok/s) of several runs of a level, with every run's output tok/s."""
+
+    def __init__(self, runs: list) -> None:
+        median = sorted(runs, key=lambda r: r.summary.output_throughput)[len(runs) // 2]
+        self.summary, self.requests, self.client_lag_p99_ms = median.summary, median.requests, median.client_lag_p99_ms
+        self.start_spread_s = getattr(median, "start_spread_s", None)
+        self.repeats_output_tok_s = [r.summary.output_throughput for r in runs]
 
 
 class MergedLevel:
@@ -257,7 +281,8 @@ def summary_row(rate: float, level) -> dict:
                 goodput_req_s=s.goodput, slo_attainment=s.slo_attainment,
                 ttft_p50_ms=ms(s.ttft, "p50"), ttft_p99_ms=ms(s.ttft, "p99"),
                 tpot_p50_ms=ms(s.tpot, "p50"), tpot_p99_ms=ms(s.tpot, "p99"), itl_p99_ms=ms(s.itl, "p99"),
-                client_lag_p99_ms=level.client_lag_p99_ms, client_start_spread_s=getattr(level, "start_spread_s", None))
+                client_lag_p99_ms=level.client_lag_p99_ms, client_start_spread_s=getattr(level, "start_spread_s", None),
+                repeats_output_tok_s=getattr(level, "repeats_output_tok_s", None))
 
 
 def main() -> None:
@@ -280,6 +305,8 @@ def main() -> None:
                          "server: the saturation level only)")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="load generator processes for the saturation level (its requests dealt over them)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="saturation passes, offline and per server, each with its own prompts: the median counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiny = args.tiny
@@ -300,14 +327,14 @@ def main() -> None:
         proc.join()
         assert proc.exitcode == 0, "building the checkpoint failed"
         warm = warm_load(ckpt, args)
-        saturation = prompts_from(ckpt, args.num_requests, args.input_len, seed=7)
+        saturation = [prompts_from(ckpt, args.num_requests, args.input_len, seed=7 + 10 * r) for r in range(args.repeats)]
         warm_saturation = [p.text for p in prompts_from(ckpt, args.num_requests, args.input_len, seed=8)]
         proc, queue = run_child(_offline, ckpt, kw, warm, warm_saturation,
-                                [p.text for p in saturation], args.output_len, with_queue=True)
+                                [[p.text for p in ps] for ps in saturation], args.output_len, with_queue=True)
         offline = queue.get(timeout=900)
         proc.join()
-        print(f"offline LLM.generate: {offline['output_tok_s']:.0f} output tok/s "
-              f"({args.num_requests} requests in {offline['elapsed_s']:.1f} s)", flush=True)
+        print(f"offline LLM.generate: {offline['output_tok_s']:.0f} output tok/s, the median of "
+              f"{[round(x) for x in offline['repeats_output_tok_s']]} ({args.num_requests} requests a pass)", flush=True)
         sat_rate = offline["output_tok_s"] / args.output_len
         rates = [round(f * sat_rate, 2) for f in map(float, args.rate_fractions.split(","))] + [float("inf")]
         servers = [(loop, count) for loop in args.engine_loops.split(",")
@@ -352,7 +379,8 @@ def main() -> None:
               f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f} "
               f"{'-' if lag is None else f'{lag:.1f}':>18}")
     for loop, r in result["saturation_by_server"].items():
-        print(f"{loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline")
+        print(f"{loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline "
+              f"(median of {[round(x) for x in r['repeats_output_tok_s']]})")
     print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation {sat['output_tok_s']:.0f} "
           f"tok/s = {ratio:.1%} of offline (target >= 90%); decode roofline at batch {args.max_num_seqs} "
           f"(H100 HBM) {roofline:.0f} tok/s; wall {result['wall_s']:.0f} s")

@@ -143,7 +143,7 @@ def main():
         offline = None
         if args.offline:  # serving.py's offline measurement of this load (its own process, first)
             proc, queue = serving.run_child(serving._offline, ckpt, kw, serving.warm_load(ckpt, args),
-                                            [p.text for p in loads[1]], [p.text for p in loads[0]], args.output_len,
+                                            [p.text for p in loads[1]], [[p.text for p in loads[0]]], args.output_len,
                                             with_queue=True)
             offline = queue.get(timeout=900)
             proc.join()
@@ -158,7 +158,7 @@ def main():
             pids = {**server_processes(server.pid, args.api_servers, port), "client": os.getpid()}
             before = {k: cpu_s(p) for k, p in pids.items()}
             start = time.perf_counter()
-            level = asyncio.run(serving.sweep(f"{url}/v1", ckpt, args, [float("inf")], loads[0]))[0]
+            level = asyncio.run(serving.sweep(f"{url}/v1", ckpt, args, [float("inf")], [loads[0]]))[0]
             wall = time.perf_counter() - start
             used = {k: cpu_s(p) - before[k] for k, p in pids.items()}
             print(f"plain: {level.summary.output_throughput:.0f} tok/s, wall {wall:.2f} s", flush=True)
@@ -178,7 +178,7 @@ def main():
                                            "--format", "raw", "--nonblocking", "--output", raw_client,
                                            "--duration", str(int(wall * 1.5) + 3)])]
                 time.sleep(1.5)
-                level2 = asyncio.run(serving.sweep(f"{url}/v1", ckpt, args, [float("inf")], loads[1]))[0]
+                level2 = asyncio.run(serving.sweep(f"{url}/v1", ckpt, args, [float("inf")], [loads[1]]))[0]
                 print(f"under py-spy: {level2.summary.output_throughput:.0f} tok/s", flush=True)
                 for s in spies:
                     s.wait(120)
