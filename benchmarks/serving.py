@@ -15,7 +15,8 @@ and the median again. servebench
 streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
 TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms), and
 its own event loop's lag (p99): a client that lags is itself a bound; `--client-procs K` deals the
-saturation level's requests over K load generator processes that start together.
+saturation level's requests over K load generator processes that start together (`--client-procs 1,4`:
+the level once per value on each server, the first value's is the headline).
 Target: at saturation the server delivers >= 90 % of the offline output tok/s. A server is an engine loop
 (`--engine-loops`: process, thread) and a number of API server processes (`--api-server-counts`, with the
 process loop only): the first of them gets the rate sweep, the others the saturation level only, in the
@@ -167,16 +168,21 @@ async def sweep(base_url: str, ckpt: str, args, rates: list, saturation_sets: li
             prompts = prompts_from(ckpt, max(16, int(rate * args.level_s)), args.input_len, seed=1000 + i)
             level = await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
                                     slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-        else:
-            runs = []
-            for prompts in saturation_sets:
-                if args.client_procs > 1:
-                    runs.append(await asyncio.get_running_loop().run_in_executor(None, split_level, base_url, ckpt,
-                                                                                 args, prompts))
-                else:
-                    runs.append(await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
-                                                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
-            level = Repeated(runs)
+        else:  # once per --client-procs value, the first one's level is the row's
+            for k in args.client_procs:
+                runs = []
+                for prompts in saturation_sets:
+                    if k > 1:
+                        runs.append(await asyncio.get_running_loop().run_in_executor(None, split_level, base_url,
+                                                                                     ckpt, args, prompts, k))
+                    else:
+                        runs.append(await run_level(spec, prompts, "rate", rate, seed=i, timeout=600, counter=counter,
+                                                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
+                level = Repeated(runs)
+                level.client_procs = k
+                levels.append(level)
+                print(f"  rate inf, {k} client process(es): {level.summary.output_throughput:.0f} tok/s", flush=True)
+            continue
         levels.append(level)
         print(f"  rate {rate:g} req/s: {level.summary.output_throughput:.0f} tok/s", flush=True)
     return levels
@@ -214,12 +220,11 @@ class MergedLevel:
         self.summary = summarize(self.requests, end, args.slo_ttft_ms, args.slo_tpot_ms)
 
 
-def split_level(base_url: str, ckpt: str, args, prompts) -> MergedLevel:
-    """The saturation level with its requests dealt over --client-procs load generator processes that start
-    together: one asyncio client streaming every token of hundreds of requests can itself be the bound."""
+def split_level(base_url: str, ckpt: str, args, prompts, k: int) -> MergedLevel:
+    """The saturation level with its requests dealt over k load generator processes that start together:
+    one asyncio client streaming every token of hundreds of requests can itself be the bound."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    k = args.client_procs
     ready = ctx.Barrier(k)  # every process set up (imports, tokenizer) before any sends
     procs = [ctx.Process(target=_client_part, args=(base_url, ckpt, args.output_len, list(prompts)[i::k], ready,
                                                     queue)) for i in range(k)]
@@ -303,12 +308,14 @@ def main() -> None:
     ap.add_argument("--api-server-counts", default="1",
                     help="serve.api_server_count values for engine_loop=process, comma-separated (after the first "
                          "server: the saturation level only)")
-    ap.add_argument("--client-procs", type=int, default=1,
-                    help="load generator processes for the saturation level (its requests dealt over them)")
+    ap.add_argument("--client-procs", default="1",
+                    help="load generator processes for the saturation level (its requests dealt over them), "
+                         "comma-separated: the level runs once per value on each server, the first is the headline")
     ap.add_argument("--repeats", type=int, default=3,
                     help="saturation passes, offline and per server, each with its own prompts: the median counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.client_procs = [int(k) for k in str(args.client_procs).split(",")]
     tiny = args.tiny
     args.device = "cpu" if tiny else "cuda"
     args.num_requests = args.num_requests or (64 if tiny else 512)
@@ -339,12 +346,15 @@ def main() -> None:
         rates = [round(f * sat_rate, 2) for f in map(float, args.rate_fractions.split(","))] + [float("inf")]
         servers = [(loop, count) for loop in args.engine_loops.split(",")
                    for count in (map(int, args.api_server_counts.split(",")) if loop == "process" else [1])]
-        by_loop = {}
+        by_loop, other_clients = {}, {}
         for i, (loop, count) in enumerate(servers):
             loop_rates = rates if i == 0 else rates[-1:]
             levels = serve_and_measure(ckpt, kw, args, loop, count, loop_rates,
                                        warm + [(text, args.output_len) for text in warm_saturation], saturation)
             by_loop[server_label(loop, count)] = [summary_row(r, lv) for r, lv in zip(loop_rates, levels)]
+            for lv in levels[len(loop_rates):]:  # the saturation level with the other --client-procs values
+                other_clients[f"{server_label(loop, count)}, {lv.client_procs} client procs"] = summary_row(
+                    float("inf"), lv)
             if i > 0:
                 print(f"  {server_label(loop, count)}, rate inf: "
                       f"{by_loop[server_label(loop, count)][-1]['output_tok_s']:.0f} tok/s", flush=True)
@@ -360,13 +370,13 @@ def main() -> None:
         model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
         load=dict(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                   max_num_seqs=args.max_num_seqs, endpoint="/v1/completions (streamed)", ignore_eos=True,
-                  saturation_client_procs=args.client_procs),
+                  saturation_client_procs=args.client_procs[0]),
         slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), offline=offline, rates=rows,
         server_over_offline_at_saturation=ratio, target=0.9, meets_target=ratio >= 0.9,
         decode_roofline_tok_s_h100=roofline, uvicorn_extras=_uvicorn_extras(),
         gil_switch_interval_s=args.gil_switch_interval_s, server=loops[0],
-        saturation_by_server={loop: dict(rows_[-1], over_offline=rows_[-1]["output_tok_s"] / offline["output_tok_s"])
-                                   for loop, rows_ in by_loop.items()},
+        saturation_by_server={loop: dict(row, over_offline=row["output_tok_s"] / offline["output_tok_s"])
+                              for loop, row in [(k, v[-1]) for k, v in by_loop.items()] + list(other_clients.items())},
         wall_s=time.perf_counter() - t_start)
     print(f"\nserving, {result['device']}, qwen3_moe x{dims['num_hidden_layers']} layers, {args.num_requests} "
           f"requests x ({args.input_len} in, {args.output_len} out), max_num_seqs={args.max_num_seqs}; "

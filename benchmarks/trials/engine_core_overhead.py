@@ -1,5 +1,6 @@
 """Trial (measurement notes): where the server loses throughput against the offline engine. serving.py's
-saturation load (N prompts at once), timed in one process each, after a warm-up pass of a load of the same shape (other prompts: no prefix-cache hits):
+saturation load (N prompts at once), timed in one process each, after a warm-up pass of a load of the same shape (other prompts: no prefix-cache hits), --repeats
+timed passes with prompts of their own, the median reported:
 
     offline      LLM.generate (final outputs only)
     step         LLMEngine.step() in a loop: every request's cumulative output built every step, as a server needs
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 
-def _timed(mode, ckpt, kw, warm, prompts, output_len, queue):
+def _timed(mode, ckpt, kw, warm, prompt_sets, output_len, queue):
     import torch
 
     sync = torch.cuda.synchronize if kw["device"] != "cpu" else (lambda: None)
@@ -50,19 +51,23 @@ def _timed(mode, ckpt, kw, warm, prompts, output_len, queue):
     if mode == "offline":
         llm = LLM(model=ckpt, **kw)
         llm.generate(warm, params, use_tqdm=False)
-        sync()
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        sync()
-        elapsed, steps = time.perf_counter() - start, None
+        elapsed = []
+        for prompts in prompt_sets:
+            sync()
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            sync()
+            elapsed.append(time.perf_counter() - start)
+        steps = None
     elif mode in ("step", "deltas"):
         llm = LLM(model=ckpt, **kw)
         once_sync(llm, warm)
-        elapsed, steps = once_sync(llm, prompts)
+        passes = [once_sync(llm, prompts) for prompts in prompt_sets]
+        elapsed, steps = [e for e, _ in passes], passes[0][1]
     else:
         from moe_infer.engine.core_client import ProcessEngine
 
-        engine = ProcessEngine(build_config(model=ckpt, **kw), ckpt, max_requests=len(prompts) + 8)
+        engine = ProcessEngine(build_config(model=ckpt, **kw), ckpt, max_requests=len(prompt_sets[0]) + 8)
 
         async def run():
             await engine.start()
@@ -73,15 +78,18 @@ def _timed(mode, ckpt, kw, warm, prompts, output_len, queue):
                 return out
 
             await asyncio.gather(*(one(p) for p in warm))
-            start = time.perf_counter()
-            await asyncio.gather(*(one(p) for p in prompts))
-            elapsed = time.perf_counter() - start
+            elapsed = []
+            for prompts in prompt_sets:
+                start = time.perf_counter()
+                await asyncio.gather(*(one(p) for p in prompts))
+                elapsed.append(time.perf_counter() - start)
             await engine.shutdown()
             return elapsed
 
         elapsed, steps = asyncio.run(run()), None
         engine.close()
-    queue.put(dict(mode=mode, tok_s=len(prompts) * output_len / elapsed, elapsed_s=elapsed, steps=steps))
+    tok_s = sorted(len(prompts) * output_len / e for prompts, e in zip(prompt_sets, elapsed))
+    queue.put(dict(mode=mode, tok_s=tok_s[len(tok_s) // 2], passes_tok_s=tok_s, elapsed_s=elapsed, steps=steps))
 
 
 def main():
@@ -94,6 +102,7 @@ def main():
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per mode (own prompts each): the median")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU: a smoke run")
     args = ap.parse_args()
     args.device = "cpu" if args.tiny else "cuda"
@@ -102,16 +111,17 @@ def main():
         proc, _ = serving.run_child(serving._build, dict(TINY if args.tiny else REAL, vocab_size=6144),
                                         args.device, ckpt)
         proc.join()
-        prompts = [p.text for p in serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=7)]
+        prompt_sets = [[p.text for p in serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=9 + r)]
+                       for r in range(args.repeats)]
         warm = [p.text for p in serving.prompts_from(ckpt, args.num_requests, args.input_len, seed=8)]
         for mode in args.modes.split(","):
-            proc, queue = serving.run_child(_timed, mode, ckpt, serving.engine_kwargs(args), warm, prompts,
+            proc, queue = serving.run_child(_timed, mode, ckpt, serving.engine_kwargs(args), warm, prompt_sets,
                                             args.output_len, with_queue=True)
             row = queue.get(timeout=600)
             proc.join()
             rows.append(row)
-            print(f"{mode:>8}: {row['tok_s']:8.0f} output tok/s ({row['elapsed_s']:.2f} s, steps {row['steps']})",
-                  flush=True)
+            print(f"{mode:>8}: {row['tok_s']:8.0f} output tok/s, median of {args.repeats} "
+                  f"({', '.join(f'{v:.0f}' for v in row['passes_tok_s'])}; steps {row['steps']})", flush=True)
     print(json.dumps(rows))
 
 
