@@ -1,6 +1,6 @@
 """`moe-infer serve` under torchrun (EP=2; gloo on CPU, NCCL on two GPUs): rank 0 serves HTTP, rank 1 runs its
 steps; an idle server outlives the collective timeout (ranks idle on the control group); SIGTERM to rank 0 drains
-and every rank exits 0."""
+and every rank exits 0. Across two "nodes" (two torchrun launches, c10d rendezvous) likewise."""
 from __future__ import annotations
 
 import os
@@ -94,3 +94,54 @@ def test_torchrun_serves_on_the_driver_and_exits_cleanly(device):
             proc.communicate()
     assert proc.returncode == 0, out[-4000:]
     assert out.count("Uvicorn running on") == 1 and "address already in use" not in out, out[-4000:]
+
+
+def test_serve_across_two_nodes_through_c10d_rendezvous():
+    """Two "machines" (one torchrun each, --nnodes 2, c10d rendezvous on localhost) serve one EP=2 engine:
+    exactly one HTTP server (global rank 0) answers as the offline engine does; SIGTERM to it ends both nodes
+    with exit 0."""
+    port, rdzv = free_port(), free_port()
+    env = worker_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=localhost:{rdzv}", f"--rdzv-id=serve{rdzv}", "-m", "moe_infer.launch", "serve",
+           "parallel=ep", "parallel.ep=2", "model.device=cpu", "model.dtype=float32", "cache.num_kv_blocks=64",
+           "scheduler.max_num_seqs=4", f"--port={port}", "--log-level", "info"]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    url = f"http://127.0.0.1:{port}"
+    outs = []
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # either node may get global rank 0: wait on whichever serves
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            dead = [n.returncode for n in nodes if n.poll() is not None]
+            assert not dead and time.monotonic() < deadline, f"no server came up (exits {dead}):\n" + "\n".join(
+                n.stdout.read()[-3000:] for n in nodes if n.poll() is not None)
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny_moe", prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        ref = LLM(device="cpu", dtype="float32", num_kv_blocks=64).generate(
+            PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+        assert r.choices[0].text == ref.outputs[0].text
+        driver = []
+        for n in nodes:
+            try:
+                driver.append(rank0_pid(n.pid))
+            except AssertionError:
+                pass
+        assert len(driver) == 1, f"global rank 0 found under {len(driver)} nodes"
+        os.kill(driver[0], signal.SIGTERM)
+        outs = [n.communicate(timeout=120)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.communicate()
+    log = "\n".join(outs)
+    assert [n.returncode for n in nodes] == [0, 0], log[-6000:]
+    assert log.count("Uvicorn running on") == 1, log[-6000:]
