@@ -28,19 +28,21 @@ def _dense(q_LHd, k_LHd, v_LHd, start, scale, window):
 MIXED, DECODE, PREFILL = [1, 7, 2, 4], [1, 1, 1, 1], [3, 7, 2, 4]  # this step's tokens per sequence
 
 
-def _triton(splits):
+def _triton(splits, heavy_first=None):
     def attend(*args):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
         kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         return kernels.paged_attention_triton(*[a.to(dev) if torch.is_tensor(a) else a for a in args],
-                                              splits=splits).cpu()
-    attend.__name__ = f"triton_split{splits}"
+                                              splits=splits, heavy_first=heavy_first).cpu()
+    attend.__name__ = f"triton_split{splits}" + ("" if heavy_first is None else f"_heavy_first_{heavy_first}")
     return attend
 
 
-ATTENDS = [paged_attention_ref, paged_attention_sdpa, _triton(1), _triton(2), _triton(4)]
+# both program orders (the longest query tiles first, or in order): the wrapper picks one by the grid's size
+ATTENDS = [paged_attention_ref, paged_attention_sdpa, _triton(1), _triton(2), _triton(4), _triton(1, True),
+           _triton(2, True), _triton(1, False)]
 
 
 def _case(H, Hkv, S, window, new, cached=(5, 0, 11, 3), d=8, Nb=40, dtype=torch.float32, seed=0):
@@ -84,6 +86,9 @@ def _case(H, Hkv, S, window, new, cached=(5, 0, 11, 3), d=8, Nb=40, dtype=torch.
 @pytest.mark.parametrize("H,Hkv,S,window,new", [
     (4, 2, 4, None, MIXED), (6, 6, 3, None, MIXED), (8, 1, 5, 4, MIXED), (4, 2, 16, None, MIXED),
     (4, 2, 4, None, DECODE), (8, 1, 5, 4, DECODE), (4, 2, 4, None, PREFILL), (8, 2, 3, 3, PREFILL),
+    # several query tiles per sequence (8 or 16 tokens a tile on CPU), of unequal counts: the kernel
+    # dispatches the last tiles first
+    (8, 1, 5, None, [1, 40, 19, 2]), (8, 2, 4, 6, [17, 1, 33, 9]),
 ])
 @pytest.mark.parametrize("attend", ATTENDS, ids=lambda f: f.__name__)
 def test_matches_dense(H, Hkv, S, window, new, attend):
@@ -160,16 +165,18 @@ def test_triton_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
     ([1] * 8, (4000, 17, 900, 1, 2047, 64, 333, 1500)),  # decode, long contexts: split-KV chosen
     ([1] * 64, tuple(range(100, 6500, 100))),  # decode, a batch wide enough for no split
     ([1, 300, 1, 77], (1500, 0, 31, 2000)),  # mixed: prefill chunks (one after a cached prefix) beside decodes
+    ([1000], (0,)),  # one prompt: the wrapper dispatches the longest query tiles first
 ])
-def test_triton_matches_reference_gpu(dtype, new, cached):
+@pytest.mark.parametrize("heavy_first", [None, True, False], ids=["chosen", "heavy-first", "in-order"])
+def test_triton_matches_reference_gpu(dtype, new, cached, heavy_first):
     """Qwen3-30B-A3B's attention shape (H=32, Hkv=4, d=128), block size 16, against the float32 reference."""
     kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
     Nb = sum(-(-(c + n) // 16) for c, n in zip(cached, new)) + 8
     args, _ = _case(32, 4, 16, None, new, cached=cached, d=128, Nb=Nb, dtype=dtype, seed=len(new))
     args = tuple(a.cuda() if torch.is_tensor(a) else a for a in args)
     ref = paged_attention_ref(*args).float()
-    out = kernels.paged_attention_triton(*args).float()
+    out = kernels.paged_attention_triton(*args, heavy_first=heavy_first).float()
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out, ref, **tol)
-    window = kernels.paged_attention_triton(*args[:-1], 256).float()  # a sliding window of 256 keys
+    window = kernels.paged_attention_triton(*args[:-1], 256, heavy_first=heavy_first).float()  # a 256-key window
     torch.testing.assert_close(window, paged_attention_ref(*args[:-1], 256).float(), **tol)

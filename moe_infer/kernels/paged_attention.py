@@ -3,10 +3,12 @@
 
 Tile choice: a decode-only step (every sequence has one query token) puts the G heads of a KV head
 in one tile (BLOCK_M = max(16, G) rows); a step with prefill chunks takes BLOCK_Q = 128 // G tokens
-per tile on the GPU for 16-bit inputs (64 // G for float32 and under the interpreter). Split-KV is used for decode steps whose B * Hkv programs would leave most SMs idle and
-whose context is long (`num_splits`), with a merge launch after. No host sync: every launch
-parameter comes from shapes and the host ints of the attention metadata (a CUDA graph's
-max_seq_len is its context bucket, so the split count is fixed per capture).
+per tile on the GPU for 16-bit inputs (64 // G for float32 and under the interpreter). Split-KV is
+used for decode steps whose B * Hkv programs would leave most SMs idle and whose context is long
+(`num_splits`), with a merge launch after. A prefill of one to four waves of programs runs its
+longest query tiles first (`heavy_tiles_first`; paged_attention_kernels' docstring). No host sync:
+every launch parameter comes from shapes and the host ints of the attention metadata (a CUDA
+graph's max_seq_len is its context bucket, so the split count and order are fixed per capture).
 
 Legend: T query tokens, B sequences, M max blocks per sequence, H query heads, Hkv KV heads,
 G = H / Hkv, d head_dim, Nb cache blocks, S block size.
@@ -44,15 +46,24 @@ def num_splits(batch_kv_programs: int, max_seq_len: int, max_query_len: int, num
     return 1 << (want.bit_length() - 1)  # a power of two (the merge kernel's tl.arange)
 
 
+def heavy_tiles_first(num_q_tiles: int, batch_kv_programs: int, num_sms: int) -> bool:
+    """Dispatch the last (longest) query tiles first: a prefill whose programs fill the SMs one to four
+    times over (with fewer there is no tail to even out; with more the plain order measured faster)."""
+    programs = num_q_tiles * batch_kv_programs
+    return num_q_tiles > 1 and num_sms < programs <= 4 * num_sms
+
+
 def paged_attention_triton(
     q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, block_tables_BM: torch.Tensor,
     seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor, positions_T: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: Optional[int] = None, splits: Optional[int] = None,
+    heavy_first: Optional[bool] = None,
 ) -> torch.Tensor:
     """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 softmax).
 
     positions_T is not read: a sequence's step tokens are its last positions (seq_lens_B - q_len ...),
-    which is what the model runner builds. splits: force a split count (tests); None chooses."""
+    which is what the model runner builds. splits, heavy_first: force a split count, a program order (tests);
+    None chooses."""
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
     B = seq_lens_B.shape[0]
@@ -91,7 +102,10 @@ def paged_attention_triton(
     else:
         part_STHd = m_STH = l_STH = out_THd  # not read
     head_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
-    grid = (B, triton.cdiv(max(max_query_len, 1), block_q) * n_split, Hkv)
+    num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
+    if heavy_first is None:
+        heavy_first = heavy_tiles_first(num_q_tiles, B * Hkv, sms)
+    grid = (B * Hkv, num_q_tiles * n_split) if heavy_first else (B, num_q_tiles * n_split, Hkv)
     paged_attention_kernel[grid](
         q_THd, k_cache_NbSHd, v_cache_NbSHd, out_THd, part_STHd, m_STH, l_STH,
         block_tables_BM, seq_lens_B, query_start_loc_B1, float(scale), int(sliding_window or 0),
@@ -102,8 +116,8 @@ def paged_attention_triton(
         part_STHd.stride(0) if n_split > 1 else 0, part_STHd.stride(1) if n_split > 1 else 0,
         part_STHd.stride(2) if n_split > 1 else 0, m_STH.stride(0) if n_split > 1 else 0,
         m_STH.stride(1) if n_split > 1 else 0, split_n,
-        G=G, HEAD_D=head_d, D=d, PAGE=S, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=n_split, HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
+        G=G, HKV=Hkv, HEAD_D=head_d, D=d, PAGE=S, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=n_split, HEAVY_FIRST=heavy_first, HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
         num_warps=warps,
     )

@@ -14,6 +14,13 @@ float32 (DOT_PRECISION), not TF32, so a float32 model keeps its reference accura
 Whole key tiles below a query tile's first position run without masks; exp2 with the scale folded
 in (log2 units for the row maxima).
 
+Program order: blocks are dispatched in program-id order. Under the causal mask a sequence's last
+query tiles see the most keys; when a prefill has only a few waves of programs (one long prompt),
+HEAVY_FIRST numbers them so those tiles start first, every (sequence, KV head) of one tile index side
+by side, and the short tiles fill in behind them instead of trailing them (one 1024-token prompt of
+Qwen3-30B-A3B's heads on an H100: 49 -> 34 us). Many waves (a batch of prompts) keep the plain order,
+which measured faster there (16 x 1024: 540 vs 606 us).
+
 Split-KV (decode of long contexts): with NUM_SPLITS > 1 the program of split s handles keys
 [s * SPLIT_N, (s + 1) * SPLIT_N) and writes its unnormalised partial output, row max and row sum to
 a float32 workspace; `paged_attention_reduce_kernel` merges the splits.
@@ -34,14 +41,19 @@ def paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
     SPLIT_N,
-    G: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    G: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    q_tile = tl.program_id(1) // NUM_SPLITS
+    if HEAVY_FIRST:  # grid (B * Hkv, query tiles * NUM_SPLITS): see the module docstring
+        b = tl.program_id(0) // HKV
+        kv_head = tl.program_id(0) % HKV
+        q_tile = tl.num_programs(1) // NUM_SPLITS - 1 - tl.program_id(1) // NUM_SPLITS
+    else:  # grid (B, query tiles * NUM_SPLITS, Hkv)
+        b = tl.program_id(0)
+        kv_head = tl.program_id(2)
+        q_tile = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
-    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
