@@ -186,11 +186,10 @@ class ModelRunner:
         """input_ids_T, the attention metadata and the row of each sampling sequence's last token: one
         int64 host buffer, copied to the device once and sliced there. Rows whose input is the token the
         step in flight (prev) samples take it from prev's sampled ids, on the device."""
-        flat, sizes = flat_inputs(plan, self.block_size)
         rows, src = placeholder_rows(plan, prev)
-        num_main = len(flat)
-        flat.extend(rows + src)
-        flat_dev = torch.frombuffer(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        flat, sizes = flat_inputs(plan, self.block_size, rows + src)
+        num_main = len(flat) - 2 * len(rows)
+        flat_dev = torch.from_numpy(flat).to(self.device, non_blocking=True)
         inputs = decode_inputs(flat_dev[:num_main], sizes, self.block_size)
         if rows:
             rows_R, src_R = flat_dev[num_main:].split(len(rows))

@@ -1,7 +1,7 @@
 """A step's plan as the model's input tensors, and as the `StepMessage` the driver sends the other ranks.
 
 `flat_inputs(plan)` builds every integer input of the step in one host buffer (token ids, positions,
-KV slots, query starts, sequence lengths, sample rows, block tables); `decode_inputs` slices it, once
+KV slots, sample rows, query starts, sequence lengths, block tables); `decode_inputs` slices it, once
 on the device, into the model's inputs. On one rank that is the whole story. Under a mesh the driver
 also encodes what the sampling rank needs on the host (`StepEncoder`): finished ids, per sampling
 sequence its id and lengths (and token history with penalties), and, the first time a sequence
@@ -14,8 +14,9 @@ from __future__ import annotations
 import pickle
 from array import array
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 
 from moe_infer.engine.sampler import SampledTokens, SampleRequest
@@ -68,11 +69,29 @@ def placeholder_rows(plan: SchedulerOutput, prev: Optional[LaunchedStep]) -> Tup
     return rows, src
 
 
-def flat_inputs(plan: SchedulerOutput, block_size: int) -> Tuple[array, Sizes]:
-    """The step's integer inputs in one int64 host buffer, built as Python lists (no per-int boxing into
-    tensors); host time per step in benchmarks/results/engine_steps_*.json."""
+def _pad4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def _int64(values: List[int]) -> np.ndarray:
+    return np.frombuffer(array("q", values), dtype=np.int64)  # array() converts a list faster than np.array()
+
+
+LONG_SEQ = 32  # a sequence with at least this many tokens in the step gets its ids, positions and slots by numpy
+
+
+def flat_inputs(plan: SchedulerOutput, block_size: int, extra: Sequence[int] = ()) -> Tuple[np.ndarray, Sizes]:
+    """The step's integer inputs in one int64 host buffer, laid out as `decode_inputs` reads them:
+    ids | positions | slots | sample rows (int64 on the device) | query starts | seq lens | block tables
+    (int32 on the device, each padded to a multiple of 4 entries), then `extra` (the caller's own, not read
+    by decode_inputs).
+
+    Host time matters here (it delays the first kernel of every step, and the time to first token):
+    the ids, positions and KV slots of a long sequence (a prompt chunk) are built by numpy; those of
+    short ones (decodes) go through Python lists, one conversion for a run of them."""
     seqs, bs = plan.seqs, block_size
     max_blocks = max(len(s.block_table) for s in seqs)
+    parts: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, positions, slots) per run
     ids: List[int] = []
     positions: List[int] = []
     slots: List[int] = []
@@ -81,14 +100,22 @@ def flat_inputs(plan: SchedulerOutput, block_size: int) -> Tuple[array, Sizes]:
     max_query_len = 0
     for s in seqs:
         start, table, n = s.start_pos, s.block_table, len(s.token_ids)
-        ids += s.token_ids
-        positions += range(start, start + n)
-        pos, end = start, start + n
-        while pos < end:  # the KV slots, one block at a time
-            i = pos // bs
-            stop, base = min(end, (i + 1) * bs), (table[i] - i) * bs
-            slots += range(base + pos, base + stop)
-            pos = stop
+        if n >= LONG_SEQ:
+            if ids:  # the run of short sequences before this one
+                parts.append((_int64(ids), _int64(positions), _int64(slots)))
+                ids, positions, slots = [], [], []
+            pos_n = np.arange(start, start + n, dtype=np.int64)
+            table_n = np.array(table, dtype=np.int64)
+            parts.append((np.array(s.token_ids, dtype=np.int64), pos_n, table_n[pos_n // bs] * bs + pos_n % bs))
+        else:
+            ids += s.token_ids
+            positions += range(start, start + n)
+            pos, end = start, start + n
+            while pos < end:  # the KV slots, one block at a time
+                i = pos // bs
+                stop, base = min(end, (i + 1) * bs), (table[i] - i) * bs
+                slots += range(base + pos, base + stop)
+                pos = stop
         tables += table
         tables += [-1] * (max_blocks - len(table))
         query_start.append(query_start[-1] + n)
@@ -96,19 +123,30 @@ def flat_inputs(plan: SchedulerOutput, block_size: int) -> Tuple[array, Sizes]:
         max_query_len = max(max_query_len, n)
         if s.do_sample:
             sample_rows.append(query_start[-1] - 1)
-    host = array("q", ids + positions + slots + query_start + seq_lens + sample_rows + tables)
-    return host, (len(ids), len(seqs), len(sample_rows), max_blocks, max_query_len, max(seq_lens))
+    B = len(seqs)  # the int32 segments start 16 bytes apart (Triton specializes kernels on pointer alignment)
+    rest = sample_rows + query_start + [0] * (_pad4(B + 1) - B - 1) + seq_lens + [0] * (_pad4(B) - B) + tables + list(extra)
+    if not parts:  # only short sequences: one conversion
+        host = _int64(ids + positions + slots + rest)
+    else:
+        if ids:
+            parts.append((_int64(ids), _int64(positions), _int64(slots)))
+        host = np.concatenate([p[0] for p in parts] + [p[1] for p in parts] + [p[2] for p in parts]
+                              + [_int64(rest)])
+    T = query_start[-1]
+    return host, (T, len(seqs), len(sample_rows), max_blocks, max_query_len, max(seq_lens))
 
 
 def decode_inputs(flat: torch.Tensor, sizes: Sizes, block_size: int) -> StepInputs:
-    """The model inputs from the step's flat int64 buffer (already on the compute device)."""
+    """The model inputs from the step's flat int64 buffer (already on the compute device): one cast
+    makes the int32 tail (query starts, seq lens, block tables; each 16-byte aligned, padded between)."""
     T, B, S, M, max_query_len, max_seq_len = sizes
-    input_ids_T, positions_T, slot_mapping_T, query_start_loc_B1, seq_lens_B, sample_rows_S, block_tables_BM = (
-        flat.split([T, T, T, B + 1, B, S, B * M]))
+    pad_q, pad_s = _pad4(B + 1), _pad4(B)
+    input_ids_T, positions_T, slot_mapping_T, sample_rows_S, tail = flat.split([T, T, T, S, pad_q + pad_s + B * M])
+    query_start_loc_B1, _, seq_lens_B, _, block_tables_BM = tail.to(torch.int32).split(
+        [B + 1, pad_q - B - 1, B, pad_s - B, B * M])
     meta = AttentionMetadata(
-        positions_T=positions_T, slot_mapping_T=slot_mapping_T,
-        block_tables_BM=block_tables_BM.view(B, M).to(torch.int32),
-        query_start_loc_B1=query_start_loc_B1.to(torch.int32), seq_lens_B=seq_lens_B.to(torch.int32),
+        positions_T=positions_T, slot_mapping_T=slot_mapping_T, block_tables_BM=block_tables_BM.view(B, M),
+        query_start_loc_B1=query_start_loc_B1, seq_lens_B=seq_lens_B,
         max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=block_size,
     )
     return StepInputs(input_ids_T, meta, sample_rows_S)
@@ -180,7 +218,7 @@ class StepEncoder:
         return StepMessage(
             torch.tensor(header, dtype=torch.int64), torch.tensor(host, dtype=torch.int64),
             torch.frombuffer(bytearray(side), dtype=torch.uint8) if side else torch.empty(0, dtype=torch.uint8),
-            torch.frombuffer(flat, dtype=torch.int64),
+            torch.from_numpy(flat),
         )
 
 
