@@ -28,6 +28,7 @@ from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_schedulin
 from moe_infer.engine.block_manager import BlockManager
 from moe_infer.engine.model_runner import ModelRunner
 from moe_infer.engine.outputs import RequestOutput
+from moe_infer.engine.prompt_limits import int_ids
 from moe_infer.engine.request_state import Child, RequestState
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
@@ -262,14 +263,15 @@ class LLMEngine:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt")
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+            ids_L = int_ids(ids) if isinstance(ids, (list, tuple)) else None  # None: not all ints
+            if ids_L is None:
                 return text, [], f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
-            error = self.limits.ids_error(ids)
+            error = self.limits.ids_error(ids_L)
             if error is not None:
                 return text, [], error
             if text is None and self.tokenizer is not None and self.detokenize:
                 text = self.tokenizer.decode(ids)
-            return text, list(ids), None
+            return text, ids_L.tolist(), None
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
             return self._tokenize(prompt["prompt"], params)
         return None, [], ("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
