@@ -1,0 +1,170 @@
+"""Trial (measurement notes, not a benchmark): where the time to first token of one prompt goes, on one
+timeline. The 8-layer Qwen3-30B-A3B-shaped engine of benchmarks/engine_roofline.py (same engine keywords)
+runs `generate(1 x n, max_tokens=1)` under torch.profiler with the engine's phases annotated; the script
+reads the trace back and prints, relative to the call's start: each phase's host span, the first and last
+GPU activity, the GPU busy time (union of kernels and copies) and its idle gaps, and the host tail after the
+last GPU activity. TTFT without the profiler (median of 7) is printed first.
+
+    python benchmarks/trials/ttft_timeline.py [--layers 8] [--lens 128,1024] [--out DIR]
+"""
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import torch  # noqa: E402
+
+import e2e_generate as e2e  # noqa: E402
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def annotate(obj, name: str, label: str):
+    fn = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        with torch.profiler.record_function(label):
+            return fn(*a, **k)
+
+    setattr(obj, name, wrapped)
+    return lambda: setattr(obj, name, fn)
+
+
+def union_us(spans):
+    spans = sorted(spans)
+    total, gaps, cur_s, cur_e = 0.0, [], None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+                gaps.append((cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total, gaps
+
+
+def timeline(trace_path: str, top: int = 8) -> dict:
+    events = json.load(open(trace_path))["traceEvents"]
+    xs = [e for e in events if e.get("ph") == "X"]
+    gen = [e for e in xs if e.get("name") == "ttft:generate"]
+    t0, t1 = gen[0]["ts"], gen[0]["ts"] + gen[0]["dur"]
+    gpu = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in xs if e.get("cat") in GPU_CATS and t0 <= e["ts"] <= t1 + 1e5]
+    phases = sorted(((e["ts"] - t0, e["dur"], e["name"][5:]) for e in xs
+                     if e.get("cat") == "user_annotation" and e["name"].startswith("ttft:") and t0 <= e["ts"] <= t1),
+                    key=lambda p: p[0])
+    busy, gaps = union_us([(s, e) for s, e, _ in gpu])
+    first, last = min(s for s, _, _ in gpu), max(e for _, e, _ in gpu)
+    cpu_ops = [e for e in xs if e.get("cat") == "cpu_op" and t0 <= e["ts"] <= first]
+    return dict(
+        wall_us=t1 - t0, gpu_first_us=first - t0, gpu_last_us=last - t0, gpu_busy_us=busy,
+        gpu_span_us=last - first, host_tail_us=t1 - last,
+        phases=[dict(start_us=round(s, 1), dur_us=round(d, 1), name=n) for s, d, n in phases],
+        gaps=[dict(at_us=round(a - t0, 1), len_us=round(b - a, 1)) for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
+        gpu_first_names=[n for _, _, n in sorted(gpu)[:6]],
+        cpu_ops_before_gpu=sorted(((round(e["dur"], 1), e["name"]) for e in cpu_ops), reverse=True)[:top],
+        runtime_calls=[dict(at_us=round(e["ts"] - t0, 1), dur_us=round(e["dur"], 1), name=e["name"]) for e in xs
+                       if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t1 and e["dur"] >= 20],
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lens", default="128,1024")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from moe_infer import LLM, SamplingParams
+    from moe_infer.engine import model_runner as mr
+
+    dev = torch.device("cuda")
+    dims = dict(e2e.REAL, num_hidden_layers=args.layers)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(2, dims["vocab_size"], (1, n), generator=g).tolist()[0]  # noqa: E731
+    lens = [int(v) for v in args.lens.split(",")]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out_dir = args.out or tempfile.mkdtemp(prefix="ttft_timeline_")
+    result = {}
+    with tempfile.TemporaryDirectory() as ckpt:
+        hf = e2e.build_checkpoint(dims, torch.bfloat16, dev, ckpt)
+        del hf
+        torch.cuda.empty_cache()
+        # engine_roofline.py's keywords at its defaults (batches 1,16,64; 128 + 128; prefill 16 x 1024)
+        longest = max(128 + 128, 1024 + 1, max(lens) + 1) + 16
+        llm = LLM(model=ckpt, dtype="bfloat16", device="cuda", max_num_seqs=64, max_num_batched_tokens=16 * 1024,
+                  max_model_len=longest, num_kv_blocks=max(64 * 272, 16 * 1040) // 16 + 64, enable_prefix_caching=False)
+        eng, runner = llm.engine, llm.engine.runner
+
+        def gen(n):
+            prompt = ids(n)  # made before the clock starts, as engine_roofline.py does
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.profiler.record_function("ttft:generate"):
+                llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            return time.perf_counter() - t
+
+        for n in lens:
+            for _ in range(3):
+                gen(n)
+            plain = statistics.median(gen(n) for _ in range(7))
+            undo = [annotate(eng, "add_request", "ttft:add_request"), annotate(eng, "step", "ttft:step"),
+                    annotate(eng.scheduler, "schedule", "ttft:schedule"), annotate(runner, "prepare", "ttft:prepare"),
+                    annotate(mr, "flat_inputs", "ttft:flat_inputs"),
+                    annotate(runner, "_sample", "ttft:sample"), annotate(runner.model, "compute_logits", "ttft:lm_head"),
+                    annotate(runner, "collect", "ttft:collect"), annotate(eng.scheduler, "postprocess", "ttft:postprocess"),
+                    annotate(eng.executor, "finish", "ttft:finish")]
+            if runner.extend_graphs is not None:
+                undo.append(annotate(runner.extend_graphs, "run", "ttft:graph_run"))
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                gen(n)
+                torch.cuda.synchronize()
+            for u in undo:
+                u()
+            path = os.path.join(out_dir, f"ttft_trace_{n}.json")
+            prof.export_chrome_trace(path)
+            tl = timeline(path)
+            tl["ttft_plain_ms"] = 1e3 * plain
+            result[n] = tl
+            print(f"\n=== 1 x {n}: TTFT (no profiler, median of 7) {1e3 * plain:.2f} ms; under the profiler {tl['wall_us'] / 1e3:.2f} ms: "
+                  f"first GPU activity at {tl['gpu_first_us']:.0f} us, last at {tl['gpu_last_us']:.0f} us, GPU busy "
+                  f"{tl['gpu_busy_us']:.0f} us of a {tl['gpu_span_us']:.0f} us span, host tail {tl['host_tail_us']:.0f} us")
+            for p in tl["phases"]:
+                print(f"  {p['start_us']:8.1f} +{p['dur_us']:8.1f} us  {p['name']}")
+            print("  largest GPU idle gaps:", ", ".join(f"{g['len_us']} us at {g['at_us']}" for g in tl["gaps"]))
+            print("  first GPU work:", tl["gpu_first_names"])
+            print("  longest CPU ops before the first GPU work:", tl["cpu_ops_before_gpu"])
+            print("  CUDA runtime calls >= 20 us:", ", ".join(f"{c['name']} {c['dur_us']} us at {c['at_us']}"
+                                                         for c in tl["runtime_calls"]))
+        # host time of one replay() call per captured graph (the device idle before and after)
+        replay = {}
+        for label, owner in (("extend", runner.extend_graphs), ("decode", runner.graphs)):
+            for key, (graph, _) in sorted((owner.graphs if owner is not None else {}).items()):
+                host = []
+                for _ in range(7):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    graph.replay()
+                    host.append(time.perf_counter() - t)
+                torch.cuda.synchronize()
+                replay[f"{label} {key}"] = 1e6 * statistics.median(host)
+        print("\nhost time of graph.replay() (median of 7, idle device):",
+              ", ".join(f"{k}: {v:.0f} us" for k, v in replay.items()))
+        result["replay_host_us"] = replay
+        llm.shutdown()
+    with open(os.path.join(out_dir, "ttft_timeline.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), layers=args.layers, result=result), f, indent=1)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()
