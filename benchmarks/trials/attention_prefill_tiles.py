@@ -4,14 +4,13 @@ Times `paged_attention_kernel` on a prefill of B x n tokens (Qwen3-30B-A3B heads
 bf16, block size 16, shuffled block tables) at the tile shapes the launch wrapper could choose: query rows
 per tile (64 / 128), key tile BLOCK_N, warps, pipeline stages, and the program order (HEAVY_FIRST: the
 longest query tiles dispatched first). Each point is checked against the
-wrapper's own launch (max abs diff) and timed by CUDA-graph replay (median of 5 x 20 replays).
+wrapper's own launch (max abs diff) and timed by CUDA-graph replay (`graph_time_us`: median of 30).
 
     python benchmarks/trials/attention_prefill_tiles.py [--shapes 1x1024,16x1024,2x1024,1x128] [--sweep]
 """
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -19,31 +18,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from moe_infer.kernels.fused_moe_bench import graph_time_us  # noqa: E402
 from moe_infer.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from moe_infer.kernels.paged_attention_kernels import paged_attention_kernel  # noqa: E402
 
 H, HKV, D, PAGE = 32, 4, 128, 16
-
-
-def graph_us(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def main():
@@ -67,7 +46,7 @@ def main():
         pos = torch.arange(n, device=dev).repeat(B)
         scale = D ** -0.5
         ref = paged_attention_triton(q, k, v, tables, seq_lens, qsl, pos, scale, n, n)
-        base = graph_us(lambda: paged_attention_triton(q, k, v, tables, seq_lens, qsl, pos, scale, n, n))
+        base = graph_time_us(lambda: paged_attention_triton(q, k, v, tables, seq_lens, qsl, pos, scale, n, n))
         flops = 4 * B * H * D * n * (n + 1) / 2
         print(f"\n=== prefill {B} x {n}: wrapper {base:.1f} us ({flops / base / 1e6:.0f} TFLOP/s)")
         rows_out = []
@@ -90,7 +69,7 @@ def main():
                 run()
                 torch.cuda.synchronize()
                 err = (out.float() - ref.float()).abs().max().item()
-                us = graph_us(run)
+                us = graph_time_us(run)
             except Exception as e:  # noqa: BLE001 - out of resources etc.: reported, the sweep goes on
                 print(f"  heavy_first {heavy} rows {rows} block_n {block_n} warps {warps} stages {stages}: {type(e).__name__}")
                 continue
