@@ -57,7 +57,8 @@ def main():
             out = torch.empty_like(q)
 
             def run():
-                paged_attention_kernel[(B * HKV, triton.cdiv(n, block_q)) if heavy else (B, triton.cdiv(n, block_q), HKV)](
+                tiles = triton.cdiv(n, block_q)
+                paged_attention_kernel[(B * HKV, tiles) if heavy else (B, tiles, HKV)](
                     q, k, v, out, out, out, out, tables, seq_lens, qsl, float(scale), 0,
                     q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                     k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -71,11 +72,13 @@ def main():
                 err = (out.float() - ref.float()).abs().max().item()
                 us = graph_time_us(run)
             except Exception as e:  # noqa: BLE001 - out of resources etc.: reported, the sweep goes on
-                print(f"  heavy_first {heavy} rows {rows} block_n {block_n} warps {warps} stages {stages}: {type(e).__name__}")
+                print(f"  heavy_first {heavy} rows {rows} block_n {block_n} warps {warps} stages {stages}: "
+                      f"{type(e).__name__}")
                 continue
             rows_out.append((us, heavy, rows, block_n, warps, stages, err))
         for us, heavy, rows, block_n, warps, stages, err in sorted(rows_out)[:10]:
-            print(f"  {us:7.1f} us ({base / us:.2f}x)  heavy_first {heavy} rows {rows} block_n {block_n} warps {warps} stages {stages}"
+            print(f"  {us:7.1f} us ({base / us:.2f}x)  heavy_first {heavy} rows {rows} block_n {block_n} "
+                  f"warps {warps} stages {stages}"
                   f"  max|diff| {err:.2e}")
 
 

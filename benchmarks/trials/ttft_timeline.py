@@ -58,7 +58,8 @@ def timeline(trace_path: str, top: int = 8) -> dict:
     xs = [e for e in events if e.get("ph") == "X"]
     gen = [e for e in xs if e.get("name") == "ttft:generate"]
     t0, t1 = gen[0]["ts"], gen[0]["ts"] + gen[0]["dur"]
-    gpu = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in xs if e.get("cat") in GPU_CATS and t0 <= e["ts"] <= t1 + 1e5]
+    gpu = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in xs
+           if e.get("cat") in GPU_CATS and t0 <= e["ts"] <= t1 + 1e5]
     phases = sorted(((e["ts"] - t0, e["dur"], e["name"][5:]) for e in xs
                      if e.get("cat") == "user_annotation" and e["name"].startswith("ttft:") and t0 <= e["ts"] <= t1),
                     key=lambda p: p[0])
@@ -69,7 +70,8 @@ def timeline(trace_path: str, top: int = 8) -> dict:
         wall_us=t1 - t0, gpu_first_us=first - t0, gpu_last_us=last - t0, gpu_busy_us=busy,
         gpu_span_us=last - first, host_tail_us=t1 - last,
         phases=[dict(start_us=round(s, 1), dur_us=round(d, 1), name=n) for s, d, n in phases],
-        gaps=[dict(at_us=round(a - t0, 1), len_us=round(b - a, 1)) for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
+        gaps=[dict(at_us=round(a - t0, 1), len_us=round(b - a, 1))
+              for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
         gpu_first_names=[n for _, _, n in sorted(gpu)[:6]],
         cpu_ops_before_gpu=sorted(((round(e["dur"], 1), e["name"]) for e in cpu_ops), reverse=True)[:top],
         runtime_calls=[dict(at_us=round(e["ts"] - t0, 1), dur_us=round(e["dur"], 1), name=e["name"]) for e in xs
@@ -119,8 +121,10 @@ def main():
             undo = [annotate(eng, "add_request", "ttft:add_request"), annotate(eng, "step", "ttft:step"),
                     annotate(eng.scheduler, "schedule", "ttft:schedule"), annotate(runner, "prepare", "ttft:prepare"),
                     annotate(mr, "flat_inputs", "ttft:flat_inputs"),
-                    annotate(runner, "_sample", "ttft:sample"), annotate(runner.model, "compute_logits", "ttft:lm_head"),
-                    annotate(runner, "collect", "ttft:collect"), annotate(eng.scheduler, "postprocess", "ttft:postprocess"),
+                    annotate(runner, "_sample", "ttft:sample"),
+                    annotate(runner.model, "compute_logits", "ttft:lm_head"),
+                    annotate(runner, "collect", "ttft:collect"),
+                    annotate(eng.scheduler, "postprocess", "ttft:postprocess"),
                     annotate(eng.executor, "finish", "ttft:finish")]
             if runner.extend_graphs is not None:
                 undo.append(annotate(runner.extend_graphs, "run", "ttft:graph_run"))
@@ -135,9 +139,11 @@ def main():
             tl = timeline(path)
             tl["ttft_plain_ms"] = 1e3 * plain
             result[n] = tl
-            print(f"\n=== 1 x {n}: TTFT (no profiler, median of 7) {1e3 * plain:.2f} ms; under the profiler {tl['wall_us'] / 1e3:.2f} ms: "
+            print(f"\n=== 1 x {n}: TTFT (no profiler, median of 7) {1e3 * plain:.2f} ms; under the profiler "
+                  f"{tl['wall_us'] / 1e3:.2f} ms: "
                   f"first GPU activity at {tl['gpu_first_us']:.0f} us, last at {tl['gpu_last_us']:.0f} us, GPU busy "
-                  f"{tl['gpu_busy_us']:.0f} us of a {tl['gpu_span_us']:.0f} us span, host tail {tl['host_tail_us']:.0f} us")
+                  f"{tl['gpu_busy_us']:.0f} us of a {tl['gpu_span_us']:.0f} us span, "
+                  f"host tail {tl['host_tail_us']:.0f} us")
             for p in tl["phases"]:
                 print(f"  {p['start_us']:8.1f} +{p['dur_us']:8.1f} us  {p['name']}")
             print("  largest GPU idle gaps:", ", ".join(f"{g['len_us']} us at {g['at_us']}" for g in tl["gaps"]))

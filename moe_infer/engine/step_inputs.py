@@ -124,7 +124,8 @@ def flat_inputs(plan: SchedulerOutput, block_size: int, extra: Sequence[int] = (
         if s.do_sample:
             sample_rows.append(query_start[-1] - 1)
     B = len(seqs)  # the int32 segments start 16 bytes apart (Triton specializes kernels on pointer alignment)
-    rest = sample_rows + query_start + [0] * (_pad4(B + 1) - B - 1) + seq_lens + [0] * (_pad4(B) - B) + tables + list(extra)
+    rest = (sample_rows + query_start + [0] * (_pad4(B + 1) - B - 1) + seq_lens + [0] * (_pad4(B) - B) + tables
+            + list(extra))
     if not parts:  # only short sequences: one conversion
         host = _int64(ids + positions + slots + rest)
     else:

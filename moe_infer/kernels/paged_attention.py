@@ -117,7 +117,8 @@ def paged_attention_triton(
         part_STHd.stride(2) if n_split > 1 else 0, m_STH.stride(0) if n_split > 1 else 0,
         m_STH.stride(1) if n_split > 1 else 0, split_n,
         G=G, HKV=Hkv, HEAD_D=head_d, D=d, PAGE=S, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=n_split, HEAVY_FIRST=heavy_first, HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
+        NUM_SPLITS=n_split, HEAVY_FIRST=heavy_first, HAS_WINDOW=sliding_window is not None,
+        DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
         num_warps=warps,
     )

@@ -18,8 +18,8 @@ Program order: blocks are dispatched in program-id order. Under the causal mask 
 query tiles see the most keys; when a prefill has only a few waves of programs (one long prompt),
 HEAVY_FIRST numbers them so those tiles start first, every (sequence, KV head) of one tile index side
 by side, and the short tiles fill in behind them instead of trailing them (one 1024-token prompt of
-Qwen3-30B-A3B's heads on an H100: 49 -> 34 us). Many waves (a batch of prompts) keep the plain order,
-which measured faster there (16 x 1024: 540 vs 606 us).
+Qwen3-30B-A3B's heads on an H100: 49.6 -> 34.4 us). Many waves (a batch of prompts) keep the plain
+order, which measured faster there (16 x 1024: 536 vs 603 us).
 
 Split-KV (decode of long contexts): with NUM_SPLITS > 1 the program of split s handles keys
 [s * SPLIT_N, (s + 1) * SPLIT_N) and writes its unnormalised partial output, row max and row sum to
@@ -43,7 +43,8 @@ def paged_attention_kernel(
     SPLIT_N,
     G: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     if HEAVY_FIRST:  # grid (B * Hkv, query tiles * NUM_SPLITS): see the module docstring
         b = tl.program_id(0) // HKV
