@@ -86,8 +86,8 @@ def _case(H, Hkv, S, window, new, cached=(5, 0, 11, 3), d=8, Nb=40, dtype=torch.
 @pytest.mark.parametrize("H,Hkv,S,window,new", [
     (4, 2, 4, None, MIXED), (6, 6, 3, None, MIXED), (8, 1, 5, 4, MIXED), (4, 2, 16, None, MIXED),
     (4, 2, 4, None, DECODE), (8, 1, 5, 4, DECODE), (4, 2, 4, None, PREFILL), (8, 2, 3, 3, PREFILL),
-    # several query tiles per sequence (8 or 16 tokens a tile on CPU), of unequal counts: the kernel
-    # dispatches the last tiles first
+    # several query tiles per sequence (8 or 16 tokens a tile on CPU), of unequal counts, in both program
+    # orders (ATTENDS)
     (8, 1, 5, None, [1, 40, 19, 2]), (8, 2, 4, 6, [17, 1, 33, 9]),
 ])
 @pytest.mark.parametrize("attend", ATTENDS, ids=lambda f: f.__name__)
