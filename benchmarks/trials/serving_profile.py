@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU, 32 requests x (32 in, 16 out): a smoke run")
     args = ap.parse_args()
     args.device, args.slo_ttft_ms, args.slo_tpot_ms = "cpu" if args.tiny else "cuda", 1000.0, 50.0
-    args.client_procs = 1  # one load generator: it is profiled too
+    args.client_procs = [1]  # one load generator (it is profiled too); sweep takes a list (--client-procs 1,4)
     if args.tiny:
         args.num_requests, args.input_len, args.output_len, args.max_num_seqs = 32, 32, 16, 16
     pyspy = shutil.which("py-spy")
