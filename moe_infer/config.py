@@ -117,7 +117,7 @@ class OffloadConfig:
     max_prefetch: Optional[int] = None  # experts prefetched per layer at most (None: top_k x tokens, <= slots)
     prefetch_rule: str = "saving"  # moe_infer.offload.prefetch.PREFETCH_RULES: saving (expected saving > 0) | all
     prefetch_min_prob: float = 0.3  # saving: no prefetch of an expert less likely than this to be needed, [0, 1]
-    miss_policy: str = "auto"  # auto (the measured cost model picks copy or CPU) | wait (copy) | cpu
+    miss_policy: str = "auto"  # auto (the cost model picks copy or CPU) | share (both, split along F) | wait | cpu
     stream_fraction: float = 0.75  # a step that needs more than this share of a layer's experts streams them
     stream_chunk: Optional[int] = None  # experts per double buffer (None: max(1, top_k // 2))
     cpu_budget_gb: Optional[float] = None  # nvme: GiB of pinned host cache (None: one layer's experts x 4)
@@ -138,8 +138,8 @@ class OffloadConfig:
             raise ValueError(f"offload.prefetch_min_prob must be in [0, 1], got {self.prefetch_min_prob}")
         if self.max_prefetch is not None and self.max_prefetch < 0:
             raise ValueError(f"offload.max_prefetch must be >= 0, got {self.max_prefetch}")
-        if self.miss_policy not in ("auto", "wait", "cpu"):
-            raise ValueError(f"offload.miss_policy must be auto, wait or cpu, got {self.miss_policy!r}")
+        if self.miss_policy not in ("auto", "share", "wait", "cpu"):
+            raise ValueError(f"offload.miss_policy must be auto, share, wait or cpu, got {self.miss_policy!r}")
         if not 0.0 < self.stream_fraction <= 1.0:
             raise ValueError(f"offload.stream_fraction must be in (0, 1], got {self.stream_fraction}")
         if self.stream_chunk is not None and self.stream_chunk <= 0:

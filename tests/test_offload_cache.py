@@ -13,6 +13,7 @@ from moe_infer.offload import ExpertShape, OffloadedExpertStore, OffloadManager,
 from moe_infer.offload.cost import CostModel, split_misses
 from moe_infer.offload.policies import CACHE_POLICIES
 from moe_infer.offload.slots import SlotTable
+from moe_infer.offload.split import MissPlan, granule, plan_misses
 
 D, F = 4, 2
 
@@ -115,6 +116,51 @@ def test_split_misses_balances_link_and_cpu():
     assert split_misses({3: 1, 5: 2}, "cpu", cost, expert, 0.0) == ([], [3, 5])
 
 
+def test_plan_misses_shares_an_expert_between_the_link_and_the_host():
+    """A Mixtral expert on the H100 host (benchmarks/results/trials/offload_split_limits_*.log): the link
+    6.5 ms for the whole expert, the host 6.6 ms whole and 3.7 ms for its gate/up projections alone, at
+    one row. Shared, both end together near 3 ms instead of 6.5."""
+    shape = ExpertShape(1, 8, 2, 4096, 14336, torch.bfloat16)
+    F = shape.intermediate_size
+    cost = CostModel(shape.nbytes / 6.5e-3, ((1, 6.6e-3), (64, 30e-3)), cpu13_seconds_at=((1, 3.7e-3), (64, 20e-3)))
+    link_s = lambda c: 6.5e-3 / 3 + (F - c) / F * 6.5e-3 * 2 / 3  # noqa: E731  w2 and the rest of gate/up
+    host_s = lambda c, t=3.7e-3: c / F * t  # noqa: E731
+    p = plan_misses({3: 1}, {}, "share", cost, shape, 0.0)
+    c = p.shared[3]
+    assert p.to_copy == p.to_cpu == [] and c % granule(shape) == 0
+    assert abs(link_s(c) - host_s(c)) < 0.1e-3 and max(link_s(c), host_s(c)) < 3.05e-3
+    # two misses: the host takes rows of the expert with fewer routed rows first, then of the other
+    p = plan_misses({3: 4, 5: 1}, {}, "share", cost, shape, 0.0)
+    assert p.shared[5] == F and 0 < p.shared[3] < F
+    # a slot that lacks its first m rows shares just those: no w2 on the link
+    m = F // 2
+    p = plan_misses({}, {6: (1, m)}, "share", cost, shape, 0.0)
+    c = p.shared[6]
+    assert abs((m - c) / F * 6.5e-3 * 2 / 3 - host_s(c)) < 0.1e-3
+    # the host launches the next layers for 3.5 ms while the link copies: the link's credit, the host's less
+    p = plan_misses({3: 1}, {}, "share", cost, shape, -3.5e-3)
+    c = p.shared[3]
+    assert abs(link_s(c) - 3.5e-3 - host_s(c)) < 0.1e-3 and 0.3 < c / F < 0.45
+    # a link busy for 30 ms: the whole expert on the host (it spares the link w2 as well)
+    assert plan_misses({3: 1}, {}, "share", cost, shape, 0.030) == MissPlan([], [3], {})
+    # the other policies never share a missed expert; a partial slot is completed by the link (or the host)
+    assert plan_misses({3: 1, 5: 1}, {6: (1, m)}, "auto", cost, shape, 0.0) == MissPlan([3], [5], {6: 0})
+    assert plan_misses({3: 1}, {6: (1, m)}, "wait", cost, shape, 0.0) == MissPlan([3], [], {6: 0})
+    assert plan_misses({3: 1}, {6: (1, m)}, "cpu", cost, shape, 0.0) == MissPlan([], [3], {6: m})
+
+
+def test_host_gap_is_the_averaged_host_time_between_layer_steps():
+    m, _, _ = _stores(1, 4, 1, 1)
+    m.note_host_gap(5.0)  # no layer step ended before: nothing to average
+    assert m.host_gap_s == 0.0
+    m.run_end_s = 1.0
+    m.note_host_gap(1.004)
+    assert m.host_gap_s == pytest.approx(0.1 * 0.004) and m.run_end_s is None
+    m.run_end_s = 2.0
+    m.note_host_gap(9.0)  # a long pause (between requests) counts as the cap, 50 ms
+    assert m.host_gap_s == pytest.approx(0.9 * 0.0004 + 0.1 * 0.05)
+
+
 def test_cpu_cost_follows_what_the_engine_measures():
     """The start-up CPU figures are rescaled by the CPU path's measured time: a host that turns out 3x
     slower in the running engine stops getting the misses the quiet measurement gave it."""
@@ -160,54 +206,86 @@ def _stores(L, E, K, slots, **cfg):
 
 
 def _checking_compute(store, ids_TK, seen):
+    """The slot compute of a step, checking that each row's slot holds its expert: w2 and the gate/up
+    rows past the slot's missing ones equal to the host tier's, the missing ones zero (the host computes
+    those, offload/split.py). Returns out_TD by a naive loop over the rows."""
     def compute(x_TD, slot_ids_TK, weights_TK, w13_S2FD, w2_SDF):
+        out_TD = torch.zeros_like(x_TD)
         for (t, k), slot in zip(torch.nonzero(slot_ids_TK >= 0).tolist(), slot_ids_TK[slot_ids_TK >= 0].tolist()):
             e = int(ids_TK[t, k])
-            assert torch.equal(w13_S2FD[slot], store.w13_E2FD[e]) and torch.equal(w2_SDF[slot], store.w2_EDF[e]), \
-                f"layer {store.pos} expert {e} computed from a slot that holds something else"
+            miss = store.missing_S[slot] if w13_S2FD is store.w13_S2FD else 0  # stream buffers hold whole experts
+            w13, ref13 = w13_S2FD[slot], store.w13_E2FD[e]
+            rows = torch.cat([torch.arange(miss, F), torch.arange(F + miss, 2 * F)])
+            zero = torch.cat([torch.arange(0, miss), torch.arange(F, F + miss)])
+            assert torch.equal(w13[rows], ref13[rows]) and torch.equal(w2_SDF[slot], store.w2_EDF[e]) and \
+                not w13[zero].any(), f"layer {store.pos} expert {e} computed from a slot that holds something else"
             seen.add((t, k))
-        return torch.zeros_like(x_TD)
+            out_TD[t] += weights_TK[t, k] * _swiglu_ref(x_TD[t], w13, w2_SDF[slot])
+        return out_TD
 
     return compute
 
 
+def _swiglu_ref(x_D, w13_2FD, w2_DF):
+    h_2F = w13_2FD @ x_D
+    return w2_DF @ (torch.nn.functional.silu(h_2F[:F]) * h_2F[F:])
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), E=st.integers(2, 6), K=st.integers(1, 2), slots=st.integers(0, 4),
-       miss=st.sampled_from(["wait", "cpu", "auto"]), policy=st.sampled_from(["lru", "lfu"]),
+       miss=st.sampled_from(["wait", "cpu", "auto", "share"]), policy=st.sampled_from(["lru", "lfu"]),
        stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 4),
        rule=st.sampled_from(["all", "saving"]), min_prob=st.sampled_from([0.0, 0.3, 0.9]),
-       link_s=st.sampled_from([0.0, 0.5]))
+       link_s=st.sampled_from([0.0, 0.5]), cpu_ms=st.sampled_from([1.0, 4.0, 20.0]))
 def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, policy, stream_fraction, steps, rule,
-                                                    min_prob, link_s):
+                                                    min_prob, link_s, cpu_ms):
+    """Any sequence of steps: each row on the device reads a slot that holds its expert (but for the
+    gate/up rows the host computes), and each step's output equals the experts computed from the
+    host tier by a naive loop, whichever mix of hits, partial slots, copies, shared misses, streams
+    and host experts the cost model picks (a 6.5 ms link; the host cpu_ms an expert)."""
     torch.set_num_threads(1)
     L = 3
     m, stores, routers = _stores(L, E, K, slots, miss_policy=miss, cache_policy=policy,
                                  stream_fraction=stream_fraction, prefetch_rule=rule, prefetch_min_prob=min_prob)
+    m.cost = CostModel(m.shape.nbytes / 6.5e-3, ((1, cpu_ms * 1e-3), (64, 4 * cpu_ms * 1e-3)))
     m.prefetcher.costs = lambda: (1.0, link_s)  # an idle or a half-busy link, not the wall clock
+    m.copier.clock = lambda: 0.0  # the link's backlog as the test sets it, not as the wall clock drains it
+    m.note_host_gap = lambda now: None  # no credit for the host's own time (the backlog alone decides)
     ids = st.lists(st.integers(-1, E - 1), min_size=K, max_size=K)
     weights = st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K)
     for _ in range(steps):
         T = data.draw(st.integers(1, 4))
         for layer, store in enumerate(stores):
+            m.copier.link_free_at = data.draw(st.sampled_from([0.0, 0.003, 0.03]))
             ids_TK = torch.tensor(data.draw(st.lists(ids, min_size=T, max_size=T)))
+            weights_TK = torch.tensor(data.draw(st.lists(weights, min_size=T, max_size=T)))
             if layer + 1 < L:
                 routers[layer + 1].ids_TK = torch.tensor(data.draw(st.lists(ids, min_size=T, max_size=T))).clamp_min(0)
                 routers[layer + 1].weights_TK = torch.tensor(data.draw(st.lists(weights, min_size=T, max_size=T)))
             prefetched = set(store.prefetched)
             hits_before = m.stats[layer].prefetch_hits
-            fetched = store.fetch(torch.zeros(T, D), ids_TK)
+            x_TD = torch.randn(T, D) / 1e3
+            fetched = store.fetch(x_TD, ids_TK)
             needed = {e for e in ids_TK.view(-1).tolist() if e >= 0}
             assert m.stats[layer].prefetch_hits - hits_before == len(prefetched & needed)  # none was evicted
             assert set(fetched.to_cpu) | set(fetched.to_stream) | {e for e in needed if store.table.lookup(e) is not None} >= needed
             seen = set()
-            fetched.run(torch.zeros(T, D), ids_TK, torch.ones(T, K), _checking_compute(store, ids_TK, seen))
+            out_TD = fetched.run(x_TD, ids_TK, weights_TK, _checking_compute(store, ids_TK, seen))
             elsewhere = set(fetched.to_cpu)
             want = {(t, k) for t in range(T) for k in range(K) if ids_TK[t, k] >= 0 and int(ids_TK[t, k]) not in elsewhere}
             assert seen == want  # every row on the device ran from a slot holding its expert
+            ref_TD = torch.zeros(T, D)
+            for t, k in torch.nonzero(ids_TK >= 0).tolist():
+                e = int(ids_TK[t, k])
+                ref_TD[t] += weights_TK[t, k] * _swiglu_ref(x_TD[t], store.w13_E2FD[e], store.w2_EDF[e])
+            torch.testing.assert_close(out_TD, ref_TD, rtol=1e-4, atol=1e-3)
     total = m.summary()["total"]
-    assert total["needed"] == total["hits"] + total["copied"] + total["streamed"] + total["cpu"]
+    assert total["needed"] == (total["hits"] + total["partial"] + total["copied"] + total["shared"]
+                               + total["streamed"] + total["cpu"])
     assert total["prefetch_hits"] + total["prefetch_wasted"] == total["prefetched"] - sum(
         len(s.prefetched) for s in stores)  # every landed prefetch was used or wasted (the last ones are pending)
+    if miss in ("wait", "auto"):
+        assert total["shared"] == total["partial"] == 0
 
 
 @pytest.mark.parametrize("rule", ["all", "saving"])

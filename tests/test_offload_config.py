@@ -16,7 +16,7 @@ def test_llm_keywords_as_the_issue_writes_them():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(store="cpu", gpu_expert_budget_gb=0), "gpu_expert_budget_gb must be positive"),
     (dict(store="cpu", gpu_expert_budget_gb=1, slots_per_layer=2), "not both"),
-    (dict(store="cpu", miss_policy="sometimes"), "miss_policy must be auto, wait or cpu"),
+    (dict(store="cpu", miss_policy="sometimes"), "miss_policy must be auto, share, wait or cpu"),
     (dict(store="cpu", stream_fraction=0), r"stream_fraction must be in \(0, 1\]"),
     (dict(store="cpu", prefetch_stats_weight=2), r"prefetch_stats_weight must be in \[0, 1\]"),
     (dict(store="cpu", prefetch_min_prob=1.5), r"prefetch_min_prob must be in \[0, 1\]"),

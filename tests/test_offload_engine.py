@@ -34,11 +34,28 @@ CASES = {
     "cpu_streaming": ("qwen3_moe", "preempt", dict(offload="cpu", slots_per_layer=3, stream_fraction=0.25,
                                                    miss_policy="wait")),
     "cpu_auto_budget_gb": ("olmoe", "chunked", dict(offload="cpu", gpu_expert_budget_gb=4e-4, miss_policy="auto")),
+    # the H100 host's costs (link and host about equal per expert): misses shared between the two
+    "cpu_share": ("mixtral", "preempt", dict(offload="cpu", slots_per_layer=2, miss_policy="share")),
     "nvme_threads_lfu": ("olmoe", "prefix", dict(offload="nvme", nvme_reader="threads", slots_per_layer=2,
                                                  cache_policy="lfu", miss_policy="wait")),
     "nvme_deepspeed_no_prefetch": ("mixtral", "prefix", dict(offload="nvme", nvme_reader="deepspeed",
                                                              slots_per_layer=1, prefetch=False, miss_policy="auto")),
 }
+
+
+def _h100_costs(llm) -> None:
+    """The cost model of a Mixtral expert on the H100 host, scaled to this model's experts (the link 6.5
+    ms an expert, the host 6.6 ms whole and 3.7 ms for gate/up), in place of this machine's figures:
+    the share miss policy then shares misses between the link and the host."""
+    from moe_infer.offload.cost import CostModel
+
+    m = llm.engine.runner.offload
+    m.cost = CostModel(m.shape.nbytes / 6.5e-3, ((1, 6.6e-3), (64, 30e-3)), cpu13_seconds_at=((1, 3.7e-3), (64, 20e-3)))
+    m.copier.bytes_per_s = m.cost.h2d_bytes_per_s
+    m.cost.observe_cpu = lambda *a, **k: None  # keep the figures: this machine's host is not that one
+    m.copier.busy_share = lambda: 0.0  # an idle link, as the modelled copies are not timed by this machine's
+    m.copier.seconds_until_idle = lambda: 0.0  # wall clock: prefetches run, misses are shared
+    m.note_host_gap = lambda now: None  # and no credit for this host's launch time, which is not the H100's
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +77,8 @@ def test_offload_greedy_matches_transformers(case, tmp_path):
         offload = dict(offload, nvme_path=str(tmp_path))
     path, ref = reference(family)
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, **MODES[mode], **offload)
+    if case.endswith("_share"):
+        _h100_costs(llm)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     if mode == "prefix":
@@ -83,6 +102,8 @@ def test_offload_greedy_matches_transformers(case, tmp_path):
         assert total["cpu"] == 0
     if case == "cpu_streaming":
         assert total["streamed"] > 0
+    if case.endswith("_share"):
+        assert total["shared"] > 0 and total["partial"] > 0, str(total)
     if offload["offload"] == "nvme":
         assert total["gb_read"] > 0
         assert llm.get_offload_stats()["reader"] == offload["nvme_reader"]
@@ -107,15 +128,21 @@ def tiny_resident_tokens():
     dict(offload="cpu", slots_per_layer=2, cache_policy="lfu", miss_policy="cpu", max_prefetch=1),
     dict(offload="cpu", slots_per_layer=2, miss_policy="wait", prefetch_rule="all"),
     dict(offload="cpu", slots_per_layer=2, miss_policy="wait", prefetch_min_prob=0.8),
-], ids=["saving_auto", "saving_lfu_cpu_max1", "all_wait", "saving_sure_only"])
-def test_tiny_model_offloaded_equals_resident(offload, tiny_resident_tokens):
+    dict(offload="cpu", slots_per_layer=2, miss_policy="share"),
+], ids=["saving_auto", "saving_lfu_cpu_max1", "all_wait", "saving_sure_only", "saving_share"])
+def test_tiny_model_offloaded_equals_resident(offload, tiny_resident_tokens, request):
     """The default prefetch rule (`saving`: explicit victims, declined candidates) and the old one (`all`)
-    keep the resident engine's greedy tokens."""
+    keep the resident engine's greedy tokens; so do misses shared between the link and the host."""
     llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, **offload)
+    shared = request.node.callspec.id.endswith("_share")
+    if shared:
+        _h100_costs(llm)
     outs = llm.generate(TINY_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == tiny_resident_tokens
     total = llm.get_offload_stats()["total"]
     assert total["prefetched"] > 0 and total["prefetch_hits"] > 0
+    if shared:
+        assert total["shared"] > 0 and total["partial"] > 0, str(total)
     if offload.get("prefetch_min_prob"):  # the floor turned weak predictions down
         assert total["prefetch_declined"] > 0
 
@@ -188,8 +215,9 @@ def test_capacity_policy_and_statistics_with_offload():
     dict(offload="cpu", slots_per_layer=1, miss_policy="cpu", cache_policy="lfu"),
     dict(offload="cpu", slots_per_layer=3, stream_fraction=0.25, miss_policy="auto"),
     dict(offload="nvme", nvme_reader="threads", slots_per_layer=2, miss_policy="auto"),
-], ids=["wait", "cpu_misses", "streaming", "nvme"])
-def test_offload_on_cuda_equals_resident(offload, tmp_path):
+    dict(offload="cpu", slots_per_layer=2, miss_policy="share"),
+], ids=["wait", "cpu_misses", "streaming", "nvme", "share"])
+def test_offload_on_cuda_equals_resident(offload, tmp_path, request):
     """The CUDA paths: pinned (registered) host tier, copies on the side stream with events, the fused
     Triton experts on slot ids, CPU rows gathered before the GPU waits. Greedy tokens of the resident
     engine (fp32, preemption and chunked prefill on)."""
@@ -203,10 +231,15 @@ def test_offload_on_cuda_equals_resident(offload, tmp_path):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
     llm = LLM(**kw, **offload)
+    shared = request.node.callspec.id == "share"
+    if shared:  # the zeroed slot rows, the host's act rows pinned and sent, the slot's w2 on the device
+        _h100_costs(llm)
     assert llm.engine.runner.graphs is None  # offload runs eagerly
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     total = llm.get_offload_stats()["total"]
     assert total["needed"] > 0 and total["gb_h2d"] > 0
+    if shared:
+        assert total["shared"] > 0 and total["partial"] > 0, str(total)
     if offload.get("stream_fraction"):  # every step needs more than a quarter of a layer's experts: streamed
         assert total["streamed"] > 0
     else:

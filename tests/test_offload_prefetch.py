@@ -96,7 +96,8 @@ def test_replay_runs_the_engine_decisions_and_the_new_rule_wastes_less():
 
     torch.set_num_threads(1)
     traces = TraceReplay(record_tiny_traces(2, 64, torch.device("cpu")), 8, 2, "cpu")
-    args = argparse.Namespace(streams=1, steps=16, gpu_slots=56, link_gbps=54.4, cpu_ms=9.0, host_ms=2.7, gpu_ms=0.5)
+    args = argparse.Namespace(streams=1, steps=16, gpu_slots=56, link_gbps=54.4, cpu_ms=9.0, cpu13_share=0.57,
+                              host_ms=2.7, gpu_ms=0.5)
     old = replay(OffloadConfig(store="cpu", prefetch_rule="all"), traces, [0], args)
     new = replay(OffloadConfig(store="cpu", prefetch_rule="saving"), traces, [0], args)
     for r in (old, new):

@@ -4,14 +4,15 @@
 ids in place of expert ids (-1: computed elsewhere): a backend with `fused_experts` (Triton) takes
 them as they are, any other (the PyTorch reference) goes through a LocalDispatcher over the slots.
 `gather_cpu_rows` + `cpu_experts` compute routed rows of experts whose weights are in host memory
-(Fiddler-style), in the model dtype on the host cores.
+(Fiddler-style), in the model dtype on the host cores: whole experts, or the first gate/up rows of an
+expert the host shares with the link (offload/split.py), whose down projection the device finishes.
 
 Legend: T tokens, D hidden, F expert intermediate, S slots, K top-k, r rows of one expert.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,13 @@ def swiglu(x_rD: torch.Tensor, w13_2FD: torch.Tensor, w2_DF: torch.Tensor) -> to
     h_r2F = x_rD @ w13_2FD.t()
     f = w2_DF.shape[1]
     return (F.silu(h_r2F[:, :f]) * h_r2F[:, f:]) @ w2_DF.t()
+
+
+def gate_up(x_rD: torch.Tensor, w13_2FD: torch.Tensor, f: int, c: Optional[int] = None) -> torch.Tensor:
+    """act_rc = silu(x @ w1[:c].T) * (x @ w3[:c].T) in float32: the first c of the expert's f
+    intermediate rows (all f when c is None), read from two contiguous ranges of w13 [gate; up]."""
+    c = f if c is None else c
+    return F.silu((x_rD @ w13_2FD[:c].t()).float()) * (x_rD @ w13_2FD[f:f + c].t()).float()
 
 
 def to_device(values: List[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
@@ -64,19 +72,38 @@ def gather_cpu_rows(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.
                    weights_TK[t_idx, k_idx].float().cpu())
 
 
-def cpu_experts(rows: CpuRows, out_TD: torch.Tensor,
-                host_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def cpu_experts(rows: CpuRows, out_TD: torch.Tensor, host_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
+                shared: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None) -> torch.Tensor:
     """out_TD + the weighted outputs of `rows`, each expert computed on the host cores from
-    host_weights(e) -> (w13_2FD, w2_DF); the result goes back without blocking the host."""
+    host_weights(e) -> (w13_2FD, w2_DF); the result goes back without blocking the host. shared[e] =
+    (c, w2_DF of e's device slot): the host computes only the gate/up rows [0:c) of expert e
+    (offload/split.py) and the device multiplies them by the slot's w2[:, :c]."""
     if not rows.e_r:
         return out_TD
+    shared = shared or {}
     y_rD = torch.empty(rows.x_rD.shape, dtype=rows.x_rD.dtype, pin_memory=out_TD.is_cuda)
+    if shared:
+        y_rD.zero_()
     groups: Dict[int, List[int]] = {}
     for i, e in enumerate(rows.e_r):
         groups.setdefault(e, []).append(i)
+    parts = []  # (rows of a shared expert, their weighted act [r, c] on the host, the slot's w2[:, :c])
     for e, idx in groups.items():
         idx_r = torch.tensor(idx, device="cpu")
         w13, w2 = host_weights(e)
-        y = swiglu(rows.x_rD.index_select(0, idx_r), w13, w2)
-        y_rD[idx_r] = (y.float() * rows.w_r[idx_r, None]).to(y_rD.dtype)
-    return out_TD.index_add(0, rows.t_idx_r, y_rD.to(out_TD.device, non_blocking=True))
+        x_rD = rows.x_rD.index_select(0, idx_r)
+        if e in shared:
+            c, w2_DF = shared[e]
+            act_rc = gate_up(x_rD, w13, w2.shape[1], c) * rows.w_r[idx_r, None]
+            parts.append((idx, act_rc.to(x_rD.dtype), w2_DF[:, :c]))
+        else:
+            y = swiglu(x_rD, w13, w2)
+            y_rD[idx_r] = (y.float() * rows.w_r[idx_r, None]).to(y_rD.dtype)
+    if len(parts) < len(groups):
+        out_TD = out_TD.index_add(0, rows.t_idx_r, y_rD.to(out_TD.device, non_blocking=True))
+    for idx, act_rc, w2_Dc in parts:
+        if out_TD.is_cuda:
+            act_rc = act_rc.pin_memory()
+        t_idx = rows.t_idx_r[to_device(idx, rows.t_idx_r.device)]
+        out_TD = out_TD.index_add(0, t_idx, act_rc.to(out_TD.device, non_blocking=True) @ w2_Dc.t())
+    return out_TD

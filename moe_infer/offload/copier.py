@@ -32,13 +32,17 @@ class Copier:
         self.window_s = 1.0  # time constant of busy_share's decay
         self.busy_s, self.span_s, self.seen_at = 0.0, 0.0, None  # decayed copy seconds / elapsed seconds
 
-    def copy(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], after: Iterable[Event] = ()) -> Event:
-        """dst.copy_(src) for each pair on the side stream after the events `after`; the copies' event."""
+    def copy(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], after: Iterable[Event] = (),
+             zeros: Sequence[torch.Tensor] = ()) -> Event:
+        """dst.copy_(src) for each pair on the side stream after the events `after` (and each tensor of
+        `zeros` zeroed there first); the event after all of it."""
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
         now = self._age()
         self.busy_s += nbytes / self.bytes_per_s
         self.link_free_at = max(now, self.link_free_at) + nbytes / self.bytes_per_s
         if not self.is_cuda:
+            for dst in zeros:
+                dst.zero_()
             for dst, src in pairs:
                 dst.copy_(src)
             return None
@@ -46,6 +50,8 @@ class Copier:
             for ev in after:
                 if ev is not None:
                     self.stream.wait_event(ev)
+            for dst in zeros:
+                dst.zero_()
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()

@@ -2,7 +2,9 @@
 
 Measured once at start-up on this machine (`CostModel.measure`): the host-to-device bandwidth of one
 expert copy from the host tier, the CPU's time for one expert at 1, 4, 16 and 64 rows (interpolated
-in between, linear beyond), and, for the NVMe tier, the disk read bandwidth of one expert record.
+in between, linear beyond), the same for its gate/up projections alone (what the host computes of an
+expert it shares with the link, offload/split.py), and, for the NVMe tier, the disk read bandwidth of
+one expert record.
 The start-up figures are the best of a few quiet runs; in the running engine the host thread that
 computes a missed expert is also the one that launches the GPU's work, its cores wake from idle and
 the rows travel both ways, so the CPU path's measured wall time per step (`observe_cpu`) rescales the
@@ -17,11 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from moe_infer.offload.compute import swiglu
+from moe_infer.offload.compute import gate_up, swiglu
 
 logger = logging.getLogger(__name__)
 _ROWS = (1, 4, 16, 64)
@@ -33,22 +35,30 @@ class CostModel:
     cpu_seconds_at: Tuple[Tuple[int, float], ...]  # (rows, seconds for one expert)
     read_bytes_per_s: float = float("inf")  # NVMe tier
     cpu_scale: float = 1.0  # measured / predicted CPU path time in the running engine (observe_cpu)
+    # (rows, seconds for one expert's gate/up projections alone, all F); None: 2/3 of cpu_seconds_at (bytes)
+    cpu13_seconds_at: Optional[Tuple[Tuple[int, float], ...]] = None
 
     def cpu_seconds(self, rows: int) -> float:
-        return self.cpu_scale * self._cpu_seconds_at_start(rows)
+        return self.cpu_scale * _interpolate(self.cpu_seconds_at, rows)
 
-    def _cpu_seconds_at_start(self, rows: int) -> float:
-        pts = self.cpu_seconds_at
-        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
-            if rows <= n1:
-                return t0 + (t1 - t0) * max(rows - n0, 0) / (n1 - n0)
-        (n0, t0), (n1, t1) = pts[-2], pts[-1]
-        return t1 + (t1 - t0) * (rows - n1) / (n1 - n0)
+    def cpu13_seconds(self, rows: int) -> float:
+        """The host's time for one expert's gate/up projections (all F of them) at `rows` rows."""
+        return self.cpu_scale * self._cpu13_at_start(rows)
 
-    def observe_cpu(self, rows: List[int], seconds: float, weight: float = 0.25) -> None:
+    def _cpu13_at_start(self, rows: int) -> float:
+        if self.cpu13_seconds_at is None:
+            return _interpolate(self.cpu_seconds_at, rows) * 2.0 / 3.0
+        return _interpolate(self.cpu13_seconds_at, rows)
+
+    def observe_cpu(self, rows: List[int], seconds: float, weight: float = 0.25,
+                    shares: Optional[List[float]] = None) -> None:
         """One step's CPU path took `seconds` (host wall time: rows out, experts computed, result queued)
-        for experts of `rows` rows each: move cpu_scale toward measured / start-up prediction."""
-        predicted = sum(self._cpu_seconds_at_start(n) for n in rows)
+        for experts of `rows` rows each: move cpu_scale toward measured / start-up prediction. shares[i]:
+        the part of expert i's gate/up rows the host computed when it shared the expert with the link
+        (None: it computed the whole expert)."""
+        shares = shares or [None] * len(rows)
+        predicted = sum(_interpolate(self.cpu_seconds_at, n) if f is None else f * self._cpu13_at_start(n)
+                        for n, f in zip(rows, shares))
         if predicted > 0 and seconds > 0:
             ratio = min(max(seconds / predicted, 0.25), 100.0)
             self.cpu_scale += weight * (ratio - self.cpu_scale)
@@ -58,6 +68,8 @@ class CostModel:
 
     def describe(self, expert_bytes: int) -> str:
         cpu = ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu_seconds_at)
+        if self.cpu13_seconds_at is not None:
+            cpu += " (gate/up alone " + ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu13_seconds_at) + ")"
         read = "" if self.read_bytes_per_s == float("inf") else f", disk read {self.read_bytes_per_s / 1e9:.2f} GB/s"
         scale = "" if self.cpu_scale == 1.0 else f" (x{self.cpu_scale:.2f} as measured in the engine)"
         return (f"offload cost model: H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.copy_seconds(expert_bytes) * 1e3:.2f}"
@@ -81,11 +93,21 @@ class CostModel:
             return max(min(times), 1e-9)
 
         h2d = nbytes / best(copy)
-        points = []
+        points, points13 = [], []
         for rows in _ROWS:
             x = torch.randn(rows, host_w13.shape[1]).to(host_w13.dtype)
             points.append((rows, best(lambda: swiglu(x, host_w13, host_w2))))
-        return cls(h2d, tuple(points))
+            points13.append((rows, best(lambda: gate_up(x, host_w13, host_w2.shape[1]))))
+        return cls(h2d, tuple(points), cpu13_seconds_at=tuple(points13))
+
+
+def _interpolate(pts: Tuple[Tuple[int, float], ...], rows: int) -> float:
+    """Piecewise linear in the row count through the measured points, linear beyond the last two."""
+    for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+        if rows <= n1:
+            return t0 + (t1 - t0) * max(rows - n0, 0) / (n1 - n0)
+    (n0, t0), (n1, t1) = pts[-2], pts[-1]
+    return t1 + (t1 - t0) * (rows - n1) / (n1 - n0)
 
 
 def split_misses(misses: Dict[int, int], mode: str, cost: CostModel, expert_bytes: int, link_wait_s: float,

@@ -49,6 +49,10 @@ class OffloadManager:
         self.stats: List[OffloadStats] = []
         self.buffers = [StreamBuffer(plan, self.device) for _ in range(2)]
         self.cost: Optional[CostModel] = None
+        # the host's own work between a layer step's end and the next one's sync (launching the next
+        # layers): the link copies under it, the host's expert compute does not (split.py's credit)
+        self.host_gap_s = 0.0
+        self.run_end_s: Optional[float] = None
         self.prefetcher = Prefetcher(cfg, self)
         self.pin = cfg.pin_memory and self.device.type == "cuda"
         self.nvme: Optional[NvmeFiles] = None
@@ -71,6 +75,13 @@ class OffloadManager:
 
     def next_store(self, store):
         return self.stores[store.pos + 1] if store.pos + 1 < len(self.stores) else None
+
+    def note_host_gap(self, now: float, weight: float = 0.1, cap_s: float = 0.05) -> None:
+        """A layer step is about to sync: the host time since the previous layer step ended, averaged."""
+        if self.run_end_s is not None:
+            gap = min(max(now - self.run_end_s, 0.0), cap_s)
+            self.host_gap_s += weight * (gap - self.host_gap_s)
+        self.run_end_s = None
 
     def begin_layer(self, store) -> None:
         """A layer step starts: no other layer step is running, so every step pin is released (the GPU
@@ -121,17 +132,35 @@ class OffloadManager:
                      stats: OffloadStats) -> Event:
         """Experts (e, dst_w13, dst_w2) of `store` from the host tier to the device, on the copy stream
         after the events `after`; one event for all of them (None when there is nothing to copy)."""
+        F = self.shape.intermediate_size
+        return self.copy_rows(store, [(e, w13, w2, 0, F, True) for e, w13, w2 in items], after, stats)
+
+    def copy_rows(self, store, items: List[Tuple[int, torch.Tensor, torch.Tensor, int, int, bool]],
+                  after: Iterable[Event], stats: OffloadStats) -> Event:
+        """Parts of experts into slots (offload/split.py): (e, dst_w13_2FD, dst_w2_DF, lo, hi, fresh) copies
+        gate and up rows [lo:hi) of expert e; `fresh` (the slot held another expert): also all of w2, and
+        gate/up rows [0:lo) zeroed (the host computes those). (e, .., 0, F, True) is a whole expert. One
+        event for all of them, on the copy stream after `after` (None when there is nothing to copy)."""
         if not items:
             return None
-        pairs = []
-        for e, dst_w13, dst_w2 in items:
+        F = self.shape.intermediate_size
+        pairs, zeros = [], []
+        for e, dst13, dst2, lo, hi, fresh in items:
             w13, w2 = self.host_weights(store, e)
-            pairs += [(dst_w13, w13), (dst_w2, w2)]
-        ev = self.copier.copy(pairs, after)
+            if lo == 0 and hi == F:
+                pairs.append((dst13, w13))
+            elif hi > lo:
+                pairs += [(dst13[lo:hi], w13[lo:hi]), (dst13[F + lo:F + hi], w13[F + lo:F + hi])]
+            if fresh:
+                pairs.append((dst2, w2))
+                if lo > 0:
+                    zeros += [dst13[:lo], dst13[F:F + lo]]
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        ev = self.copier.copy(pairs, after, zeros)
         if self.nvme is not None:
-            for e, _, _ in items:
+            for e, *_ in items:
                 self.host_busy[self.host_table.lookup((store.pos, e))] = ev
-        stats.bytes_h2d += len(items) * self.shape.nbytes
+        stats.bytes_h2d += nbytes
         return ev
 
     # ------------------------------------------------------------------ life cycle

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from moe_infer.offload.compute import SlotCompute, cpu_experts, gather_cpu_rows, to_device
-from moe_infer.offload.cost import split_misses
 from moe_infer.offload.host import layer_host_tensors
 from moe_infer.offload.nvme import record_views
 from moe_infer.offload.policies import CACHE_POLICIES
 from moe_infer.offload.slots import SlotTable
+from moe_infer.offload.split import plan_misses
 from moe_infer.offload.stats import OffloadStats
 
 Router = Callable[[torch.Tensor], tuple]  # x_TD -> (logits_TE, topk_weights_TK, topk_ids_TK)
@@ -64,6 +64,7 @@ class OffloadedExpertStore(nn.Module):
         self.register_buffer("freq_E", torch.zeros(self.num_experts, dtype=torch.float32, device=dev), persistent=False)
         self.table = SlotTable(S, CACHE_POLICIES.get(cfg.cache_policy)())
         self.ready: List[object] = [None] * S  # copy event of each slot
+        self.missing_S: List[int] = [0] * S  # leading gate/up rows a slot lacks (zero there; offload/split.py)
         self.last_compute = None  # event after this layer's last expert compute
         self.pred_TK: Optional[torch.Tensor] = None  # the previous layer's pre-gate for this layer
         self.predicted: Optional[set] = None
@@ -115,6 +116,7 @@ class OffloadedExpertStore(nn.Module):
         if nxt is not None:
             nxt.pred_TK, pred_weights_TK = nxt.predict(x_TD)
             parts.append(nxt._scores_S(nxt.pred_TK, pred_weights_TK))
+        m.note_host_gap(time.perf_counter())
         host = torch.cat(parts).tolist()  # the layer step's one host sync
         needed: Dict[int, int] = {e: n for e, n in enumerate(host[:E]) if n}
         st = m.stats[self.pos]
@@ -138,31 +140,53 @@ class OffloadedExpertStore(nn.Module):
         m, cfg, E, table = self.manager, self.manager.cfg, self.num_local_experts, self.table
         table.unpin_all("prefetch")  # the prefetch was for this step
         table.policy.observe(needed)
-        hits = [e for e in needed if table.lookup(e) is not None]
+        cached = [e for e in needed if table.lookup(e) is not None]
         m.step_pinned.add(self)  # before the pins: a step that fails part-way still has them released
         for e in needed:
             table.pin(e, "step")
-        for e in hits:
+        for e in cached:
             table.touch(e)
-        st.hits += len(hits)
-        used = len(self.prefetched.intersection(hits))
+        partial = {e: (needed[e], self.missing_S[table.lookup(e)]) for e in cached
+                   if self.missing_S[table.lookup(e)]}
+        st.hits += len(cached) - len(partial)
+        st.partial += len(partial)
+        used = len(self.prefetched.intersection(cached))
         st.prefetch_hits += used
         st.prefetch_wasted += len(self.prefetched) - used
         st.bytes_prefetch_wasted += (len(self.prefetched) - used) * m.shape.nbytes
         self.prefetched = set()
         misses = {e: n for e, n in needed.items() if table.lookup(e) is None}
-        m.ensure_host(self, misses, "step", st)
-        to_copy, to_cpu = split_misses(misses, cfg.miss_policy, m.cost, m.shape.nbytes, m.copier.seconds_until_idle())
+        m.ensure_host(self, list(misses) + list(partial), "step", st)
         stream_all = len(needed) > cfg.stream_fraction * E
-        to_stream, copies = [], []
-        for e in to_copy:
+        mode = "auto" if stream_all and cfg.miss_policy == "share" else cfg.miss_policy  # streamed: whole experts
+        link_wait_s = m.copier.seconds_until_idle() - (m.host_gap_s if mode == "share" else 0.0)
+        plan = plan_misses(misses, partial, mode, m.cost, m.shape, link_wait_s)
+        F = m.shape.intermediate_size
+        to_stream, to_cpu, shared, copies = [], list(plan.to_cpu), {}, []
+        for e in plan.to_copy + [e for e in plan.shared if e in misses]:
             got = None if stream_all else table.allocate(e)
-            if got is None:
-                to_stream.append(e)
-            else:
-                copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]]))
+            c = plan.shared.get(e, 0)
+            if got is None:  # no free or evictable slot: whole, streamed or (mostly the host's anyway) on the host
+                (to_cpu if 2 * c > F else to_stream).append(e)
+                continue
+            self.missing_S[got[0]] = c
+            copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]], c, F, True))
+            if c:
+                shared[e] = c
+        for e, (_, missing) in partial.items():
+            c = plan.shared[e]
+            slot = table.lookup(e)
+            self.missing_S[slot] = c
+            if c < missing:
+                copies.append((e, self.w13_S2FD[slot], self.w2_SDF[slot], c, missing, False))
+            if c:
+                shared[e] = c
         self._copy_into_slots(copies, st)
-        st.copied += len(to_copy) - len(to_stream)
+        st.copied += sum(1 for e in plan.to_copy if e not in to_stream and e not in to_cpu)
+        st.shared += sum(1 for e in shared if e in misses)
+        row = m.shape.w13_numel / (m.shape.w13_numel + m.shape.w2_numel) / F  # one gate/up row, in experts of bytes
+        st.cpu_shared += row * sum(shared.values())
+        st.partial_missing += row * sum(missing for _, missing in partial.values())
         st.streamed += len(to_stream)
         st.cpu += len(to_cpu)
         elsewhere = set(to_cpu) | set(to_stream)
@@ -171,7 +195,7 @@ class OffloadedExpertStore(nn.Module):
             if e not in elsewhere:
                 slot_of_E[e] = table.lookup(e)
         waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
-        return FetchedExperts(self, slot_of_E, waits, to_cpu, [needed[e] for e in to_cpu], to_stream, nxt, next_scores)
+        return FetchedExperts(self, slot_of_E, waits, to_cpu, shared, needed, to_stream, nxt, next_scores)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, scores: List[int]) -> None:
@@ -197,7 +221,8 @@ class OffloadedExpertStore(nn.Module):
             got = table.allocate(e, victim)
             if got is None:
                 break
-            copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]]))
+            copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]], 0, m.shape.intermediate_size, True))
+            self.missing_S[got[0]] = 0
             self.prefetched.add(e)
             if got[1] is not None:
                 self.evicted.add(got[1])
@@ -206,9 +231,10 @@ class OffloadedExpertStore(nn.Module):
         self._copy_into_slots(copies, st)
 
     def _copy_into_slots(self, copies: list, st: OffloadStats) -> None:
-        """One batch of copies into this layer's slots, after this layer's last compute read them."""
-        ev = self.manager.copy_experts(self, copies, [self.last_compute], st)
-        for e, _, _ in copies:
+        """One batch of copies into this layer's slots (manager.copy_rows items), after this layer's last
+        compute read them."""
+        ev = self.manager.copy_rows(self, copies, [self.last_compute], st)
+        for e, *_ in copies:
             self.ready[self.table.lookup(e)] = ev
 
     # ------------------------------------------------------------------ life cycle
@@ -228,16 +254,20 @@ class FetchedExperts:
     """One layer step's answer: slot tensors, local expert -> slot (-1: elsewhere), what runs elsewhere."""
 
     def __init__(self, store: OffloadedExpertStore, slot_of_E: List[int], waits: list, to_cpu: List[int],
-                 cpu_rows: List[int], to_stream: List[int], nxt, next_scores) -> None:
+                 shared: Dict[int, int], needed: Dict[int, int], to_stream: List[int], nxt, next_scores) -> None:
         dev, E, C = store.w13_S2FD.device, store.num_local_experts, store.manager.plan.stream_chunk
         self.store, self.waits, self.to_cpu, self.to_stream = store, waits, to_cpu, to_stream
-        self.cpu_rows = cpu_rows  # routed rows of each expert in to_cpu
+        self.shared = shared  # expert -> gate/up rows [0:c) the host computes (the slot has the rest)
+        F = store.manager.shape.intermediate_size
+        on_host = to_cpu + list(shared)
+        self.cpu_rows = [needed[e] for e in on_host]  # routed rows of each expert the host works on
+        self.cpu_shares = [None] * len(to_cpu) + [c / F for c in shared.values()]  # None: the whole expert
         self.nxt, self.next_scores = nxt, next_scores
         self.on_device = any(s >= 0 for s in slot_of_E)
         self.w13_S2FD, self.w2_SDF = store.w13_S2FD, store.w2_SDF
         # every small table of the step goes over now, before any GPU-side wait is queued
         self.chunks = [to_stream[i:i + C] for i in range(0, len(to_stream), C)]
-        tables = [slot_of_E, [int(e in to_cpu) for e in range(E)]]
+        tables = [slot_of_E, [int(e in to_cpu or e in shared) for e in range(E)]]
         for chunk in self.chunks:
             tables.append([chunk.index(e) if e in chunk else -1 for e in range(E)])
         tables_XE = to_device([v for t in tables for v in t], dev).view(len(tables), E)
@@ -250,7 +280,7 @@ class FetchedExperts:
         valid_TK = ids_TK >= 0
         safe_TK = ids_TK.clamp_min(0).long()
         cpu_t0 = time.perf_counter()
-        cpu_rows = gather_cpu_rows(x_TD, ids_TK, weights_TK, self.is_cpu_E) if self.to_cpu else None
+        cpu_rows = gather_cpu_rows(x_TD, ids_TK, weights_TK, self.is_cpu_E) if self.cpu_rows else None
         cpu_s = time.perf_counter() - cpu_t0
         m.copier.wait(self.waits)  # the GPU waits for the copies it needs; the host does not
         if self.on_device:
@@ -272,8 +302,10 @@ class FetchedExperts:
             self.nxt = None
         if cpu_rows is not None:  # the host computes while the GPU and the link work
             cpu_t0 = time.perf_counter()
-            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e))
+            shared = {e: (c, self.w2_SDF[self.store.table.lookup(e)]) for e, c in self.shared.items()}
+            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e), shared)
             if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
-                m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0)
+                m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0, shares=self.cpu_shares)
         store.last_compute = m.copier.mark()
+        m.run_end_s = time.perf_counter()
         return out_TD
