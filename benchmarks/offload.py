@@ -17,7 +17,8 @@ For each: decode tok/s, hit rate, pre-gate accuracy, GB moved, achieved H2D GB/s
 limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the
 measured link + CPU rates; the single-stream runs once per prefetch rule of --prefetch-rules (the
 configured default `saving` first, then `all`, the rule before it), with the GB its wrong
-prefetches moved. Baselines in the same run: transformers + accelerate device_map offload
+prefetches moved, and every run once per miss policy of --miss-policies (`auto,share`: each miss
+whole on the link or the host, against misses shared between the two). Baselines in the same run: transformers + accelerate device_map offload
 (4 layers, at the same GPU memory per layer, extrapolated to the model's layers), and the NVMe
 tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
 benchmarks/results/offload_<device>.json (or under --out / $OUT).
@@ -41,9 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps,  # noqa: E402
-                           link_and_cpu_limits, print_table, record_tiny_traces, sync, use_prefetch_rule)
+                           link_and_cpu_limits, print_table, record_tiny_traces, sync, use_policies)
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
+from moe_infer.config import OffloadConfig  # noqa: E402
 from moe_infer.offload.prefetch import PREFETCH_RULES  # noqa: E402
 
 GiB = 1 << 30
@@ -117,7 +119,8 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
     return {"streams": streams, "decode_steps": steps, "seconds": elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
             "tok_s": streams * steps / elapsed, **{k: stats[k] for k in (
                 "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
-                "needed", "copied", "streamed", "cpu", "prefetched", "prefetch_wasted", "prefetch_declined",
+                "needed", "copied", "streamed", "cpu", "shared", "shared_share", "partial", "partial_share", "partial_missing",
+                "cpu_shared", "prefetched", "prefetch_wasted", "prefetch_declined",
                 "prefetch_evicted_needed", "gb_prefetch_wasted")}}
 
 
@@ -138,25 +141,27 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     for routing in (("router", "trace") if traces is not None else ("router",)):
         if routing == "trace":
             TraceReplay(traces, E, K, device).install(moe)
-        for streams, rule in [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]:
+        runs = [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]
+        for (streams, rule), miss in [(run, miss) for run in runs for miss in args.miss_policies]:
             if time.perf_counter() > args.deadline:
                 print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
                 continue
-            use_prefetch_rule(llm, rule)
+            use_policies(llm, rule, miss)
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
-            moved = (r["copied"] + r["streamed"] + r["cpu"]) * expert_bytes(cfg)
+            moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
             bound_s = moved / (link_bps + cpu_bps)
-            r.update(shape=name, routing=routing, prefetch_rule=rule, layers=cfg.num_hidden_layers, budget_gb=budget_gb,
-                     setup_s=setup_s,
+            r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
+                     budget_gb=budget_gb, setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
                      bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1),
                      step_over_bound=r["seconds"] / bound_s if bound_s else None)
             rows.append(r)
-            print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}: {r['tok_s']:.2f} tok/s, hit "
-                  f"{r['hit_rate']:.2f}, pre-gate {r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at "
-                  f"{r['h2d_gbps']:.1f} GB/s ({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), "
-                  f"CPU {r['cpu_share']:.2f}, step {r['step_ms']:.0f} ms vs bound {r['bound_step_ms']:.0f} ms", flush=True)
+            print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}: {r['tok_s']:.2f} tok/s, "
+                  f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
+                  f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
+                  f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
+                  f"{r['shared_share']:.2f}), step {r['step_ms']:.0f} ms vs bound {r['bound_step_ms']:.0f} ms", flush=True)
     llm.shutdown()
     del llm, moe
     gc.collect()
@@ -216,10 +221,15 @@ def main() -> int:
                     help="offload.prefetch_rule of each single-stream run")
     ap.add_argument("--prefetch-rules-16", default="",
                     help="offload.prefetch_rule of each 16-stream run (default: the first of --prefetch-rules)")
+    ap.add_argument("--miss-policies", default="auto",
+                    help="offload.miss_policy of each run (comma list: each run repeated per policy)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
+    args.miss_policies = args.miss_policies.split(",")
+    for miss in args.miss_policies:
+        OffloadConfig(store="cpu", miss_policy=miss)
     args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]
     for rule in args.prefetch_rules:  # a typo fails here, not after minutes of set-up
         PREFETCH_RULES.get(rule)

@@ -59,7 +59,9 @@ class SimCopier(Copier):
         super().__init__(torch.device("cpu"))
         self.sim, self.clock, self.bytes_per_s = clock, (lambda: clock.host), bytes_per_s
 
-    def copy(self, pairs, after=()):
+    def copy(self, pairs, after=(), zeros=()):
+        for dst in zeros:
+            dst.zero_()
         for dst, src in pairs:
             dst.copy_(src)
         seconds = sum(src.numel() * src.element_size() for _, src in pairs) / self.bytes_per_s
@@ -93,8 +95,10 @@ def build(cfg: OffloadConfig, args, clock: SimClock):
     m.finish_load()
     scale = MIXTRAL_EXPERT_BYTES / shape.nbytes  # one tiny byte stands for `scale` Mixtral bytes
     cpu_s = args.cpu_ms / 1e3
-    m.cost = CostModel(args.link_gbps * 1e9 / scale, ((1, cpu_s), (4, cpu_s), (16, 1.2 * cpu_s), (64, 3 * cpu_s)))
-    m.cost.observe_cpu = lambda rows, seconds: None  # the host's CPU time is modelled, not measured here
+    m.cost = CostModel(args.link_gbps * 1e9 / scale, ((1, cpu_s), (4, cpu_s), (16, 1.2 * cpu_s), (64, 3 * cpu_s)),
+                       cpu13_seconds_at=tuple((n, args.cpu13_share * t) for n, t in
+                                              ((1, cpu_s), (4, cpu_s), (16, 1.2 * cpu_s), (64, 3 * cpu_s))))
+    m.cost.observe_cpu = lambda rows, seconds, **kw: None  # the host's CPU time is modelled, not measured here
     m.copier = SimCopier(clock, m.cost.h2d_bytes_per_s)
     return m, stores, routers
 
@@ -129,8 +133,9 @@ def replay(cfg: OffloadConfig, replay_: TraceReplay, seqs: List[int], args) -> D
                     return torch.zeros_like(x)
 
                 fetched.run(x_TD, ids_TK, torch.full(ids_TK.shape, 0.5), compute)
-                if fetched.to_cpu:  # the host computed them after queuing the GPU's work; the GPU adds them
-                    clock.host += sum(m.cost.cpu_seconds(n) for n in fetched.cpu_rows)
+                if fetched.cpu_rows:  # the host computed them after queuing the GPU's work; the GPU adds them
+                    clock.host += sum(m.cost.cpu_seconds(n) if f is None else f * m.cost.cpu13_seconds(n)
+                                      for n, f in zip(fetched.cpu_rows, fetched.cpu_shares))
                     clock.gpu = max(clock.gpu, clock.host)
             clock.host = max(clock.host, clock.gpu)  # sampling reads the logits
         step_s.append((clock.host - t0) / args.steps)
@@ -144,7 +149,8 @@ def replay(cfg: OffloadConfig, replay_: TraceReplay, seqs: List[int], args) -> D
     return {"gb_per_step": totals["bytes_h2d"] / (D * F * 3 * 4) * gb / steps,
             "gb_misses_per_step": (totals["copied"] + totals["streamed"]) * gb / steps,
             "gb_wasted_per_step": totals["prefetch_wasted"] * gb / steps,
-            "hit_rate": totals["hits"] / needed, "cpu_share": totals["cpu"] / needed,
+            "hit_rate": totals["hits"] / needed, "cpu_share": (totals["cpu"] + totals["cpu_shared"]) / needed,
+            "partial_share": totals["partial"] / needed, "shared_share": totals["shared"] / needed,
             "prefetched_per_step": totals["prefetched"] / steps, "wasted_per_step": totals["prefetch_wasted"] / steps,
             "evicted_needed_per_step": totals["prefetch_evicted_needed"] / steps,
             "prefetch_token_recall": totals["token_matches"] / max(totals["token_slots"], 1),
@@ -160,6 +166,8 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=54.4)
     ap.add_argument("--cpu-ms", type=float, default=9.0,
                     help="one expert's CPU path in the engine (the H100 host: 5.6-6.0 ms alone; 9 replays its run)")
+    ap.add_argument("--cpu13-share", type=float, default=0.57,
+                    help="an expert's gate/up projections alone, of its whole time on the host (H100 host: 3.73 / 6.58 ms)")
     ap.add_argument("--host-ms", type=float, default=2.7, help="host time per eager offloaded layer")
     ap.add_argument("--gpu-ms", type=float, default=0.5, help="GPU time per layer at this batch")
     ap.add_argument("--min-probs", default="0,0.3,0.5,0.7", help="saving: prefetch_min_prob values to replay")
@@ -175,6 +183,7 @@ def main() -> int:
     runs += [(f"saving p>={p}", dict(prefetch_rule="saving", prefetch_min_prob=float(p)), replay_)
              for p in args.min_probs.split(",")]
     runs.append(("saving, oracle", dict(prefetch_rule="saving"), oracle))
+    runs += [(f"{name}, share", dict(kw, miss_policy="share"), routing) for name, kw, routing in runs]
     rows = []
     print(f"{'rule':16} {'GB/step':>8} {'misses GB':>9} {'wasted GB':>9} {'hit':>5} {'CPU':>5} {'pref/step':>9} "
           f"{'wasted':>6} {'evicted needed':>14} {'model ms':>8} {'tok/s':>6}")
