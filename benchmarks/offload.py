@@ -18,8 +18,9 @@ limit measured in this run, CPU-computed share, and the time bound the moved byt
 measured link + CPU rates; the single-stream runs once per prefetch rule of --prefetch-rules (the
 configured default `saving` first, then `all`, the rule before it), with the GB its wrong
 prefetches moved, and every run once per miss policy of --miss-policies (`auto,share`: each miss
-whole on the link or the host, against misses shared between the two). Baselines in the same run: transformers + accelerate device_map offload
-(4 layers, at the same GPU memory per layer, extrapolated to the model's layers), and the NVMe
+whole on the link or the host, against misses shared between the two). Baselines in the same run:
+transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
+extrapolated to the model's layers), and the NVMe
 tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
 benchmarks/results/offload_<device>.json (or under --out / $OUT).
 """
@@ -119,8 +120,8 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
     return {"streams": streams, "decode_steps": steps, "seconds": elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
             "tok_s": streams * steps / elapsed, **{k: stats[k] for k in (
                 "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
-                "needed", "copied", "streamed", "cpu", "shared", "shared_share", "partial", "partial_share", "partial_missing",
-                "cpu_shared", "prefetched", "prefetch_wasted", "prefetch_declined",
+                "needed", "copied", "streamed", "cpu", "shared", "shared_share", "partial", "partial_share",
+                "partial_missing", "cpu_shared", "prefetched", "prefetch_wasted", "prefetch_declined",
                 "prefetch_evicted_needed", "gb_prefetch_wasted")}}
 
 
