@@ -3,8 +3,9 @@
     fetched = store.fetch(x_TD, ids_TK)          # right before the experts: which, and where
     out_TD = fetched.run(x_TD, local_ids_TK, weights_TK, compute)
 
-`fetch` counts the rows of each local expert and pre-gates the next layer on the same hidden state
-(one host sync for both), then plans the step: hits (cached or in flight) stay pinned; misses are
+`fetch` pre-gates the next layer on the same hidden state, brings the routed ids and the prediction
+to the host in one copy (the layer step's one host sync; counting rows per expert and the prediction's
+mass is host arithmetic, not a dozen small launches), then plans the step: hits (cached or in flight) stay pinned; misses are
 split by the cost model between the link (copied into a cache slot, or into the stream buffers
 when the step needs more than `stream_fraction` of the experts or no slot is free) and the CPU.
 `run` computes on slot ids, issues the next layer's prefetch as soon as the GPU has its work,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,13 +62,13 @@ class OffloadedExpertStore(nn.Module):
         self.register_buffer("w2_SDF", torch.empty(S, D, F, dtype=dtype, device=dev), persistent=False)
         ids = list(range(E)) if expert_ids is None else [int(e) for e in expert_ids]
         self.num_experts = num_experts or (max(ids) + 1)
-        self.register_buffer("expert_ids_S", torch.tensor(ids, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("freq_E", torch.zeros(self.num_experts, dtype=torch.float32, device=dev), persistent=False)
+        self.expert_ids_np = np.asarray(ids, dtype=np.int64)  # local expert -> logical id
+        self.freq_np = np.zeros(self.num_experts)  # decayed routed rows per logical expert (prefetch_stats_weight)
         self.table = SlotTable(S, CACHE_POLICIES.get(cfg.cache_policy)())
         self.ready: List[object] = [None] * S  # copy event of each slot
         self.missing_S: List[int] = [0] * S  # leading gate/up rows a slot lacks (zero there; offload/split.py)
         self.last_compute = None  # event after this layer's last expert compute
-        self.pred_TK: Optional[torch.Tensor] = None  # the previous layer's pre-gate for this layer
+        self.pred_TK: Optional[np.ndarray] = None  # the previous layer's pre-gate for this layer (host)
         self.predicted: Optional[set] = None
         self.prefetched: set = set()
         self.evicted: set = set()  # experts the prefetch for this layer's next step evicted
@@ -80,7 +82,7 @@ class OffloadedExpertStore(nn.Module):
         logits_TE, weights_TK, ids_TK = self.router(x_TD)
         alpha = self.manager.cfg.prefetch_stats_weight
         if alpha > 0:
-            freq_E = self.freq_E / self.freq_E.sum().clamp_min(1.0)
+            freq_E = torch.from_numpy(self.freq_np / max(self.freq_np.sum(), 1.0)).to(logits_TE.device, torch.float32)
             scores_TE = (1 - alpha) * logits_TE.float().softmax(-1) + alpha * freq_E
             weights_TK, ids_TK = scores_TE.topk(ids_TK.shape[1], dim=-1)
         if weights_TK is None:
@@ -88,43 +90,29 @@ class OffloadedExpertStore(nn.Module):
             weights_TK = torch.arange(K, 0, -1, device=ids_TK.device, dtype=torch.float32).div(K).expand(ids_TK.shape)
         return ids_TK, weights_TK
 
-    def _scores_S(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """Predicted routing mass per local expert [E] as integers (units of 2^-16, rounded up: a picked
-        expert never scores 0), on the device, no sync: the order prefetches take."""
-        flat = ids_TK.reshape(-1).long() + 1
-        mass_E1 = torch.zeros(self.num_experts + 1, dtype=torch.float32, device=flat.device)
-        mass_E1.scatter_add_(0, flat, weights_TK.reshape(-1).float().clamp_min(0.0))
-        return torch.ceil(mass_E1[1:][self.expert_ids_S] * 65536.0).long()
-
-    def _rows_S(self, ids_TK: torch.Tensor) -> tuple:
-        """(rows per logical expert [E_all], rows per local expert [E]) on the device, no sync."""
-        flat = ids_TK.reshape(-1).long() + 1
-        rows_E1 = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
-        rows_E1.scatter_add_(0, flat, torch.ones_like(flat))
-        return rows_E1[1:], rows_E1[1:][self.expert_ids_S]
-
     def fetch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> "FetchedExperts":
         m, cfg, E = self.manager, self.manager.cfg, self.num_local_experts
         m.begin_layer(self)
-        rows_E, rows_S = self._rows_S(ids_TK)
-        self.freq_E.mul_(0.99).add_(rows_E)
-        parts = [rows_S]
-        has_pred = self.pred_TK is not None and self.pred_TK.shape == ids_TK.shape
-        if has_pred:
-            parts.append((self.pred_TK[:, :, None] == ids_TK[:, None, :]).any(-1).sum().view(1))
+        N = ids_TK.numel()
+        parts = [ids_TK.reshape(-1).float()]  # expert ids are exact in float32
         nxt = m.next_store(self) if cfg.prefetch else None
         if nxt is not None:
-            nxt.pred_TK, pred_weights_TK = nxt.predict(x_TD)
-            parts.append(nxt._scores_S(nxt.pred_TK, pred_weights_TK))
+            pred_TK, pred_weights_TK = nxt.predict(x_TD)
+            parts += [pred_TK.reshape(-1).float(), pred_weights_TK.reshape(-1).float()]
         m.note_host_gap(time.perf_counter())
-        host = torch.cat(parts).tolist()  # the layer step's one host sync
-        needed: Dict[int, int] = {e: n for e, n in enumerate(host[:E]) if n}
+        host = torch.cat(parts).cpu().numpy()  # the layer step's one host sync; the rest is host arithmetic
+        ids_N = host[:N].astype(np.int64)
+        rows_all = np.bincount(ids_N[ids_N >= 0], minlength=self.num_experts)  # rows per logical expert
+        self.freq_np *= 0.99
+        self.freq_np += rows_all
+        rows_S = rows_all[self.expert_ids_np]
+        needed: Dict[int, int] = {int(e): int(rows_S[e]) for e in np.flatnonzero(rows_S)}
         st = m.stats[self.pos]
         st.layer_steps += 1
         st.needed += len(needed)
-        if has_pred:
-            st.token_matches += host[E]
-            st.token_slots += ids_TK.numel()
+        if self.pred_TK is not None and self.pred_TK.shape == tuple(ids_TK.shape):
+            st.token_matches += int((self.pred_TK[:, :, None] == ids_N.reshape(self.pred_TK.shape)[:, None, :]).any(-1).sum())
+            st.token_slots += N
         if self.predicted is not None:
             st.predicted += len(self.predicted)
             st.predicted_needed += len(self.predicted & needed.keys())
@@ -133,8 +121,18 @@ class OffloadedExpertStore(nn.Module):
         st.prefetch_evicted_needed += len(self.evicted & needed.keys())
         self.predicted, self.pred_TK, self.pending, self.evicted = None, None, [], set()
         self.last_needed = set(needed)
-        next_scores = host[E + has_pred:] if nxt is not None else None
+        next_scores = None
+        if nxt is not None:
+            P = pred_TK.numel()
+            nxt.pred_TK = host[N:N + P].astype(np.int64).reshape(tuple(pred_TK.shape))
+            next_scores = nxt._scores(nxt.pred_TK.reshape(-1), host[N + P:N + 2 * P])
         return self._plan(needed, st, nxt, next_scores)
+
+    def _scores(self, pred_P: np.ndarray, weights_P: np.ndarray) -> List[int]:
+        """Predicted routing mass per local expert [E] as integers (units of 2^-16, rounded up: a picked
+        expert never scores 0): the order prefetches take."""
+        mass = np.bincount(pred_P, weights=np.clip(weights_P, 0.0, None), minlength=self.num_experts)
+        return np.ceil(mass[self.expert_ids_np].astype(np.float32) * np.float32(65536.0)).astype(np.int64).tolist()
 
     def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_scores) -> "FetchedExperts":
         m, cfg, E, table = self.manager, self.manager.cfg, self.num_local_experts, self.table
