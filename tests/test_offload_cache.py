@@ -236,13 +236,14 @@ def _swiglu_ref(x_D, w13_2FD, w2_DF):
        miss=st.sampled_from(["wait", "cpu", "auto", "share"]), policy=st.sampled_from(["lru", "lfu"]),
        stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 4),
        rule=st.sampled_from(["all", "saving"]), min_prob=st.sampled_from([0.0, 0.3, 0.9]),
-       link_s=st.sampled_from([0.0, 0.5]), cpu_ms=st.sampled_from([1.0, 4.0, 20.0]))
+       link_s=st.sampled_from([0.0, 0.5]), cpu_ms=st.sampled_from([1.0, 4.0, 20.0]), local=st.booleans())
 def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, policy, stream_fraction, steps, rule,
-                                                    min_prob, link_s, cpu_ms):
+                                                    min_prob, link_s, cpu_ms, local):
     """Any sequence of steps: each row on the device reads a slot that holds its expert (but for the
     gate/up rows the host computes), and each step's output equals the experts computed from the
     host tier by a naive loop, whichever mix of hits, partial slots, copies, shared misses, streams
-    and host experts the cost model picks (a 6.5 ms link; the host cpu_ms an expert)."""
+    and host experts the cost model picks (a 6.5 ms link; the host cpu_ms an expert); through `run` (any
+    rows, device-side slot lookups) or `run_local` (fetch's rows, slot ids looked up on the host)."""
     torch.set_num_threads(1)
     L = 3
     m, stores, routers = _stores(L, E, K, slots, miss_policy=miss, cache_policy=policy,
@@ -270,7 +271,9 @@ def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, pol
             assert m.stats[layer].prefetch_hits - hits_before == len(prefetched & needed)  # none was evicted
             assert set(fetched.to_cpu) | set(fetched.to_stream) | {e for e in needed if store.table.lookup(e) is not None} >= needed
             seen = set()
-            out_TD = fetched.run(x_TD, ids_TK, weights_TK, _checking_compute(store, ids_TK, seen))
+            check = _checking_compute(store, ids_TK, seen)
+            out_TD = (fetched.run_local(x_TD, weights_TK, check) if local else
+                      fetched.run(x_TD, ids_TK, weights_TK, check))
             elsewhere = set(fetched.to_cpu)
             want = {(t, k) for t in range(T) for k in range(K) if ids_TK[t, k] >= 0 and int(ids_TK[t, k]) not in elsewhere}
             assert seen == want  # every row on the device ran from a slot holding its expert

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import offload as bench  # noqa: E402
 from offload_parts import TraceReplay, record_tiny_traces, use_policies  # noqa: E402
 from moe_infer import LLM, SamplingParams  # noqa: E402
+import moe_infer.offload.fetched as fe  # noqa: E402
 import moe_infer.offload.offloaded as off  # noqa: E402
 
 T = defaultdict(float)
@@ -61,9 +62,9 @@ def main():
     print(f"{mix.num_hidden_layers} layers; {m.cost.describe(m.shape.nbytes)}", flush=True)
     off.OffloadedExpertStore.fetch = timed("fetch", off.OffloadedExpertStore.fetch)
     off.OffloadedExpertStore.prefetch = timed("prefetch", off.OffloadedExpertStore.prefetch)
-    off.FetchedExperts.run = timed("run", off.FetchedExperts.run)
-    off.gather_cpu_rows = timed("gather_cpu_rows", off.gather_cpu_rows)
-    off.cpu_experts = timed("cpu_experts", off.cpu_experts)
+    fe.FetchedExperts._run = timed("run", fe.FetchedExperts._run)
+    fe.gather_cpu_rows = timed("gather_cpu_rows", fe.gather_cpu_rows)
+    fe.cpu_experts = timed("cpu_experts", fe.cpu_experts)
     torch.Tensor.tolist = timed("tolist", torch.Tensor.tolist)
     eng = llm.engine
     for miss in policies:

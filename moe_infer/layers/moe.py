@@ -120,10 +120,8 @@ class MoELayer(nn.Module):
         fetched = self.store.fetch(x_TD, ids_TK)
         compute = partial(slot_experts, self._experts)
         d = self.dispatcher
-        if type(d) is LocalDispatcher:
-            local_TK = ids_TK - d.expert_start
-            local_TK = torch.where((ids_TK >= 0) & (local_TK >= 0) & (local_TK < d.num_local_experts), local_TK, -1)
-            return fetched.run(x_TD, local_TK, weights_TK, compute)
+        if type(d) is LocalDispatcher:  # the rows fetch saw: slot ids looked up on the host
+            return fetched.run_local(x_TD, weights_TK, compute)
         return d.forward_experts(x_TD, ids_TK, weights_TK, self._run_experts,
                                  fused_fn=lambda x_RD, ids_R1, w_R1: fetched.run(x_RD, ids_R1, w_R1, compute))
 

@@ -38,7 +38,8 @@ With expert parallelism each rank's stores hold its own experts (the dispatcher'
 and cache them independently.
 """
 from moe_infer.offload.manager import OffloadManager
-from moe_infer.offload.offloaded import FetchedExperts, OffloadedExpertStore
+from moe_infer.offload.fetched import FetchedExperts
+from moe_infer.offload.offloaded import OffloadedExpertStore
 from moe_infer.offload.plan import ExpertShape, OffloadPlan, plan_offload
 from moe_infer.offload.policies import CACHE_POLICIES
 from moe_infer.offload.store import EXPERT_STORES, ResidentExpertStore

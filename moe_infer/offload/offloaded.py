@@ -8,8 +8,8 @@ to the host in one copy (the layer step's one host sync; counting rows per exper
 mass is host arithmetic, not a dozen small launches), then plans the step: hits (cached or in flight) stay pinned; misses are
 split by the cost model between the link (copied into a cache slot, or into the stream buffers
 when the step needs more than `stream_fraction` of the experts or no slot is free) and the CPU.
-`run` computes on slot ids, issues the next layer's prefetch as soon as the GPU has its work,
-streams the rest through the double buffers and adds the CPU's rows.
+`run` / `run_local` (offload/fetched.py) compute on slot ids, issue the next layer's prefetch as soon
+as the GPU has its work, stream the rest through the double buffers and add the CPU's rows.
 
 Legend: T tokens, D hidden, F expert intermediate, E local experts, S cache slots, K top-k,
 C experts per stream buffer.
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_infer.offload.compute import SlotCompute, cpu_experts, gather_cpu_rows, to_device
+from moe_infer.offload.fetched import FetchedExperts
 from moe_infer.offload.host import layer_host_tensors
 from moe_infer.offload.nvme import record_views
 from moe_infer.offload.policies import CACHE_POLICIES
@@ -63,6 +63,9 @@ class OffloadedExpertStore(nn.Module):
         ids = list(range(E)) if expert_ids is None else [int(e) for e in expert_ids]
         self.num_experts = num_experts or (max(ids) + 1)
         self.expert_ids_np = np.asarray(ids, dtype=np.int64)  # local expert -> logical id
+        self.local_of = np.full(self.num_experts + 1, -1, dtype=np.int64)  # logical id -> local expert (-1: none)
+        for i in range(len(ids) - 1, -1, -1):  # the first local copy of a replicated expert
+            self.local_of[ids[i]] = i
         self.freq_np = np.zeros(self.num_experts)  # decayed routed rows per logical expert (prefetch_stats_weight)
         self.table = SlotTable(S, CACHE_POLICIES.get(cfg.cache_policy)())
         self.ready: List[object] = [None] * S  # copy event of each slot
@@ -90,7 +93,7 @@ class OffloadedExpertStore(nn.Module):
             weights_TK = torch.arange(K, 0, -1, device=ids_TK.device, dtype=torch.float32).div(K).expand(ids_TK.shape)
         return ids_TK, weights_TK
 
-    def fetch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> "FetchedExperts":
+    def fetch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> FetchedExperts:
         m, cfg, E = self.manager, self.manager.cfg, self.num_local_experts
         m.begin_layer(self)
         N = ids_TK.numel()
@@ -126,7 +129,8 @@ class OffloadedExpertStore(nn.Module):
             P = pred_TK.numel()
             nxt.pred_TK = host[N:N + P].astype(np.int64).reshape(tuple(pred_TK.shape))
             next_scores = nxt._scores(nxt.pred_TK.reshape(-1), host[N + P:N + 2 * P])
-        return self._plan(needed, st, nxt, next_scores)
+        local_N = self.local_of[np.where((ids_N >= 0) & (ids_N < self.num_experts), ids_N, self.num_experts)]
+        return self._plan(needed, st, nxt, next_scores, local_N)
 
     def _scores(self, pred_P: np.ndarray, weights_P: np.ndarray) -> List[int]:
         """Predicted routing mass per local expert [E] as integers (units of 2^-16, rounded up: a picked
@@ -134,7 +138,7 @@ class OffloadedExpertStore(nn.Module):
         mass = np.bincount(pred_P, weights=np.clip(weights_P, 0.0, None), minlength=self.num_experts)
         return np.ceil(mass[self.expert_ids_np].astype(np.float32) * np.float32(65536.0)).astype(np.int64).tolist()
 
-    def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_scores) -> "FetchedExperts":
+    def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_scores, local_N: np.ndarray) -> FetchedExperts:
         m, cfg, E, table = self.manager, self.manager.cfg, self.num_local_experts, self.table
         table.unpin_all("prefetch")  # the prefetch was for this step
         table.policy.observe(needed)
@@ -193,7 +197,7 @@ class OffloadedExpertStore(nn.Module):
             if e not in elsewhere:
                 slot_of_E[e] = table.lookup(e)
         waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
-        return FetchedExperts(self, slot_of_E, waits, to_cpu, shared, needed, to_stream, nxt, next_scores)
+        return FetchedExperts(self, slot_of_E, waits, to_cpu, shared, needed, to_stream, nxt, next_scores, local_N)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, scores: List[int]) -> None:
@@ -246,64 +250,3 @@ class OffloadedExpertStore(nn.Module):
             self._region.release()
             self._region = None
             self.w13_E2FD = self.w2_EDF = None
-
-
-class FetchedExperts:
-    """One layer step's answer: slot tensors, local expert -> slot (-1: elsewhere), what runs elsewhere."""
-
-    def __init__(self, store: OffloadedExpertStore, slot_of_E: List[int], waits: list, to_cpu: List[int],
-                 shared: Dict[int, int], needed: Dict[int, int], to_stream: List[int], nxt, next_scores) -> None:
-        dev, E, C = store.w13_S2FD.device, store.num_local_experts, store.manager.plan.stream_chunk
-        self.store, self.waits, self.to_cpu, self.to_stream = store, waits, to_cpu, to_stream
-        self.shared = shared  # expert -> gate/up rows [0:c) the host computes (the slot has the rest)
-        F = store.manager.shape.intermediate_size
-        on_host = to_cpu + list(shared)
-        self.cpu_rows = [needed[e] for e in on_host]  # routed rows of each expert the host works on
-        self.cpu_shares = [None] * len(to_cpu) + [c / F for c in shared.values()]  # None: the whole expert
-        self.nxt, self.next_scores = nxt, next_scores
-        self.on_device = any(s >= 0 for s in slot_of_E)
-        self.w13_S2FD, self.w2_SDF = store.w13_S2FD, store.w2_SDF
-        # every small table of the step goes over now, before any GPU-side wait is queued
-        self.chunks = [to_stream[i:i + C] for i in range(0, len(to_stream), C)]
-        tables = [slot_of_E, [int(e in to_cpu or e in shared) for e in range(E)]]
-        for chunk in self.chunks:
-            tables.append([chunk.index(e) if e in chunk else -1 for e in range(E)])
-        tables_XE = to_device([v for t in tables for v in t], dev).view(len(tables), E)
-        self.slot_of_E, self.is_cpu_E, self.chunk_slot_of_E = tables_XE[0], tables_XE[1].bool(), tables_XE[2:]
-
-    def run(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-            compute: SlotCompute) -> torch.Tensor:
-        """out_TD for rows with local expert ids_TK (-1: none)."""
-        store, m = self.store, self.store.manager
-        valid_TK = ids_TK >= 0
-        safe_TK = ids_TK.clamp_min(0).long()
-        cpu_t0 = time.perf_counter()
-        cpu_rows = gather_cpu_rows(x_TD, ids_TK, weights_TK, self.is_cpu_E) if self.cpu_rows else None
-        cpu_s = time.perf_counter() - cpu_t0
-        m.copier.wait(self.waits)  # the GPU waits for the copies it needs; the host does not
-        if self.on_device:
-            slot_ids_TK = torch.where(valid_TK, self.slot_of_E[safe_TK], -1)
-            out_TD = compute(x_TD, slot_ids_TK, weights_TK, self.w13_S2FD, self.w2_SDF)
-        else:
-            out_TD = torch.zeros_like(x_TD)
-        store.last_compute = m.copier.mark()
-        st = m.stats[store.pos]
-        for i, chunk in enumerate(self.chunks):  # copy of chunk i+1 queued under the compute of chunk i
-            buf = m.buffers[i % 2]
-            m.copier.wait([m.copy_experts(store, [(e, buf.w13_C2FD[j], buf.w2_CDF[j]) for j, e in enumerate(chunk)],
-                                          [buf.last_use], st)])
-            chunk_ids_TK = torch.where(valid_TK, self.chunk_slot_of_E[i][safe_TK], -1)
-            out_TD = out_TD + compute(x_TD, chunk_ids_TK, weights_TK, buf.w13_C2FD, buf.w2_CDF)
-            buf.last_use = m.copier.mark()
-        if self.nxt is not None:  # the GPU has its work queued: the link turns to the next layer
-            self.nxt.prefetch(self.next_scores)
-            self.nxt = None
-        if cpu_rows is not None:  # the host computes while the GPU and the link work
-            cpu_t0 = time.perf_counter()
-            shared = {e: (c, self.w2_SDF[self.store.table.lookup(e)]) for e, c in self.shared.items()}
-            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e), shared)
-            if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
-                m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0, shares=self.cpu_shares)
-        store.last_compute = m.copier.mark()
-        m.run_end_s = time.perf_counter()
-        return out_TD
