@@ -2,12 +2,16 @@
 
 The Mixtral shape as benchmarks/offload.py sets it up (24 GB, every layer host memory can pin, trace
 routing, one stream). For --steps decode steps after warm-up, host wall time is split by wrapping the
-offload calls: fetch (its one `tolist` = the wait for the GPU, timed apart), gather_cpu_rows (the CPU
+offload calls: fetch (its one copy to the host = the wait for the GPU, timed apart), gather_cpu_rows (the CPU
 path's sync and rows out), cpu_experts (the host's expert compute), prefetch (decisions and copy
 launches), the rest of run (slot compute launches, streams), and the step's remainder (the eager
-layers: attention, norms, router launches, sampling). Prints ms per step for each.
+layers: attention, norms, router launches, sampling). Prints ms per step for each, then a cProfile
+of four more steps (host time by function).
 """
+import cProfile
+import io
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -31,7 +35,7 @@ IN_FETCH = [False]
 
 def timed(name, fn):
     def wrapper(*a, **k):
-        if not ACTIVE[0] or (name == "tolist" and not IN_FETCH[0]):
+        if not ACTIVE[0] or (name == "sync" and not IN_FETCH[0]):
             return fn(*a, **k)
         t0 = time.perf_counter()
         IN_FETCH[0] = IN_FETCH[0] or name == "fetch"
@@ -65,12 +69,12 @@ def main():
     fe.FetchedExperts._run = timed("run", fe.FetchedExperts._run)
     fe.gather_cpu_rows = timed("gather_cpu_rows", fe.gather_cpu_rows)
     fe.cpu_experts = timed("cpu_experts", fe.cpu_experts)
-    torch.Tensor.tolist = timed("tolist", torch.Tensor.tolist)
+    torch.Tensor.cpu = timed("sync", torch.Tensor.cpu)  # fetch's one copy to the host: the wait for the GPU
     eng = llm.engine
     for miss in policies:
         use_policies(llm, "saving", miss)
         eng.add_request({"prompt_token_ids": list(range(100, 116))},
-                        SamplingParams(temperature=0.0, max_tokens=steps + 6, ignore_eos=True))
+                        SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True))
         for _ in range(5):
             eng.step()
         torch.cuda.synchronize()
@@ -83,6 +87,15 @@ def main():
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         ACTIVE[0] = False
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(4):
+            eng.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        profile_text = out.getvalue()
         while eng.has_unfinished_requests():
             eng.step()
         ms = {k: 1e3 * v / steps for k, v in T.items()}
@@ -92,14 +105,15 @@ def main():
               f"hit {tot['hit_rate']:.2f} partial {tot['partial_share']:.2f} shared {tot['shared_share']:.2f} "
               f"cpu {tot['cpu_share']:.2f}, {tot['gb_h2d'] / steps:.2f} GB/step on the link "
               f"({tot['gb_h2d'] / steps / (m.cost.h2d_bytes_per_s / 1e9) * 1e3:.0f} ms of link)")
-        fetch_other = ms.get("fetch", 0) - ms.get("tolist", 0)
+        fetch_other = ms.get("fetch", 0) - ms.get("sync", 0)
         run_other = ms.get("run", 0) - ms.get("gather_cpu_rows", 0) - ms.get("cpu_experts", 0) - ms.get("prefetch", 0)
         rest = 1e3 * wall / steps - ms.get("fetch", 0) - ms.get("run", 0)
-        for name, v in [("fetch: tolist (wait for the GPU)", ms.get("tolist", 0)), ("fetch: rest", fetch_other),
+        for name, v in [("fetch: sync (wait for the GPU)", ms.get("sync", 0)), ("fetch: rest", fetch_other),
                         ("run: gather_cpu_rows", ms.get("gather_cpu_rows", 0)), ("run: cpu_experts", ms.get("cpu_experts", 0)),
                         ("run: prefetch", ms.get("prefetch", 0)), ("run: rest", run_other), ("eager layers + rest", rest)]:
             print(f"  {name:34s} {v:7.1f} ms/step")
         print(f"  calls per step: " + ", ".join(f"{k} {v / steps:.0f}" for k, v in N.items()), flush=True)
+        print("  cProfile of 4 more steps (host time by function):\n" + profile_text[profile_text.find("ncalls"):], flush=True)
     llm.shutdown()
 
 
