@@ -87,6 +87,7 @@ def main():
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         ACTIVE[0] = False
+        tot = m.summary()["total"]  # the timed steps only
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(4):
@@ -99,7 +100,6 @@ def main():
         while eng.has_unfinished_requests():
             eng.step()
         ms = {k: 1e3 * v / steps for k, v in T.items()}
-        tot = m.summary()["total"]
         print(f"\n== misses {miss}: {1e3 * wall / steps:.1f} ms/step, cpu_scale {m.cost.cpu_scale:.2f}, host gap "
               f"{1e3 * m.host_gap_s:.2f} ms, "
               f"hit {tot['hit_rate']:.2f} partial {tot['partial_share']:.2f} shared {tot['shared_share']:.2f} "
