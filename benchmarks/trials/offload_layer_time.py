@@ -112,7 +112,7 @@ def main():
                         ("run: gather_cpu_rows", ms.get("gather_cpu_rows", 0)), ("run: cpu_experts", ms.get("cpu_experts", 0)),
                         ("run: prefetch", ms.get("prefetch", 0)), ("run: rest", run_other), ("eager layers + rest", rest)]:
             print(f"  {name:34s} {v:7.1f} ms/step")
-        print(f"  calls per step: " + ", ".join(f"{k} {v / steps:.0f}" for k, v in N.items()), flush=True)
+        print("  calls per step: " + ", ".join(f"{k} {v / steps:.0f}" for k, v in N.items()), flush=True)
         print("  cProfile of 4 more steps (host time by function):\n" + profile_text[profile_text.find("ncalls"):], flush=True)
     llm.shutdown()
 

@@ -69,7 +69,8 @@ class CostModel:
     def describe(self, expert_bytes: int) -> str:
         cpu = ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu_seconds_at)
         if self.cpu13_seconds_at is not None:
-            cpu += " (gate/up alone " + ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu13_seconds_at) + ")"
+            cpu += " (gate/up alone " + ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu13_seconds_at)
+            cpu += ")"
         read = "" if self.read_bytes_per_s == float("inf") else f", disk read {self.read_bytes_per_s / 1e9:.2f} GB/s"
         scale = "" if self.cpu_scale == 1.0 else f" (x{self.cpu_scale:.2f} as measured in the engine)"
         return (f"offload cost model: H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.copy_seconds(expert_bytes) * 1e3:.2f}"

@@ -4,10 +4,11 @@
     out_TD = fetched.run(x_TD, local_ids_TK, weights_TK, compute)
 
 `fetch` pre-gates the next layer on the same hidden state, brings the routed ids and the prediction
-to the host in one copy (the layer step's one host sync; counting rows per expert and the prediction's
-mass is host arithmetic, not a dozen small launches), then plans the step: hits (cached or in flight) stay pinned; misses are
-split by the cost model between the link (copied into a cache slot, or into the stream buffers
-when the step needs more than `stream_fraction` of the experts or no slot is free) and the CPU.
+to the host in one copy (the layer step's one host sync; counting rows per expert and the
+prediction's mass is host arithmetic, not a dozen small launches), then plans the step: hits (cached
+or in flight) stay pinned; misses are split by the cost model between the link (copied into a cache
+slot, or into the stream buffers when the step needs more than `stream_fraction` of the experts or no
+slot is free) and the CPU, or shared between the two (offload/split.py).
 `run` / `run_local` (offload/fetched.py) compute on slot ids, issue the next layer's prefetch as soon
 as the GPU has its work, stream the rest through the double buffers and add the CPU's rows.
 
@@ -94,7 +95,7 @@ class OffloadedExpertStore(nn.Module):
         return ids_TK, weights_TK
 
     def fetch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> FetchedExperts:
-        m, cfg, E = self.manager, self.manager.cfg, self.num_local_experts
+        m, cfg = self.manager, self.manager.cfg
         m.begin_layer(self)
         N = ids_TK.numel()
         parts = [ids_TK.reshape(-1).float()]  # expert ids are exact in float32
@@ -114,7 +115,8 @@ class OffloadedExpertStore(nn.Module):
         st.layer_steps += 1
         st.needed += len(needed)
         if self.pred_TK is not None and self.pred_TK.shape == tuple(ids_TK.shape):
-            st.token_matches += int((self.pred_TK[:, :, None] == ids_N.reshape(self.pred_TK.shape)[:, None, :]).any(-1).sum())
+            ids_TK_np = ids_N.reshape(self.pred_TK.shape)
+            st.token_matches += int((self.pred_TK[:, :, None] == ids_TK_np[:, None, :]).any(-1).sum())
             st.token_slots += N
         if self.predicted is not None:
             st.predicted += len(self.predicted)
