@@ -46,8 +46,8 @@ def gate_up(x_rD: torch.Tensor, w13_2FD: torch.Tensor, f: int, c: Optional[int] 
     return F.silu((x_rD @ w13_2FD[:c].t()).float()) * (x_rD @ w13_2FD[f:f + c].t()).float()
 
 
-def to_device(values: List[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """A small host list on the device without blocking the host (pinned staging on CUDA)."""
+def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """A small host list (or numpy array) on the device without blocking the host (pinned staging on CUDA)."""
     host = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 

@@ -43,13 +43,13 @@ class FetchedExperts:
         for chunk in self.chunks:
             tables.append([chunk.index(e) if e in chunk else -1 for e in range(E)])
         self.local_N = local_N
-        per_row = []
+        table_XE1 = np.array([t + [-1] for t in tables], dtype=np.int64)
+        flat = [table_XE1[:, :E].ravel()]
         if local_N is not None:  # the same tables looked up per row on the host (index E: no expert)
-            table_XE1 = np.array([t + [-1] for t in tables], dtype=np.int64)
             per_row = table_XE1[:, np.where(local_N >= 0, local_N, E)]
             self.cpu_N = np.flatnonzero(per_row[1] > 0)  # rows the host computes
-        flat = [v for t in tables for v in t] + [int(v) for row in per_row for v in row]
-        tables_XE = to_device(flat, dev)
+            flat.append(per_row.ravel())
+        tables_XE = to_device(np.concatenate(flat), dev)
         n = len(tables) * E
         tables_XE, rows_XN = tables_XE[:n].view(len(tables), E), tables_XE[n:]
         self.slot_of_E, self.is_cpu_E, self.chunk_slot_of_E = tables_XE[0], tables_XE[1].bool(), tables_XE[2:]
