@@ -48,7 +48,9 @@ def gate_up(x_rD: torch.Tensor, w13_2FD: torch.Tensor, f: int, c: Optional[int] 
 
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """A small host list (or numpy array) on the device without blocking the host (pinned staging on CUDA)."""
-    host = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cuda":  # torch.tensor(numpy, pin_memory=True) refuses: pin the copy instead
+        host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 
