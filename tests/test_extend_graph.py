@@ -15,7 +15,6 @@ import torch
 from engine_fixtures import checkpoint
 from moe_infer import LLM, SamplingParams
 from moe_infer.engine.extend_graph import ExtendGraphs, token_buckets
-from moe_infer.layers.forward_context import AttentionMetadata
 
 PROMPTS = [[7, 19, 33, 41, 58, 62, 77, 80, 91, 15, 23], [11, 12, 13], list(range(40, 70))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -23,11 +22,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 pytestmark = pytest.mark.timeout(300)
 
 
-def _meta(B: int, max_query_len: int, width: int = 3) -> AttentionMetadata:
-    z = torch.zeros(1)
-    return AttentionMetadata(positions_T=z, slot_mapping_T=z, block_tables_BM=torch.zeros(B, width),
-                             query_start_loc_B1=torch.zeros(B + 1), seq_lens_B=torch.zeros(B),
-                             max_query_len=max_query_len, max_seq_len=1, block_size=4)
+def _sizes(T: int, B: int, max_query_len: int, width: int = 3):
+    """A step's `step_inputs.Sizes`: (T, B, S, M, max_query_len, max_seq_len)."""
+    return (T, B, B, width, max_query_len, max_query_len)
 
 
 def test_token_buckets_and_step_buckets():
@@ -38,15 +35,15 @@ def test_token_buckets_and_step_buckets():
         token_buckets(0)
     graphs = ExtendGraphs(lambda ids, pos: ids, 2048, 6, 8, 4, torch.device("cpu"), capture=False)
     assert graphs.max_seqs == 8  # 6 sequences and the padding one, as a power of two
-    assert graphs.bucket(1000, _meta(1, 1000)) == (1024, 2, 1024)
-    assert graphs.bucket(100, _meta(3, 40)) == (128, 4, 64)  # 28 padding rows; the longest query, 40, rounds to 64
-    assert graphs.bucket(1024, _meta(1, 1024)) == (1024, 2, 1024)
-    assert graphs.bucket(16, _meta(16, 1)) == (16, 32, 1)
-    assert graphs.can_run(100, _meta(3, 40))
-    assert not graphs.can_run(3000, _meta(1, 3000))  # more tokens than the largest bucket
-    assert not graphs.can_run(100, _meta(8, 20))  # 8 sequences + the padding one > 8
-    assert not graphs.can_run(100, _meta(3, 40, width=9))  # a block table wider than the buffers
-    assert not graphs.can_run(1025, _meta(1, 1025))  # 511 padding rows do not fit one table row (32 keys)
+    assert graphs.bucket(_sizes(1000, 1, 1000)) == (1024, 2, 1024)
+    assert graphs.bucket(_sizes(100, 3, 40)) == (128, 4, 64)  # 28 padding rows; the longest query, 40, rounds to 64
+    assert graphs.bucket(_sizes(1024, 1, 1024)) == (1024, 2, 1024)
+    assert graphs.bucket(_sizes(16, 16, 1)) == (16, 32, 1)
+    assert graphs.can_run(_sizes(100, 3, 40))
+    assert not graphs.can_run(_sizes(3000, 1, 3000))  # more tokens than the largest bucket
+    assert not graphs.can_run(_sizes(100, 8, 20))  # 8 sequences + the padding one > 8
+    assert not graphs.can_run(_sizes(100, 3, 40, width=9))  # a block table wider than the buffers
+    assert not graphs.can_run(_sizes(1025, 1, 1025))  # 511 padding rows do not fit one table row (32 keys)
 
 
 def _generate(llm, prompts=PROMPTS, params=PARAMS):
@@ -124,3 +121,41 @@ def test_prefill_graphs_off_where_unsafe_gpu():
         # no graph pool for those steps, so the KV budget keeps no room for one
         assert runner._activation_bytes() == eager_reserve, off
     assert LLM(**kw).engine.runner._activation_bytes() > eager_reserve  # graphs on: their pool is kept out
+
+
+@pytest.mark.parametrize("lengths", [[700], [1, 1, 300, 1, 33, 5], [3, 1, 1]])
+def test_load_lays_out_the_padded_step(lengths):
+    """`ExtendGraphs.load` against the padding rule written out per row and sequence (a naive loop over the
+    plan, test_step_inputs' `_naive`): the graph's views of the bucket, the step's unpadded inputs, and the
+    device pointers the graph reads, 16-byte aligned and the same for every step of the bucket."""
+    import random
+
+    from test_step_inputs import _naive, _plan
+
+    from moe_infer.engine.step_inputs import flat_inputs
+
+    bs, width = 16, 64
+    graphs = ExtendGraphs(lambda ids, pos: ids, 1024, 8, width, bs, torch.device("cpu"), capture=False)
+    plan = _plan(lengths, bs, random.Random(len(lengths)))
+    flat, sizes = flat_inputs(plan, bs, extra=[5, 6, 7, 8])
+    inputs, extra_X = graphs.load(flat, sizes, 4)
+    ids, pos, slots, qsl, lens, rows, tables = _naive(plan, bs)
+    T, B, m = len(ids), len(plan.seqs), len(tables[0])
+    Tp, Bp, _ = inputs.bucket
+    pad = Tp - T
+    v = graphs._views(Tp, Bp)
+    assert v["ids"].tolist() == ids + [0] * pad
+    assert v["positions"].tolist() == pos + list(range(pad))
+    assert v["slots"].tolist() == slots + [-1] * pad
+    assert v["valid"].tolist() == [True] * T + [False] * pad
+    assert v["query_starts"].tolist() == qsl + [Tp] * (Bp - B)  # sequence B: the padding rows; later ones empty
+    assert v["seq_lens"].tolist() == lens + [max(pad, 1)] * (Bp - B)
+    assert v["block_tables"].tolist() == [t + [-1] * (width - m) for t in tables] + [[0] * width] * (Bp - B)
+    assert extra_X.tolist() == [5, 6, 7, 8] and inputs.sample_rows_S.tolist() == rows
+    meta = inputs.meta  # the step itself, unpadded (an eager run, the sampler)
+    assert inputs.input_ids_T.tolist() == ids and meta.positions_T.tolist() == pos
+    assert meta.slot_mapping_T.tolist() == slots and meta.block_tables_BM.tolist() == tables
+    assert meta.query_start_loc_B1.tolist() == qsl and meta.seq_lens_B.tolist() == lens
+    assert all(t.data_ptr() % 16 == 0 for t in v.values())
+    again, _ = graphs.load(*flat_inputs(plan, bs), 0)
+    assert again.bucket == inputs.bucket and graphs._views(Tp, Bp)["ids"].data_ptr() == v["ids"].data_ptr()

@@ -142,10 +142,12 @@ class DecodeGraphs:
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
         self.runs = 0  # decode steps that went through the static buffers (replayed, or eager with capture=False)
 
-    def can_run(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """A pure decode step (one token per sequence) that fits the largest capture size."""
-        return (self.disabled is None and meta.max_query_len == 1 and num_tokens == meta.seq_lens_B.shape[0]
-                and num_tokens <= self.max_batch and meta.block_tables_BM.shape[1] <= self.max_blocks)
+    def can_run(self, sizes) -> bool:
+        """A pure decode step (one token per sequence) that fits the largest capture size (sizes: the step's
+        `step_inputs.Sizes`)."""
+        T, B, _, m, max_query_len = sizes[:5]
+        return (self.disabled is None and max_query_len == 1 and T == B and T <= self.max_batch
+                and m <= self.max_blocks)
 
     def _bucket(self, B: int, meta: AttentionMetadata) -> Tuple[int, int]:
         Bp = next(b for b in self.sizes if b >= B)

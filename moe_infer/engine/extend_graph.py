@@ -22,6 +22,9 @@ eagerly.
 The context is not bucketed: the block-table buffer has the whole table's width and, with one key
 split, each sequence's key range comes from its length on the device.
 
+Inputs: the host lays the step out, padding included, as the bucket's graph reads it, and one copy moves it
+into a persistent device buffer (`graph_inputs.py`); `load` does that, `replay` runs the bucket's graph.
+
 Padding: rows T..Tp-1 are the queries of a padding sequence B: no K/V slot written (slot -1), its
 context is its own rows, read from block 0 (finite values: the cache is zero-initialised and only
 ever holds written K/V), left out of the expert-load statistics (`valid_T`); sequences B+1..Bp-1 have
@@ -35,9 +38,12 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from moe_infer.engine.cuda_graph import ForwardFn, replay_graph
+from moe_infer.engine.graph_inputs import GraphInputs
+from moe_infer.engine.step_inputs import Sizes, StepInputs, host_segments
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -58,7 +64,7 @@ def next_pow2(n: int) -> int:
 
 
 class ExtendGraphs:
-    """Static buffers + one captured graph per (Tp, Bp, Qp) bucket.
+    """The inputs buffer + one captured graph per (Tp, Bp, Qp) bucket.
 
     capture=False runs the same padded, static-buffer forward eagerly (testable without a GPU: the
     result must equal the unpadded eager forward row for row).
@@ -70,84 +76,86 @@ class ExtendGraphs:
         self.sizes = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = self.sizes[-1], next_pow2(max_seqs + 1)
         self.capture, self.max_graphs = capture, max_graphs
-        Tmax, Bmax, dev = self.max_tokens, self.max_seqs, device
-        self.input_ids_T = torch.zeros(Tmax, dtype=torch.int64, device=dev)
-        self.positions_T = torch.zeros(Tmax, dtype=torch.int64, device=dev)
-        self.slot_mapping_T = torch.full((Tmax,), -1, dtype=torch.int64, device=dev)
-        self.valid_T = torch.zeros(Tmax, dtype=torch.bool, device=dev)
-        self.block_tables_BM = torch.zeros(Bmax, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens_B = torch.ones(Bmax, dtype=torch.int32, device=dev)
-        self.query_start_loc_B1 = torch.zeros(Bmax + 1, dtype=torch.int32, device=dev)
+        self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device)
+        self.views: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}  # (Tp, Bp) -> the graph's input views
         self.graphs: Dict[Tuple[int, int, int], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
         self.full_logged = False
         self.runs = 0  # steps that went through the static buffers (replayed, or eager with capture=False)
 
-    def can_run(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+    def can_run(self, sizes: Sizes) -> bool:
         """A step that fits the buffers and whose padding sequence fits one row of the block table."""
-        if self.disabled is not None or num_tokens == 0 or num_tokens > self.max_tokens:
+        T, B, _, m = sizes[:4]
+        if self.disabled is not None or T == 0 or T > self.max_tokens:
             return False
-        B = meta.seq_lens_B.shape[0]
-        Tp = self._tokens(num_tokens)
-        return (B + 1 <= self.max_seqs and meta.block_tables_BM.shape[1] <= self.max_blocks
-                and Tp - num_tokens <= self.max_blocks * self.block_size)
+        return B + 1 <= self.max_seqs and m <= self.max_blocks and self._tokens(T) - T <= self.max_blocks * self.block_size
 
     def _tokens(self, T: int) -> int:
         return next(t for t in self.sizes if t >= T)
 
-    def bucket(self, T: int, meta: AttentionMetadata) -> Tuple[int, int, int]:
+    def bucket(self, sizes: Sizes) -> Tuple[int, int, int]:
+        T, B, max_query_len = sizes[0], sizes[1], sizes[4]
         Tp = self._tokens(T)
-        Bp = next_pow2(meta.seq_lens_B.shape[0] + 1)
-        Qp = min(next_pow2(max(meta.max_query_len, Tp - T, 1)), Tp)
+        Bp = next_pow2(B + 1)
+        Qp = min(next_pow2(max(max_query_len, Tp - T, 1)), Tp)
         return Tp, Bp, Qp
 
-    def _fill(self, input_ids_T: torch.Tensor, meta: AttentionMetadata, Tp: int, Bp: int) -> None:
-        """Copies the step into the static buffers; rows T..Tp-1 and sequences B..Bp-1 become padding."""
-        T, (B, m) = input_ids_T.shape[0], meta.block_tables_BM.shape
-        pad = Tp - T
-        self.input_ids_T[:T].copy_(input_ids_T)
-        self.positions_T[:T].copy_(meta.positions_T)
-        self.slot_mapping_T[:T].copy_(meta.slot_mapping_T)
-        self.valid_T[:T].fill_(True)
-        self.block_tables_BM[:B, :m].copy_(meta.block_tables_BM)
-        self.seq_lens_B[:B].copy_(meta.seq_lens_B)
-        self.query_start_loc_B1[:B + 1].copy_(meta.query_start_loc_B1)
-        if pad:  # the padding sequence B: rows T..Tp-1 at positions 0..pad-1 over keys of block 0
-            torch.arange(pad, out=self.positions_T[T:Tp])
-            self.input_ids_T[T:Tp].zero_()
-            self.slot_mapping_T[T:Tp].fill_(-1)
-            self.valid_T[T:Tp].fill_(False)
-        self.block_tables_BM[B].zero_()
-        self.seq_lens_B[B:Bp].fill_(max(pad, 1))
-        self.query_start_loc_B1[B + 1:Bp + 1].fill_(Tp)
+    def _views(self, Tp: int, Bp: int) -> Dict[str, torch.Tensor]:
+        if (Tp, Bp) not in self.views:
+            self.views[(Tp, Bp)] = self.inputs.views(self.inputs.layout(Tp, Bp))
+        return self.views[(Tp, Bp)]
+
+    def load(self, flat: np.ndarray, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
+        """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own) in the bucket's
+        layout, padding included, copied to the device in one copy -> (its inputs, the extra entries).
+        Rows T..Tp-1 become the padding sequence B, sequences B+1..Bp-1 have no rows."""
+        T, B, S, m, max_query_len, max_seq_len = sizes
+        key = Tp, Bp, _ = self.bucket(sizes)
+        lay = self.inputs.layout(Tp, Bp, S, num_extra)
+        host = np.zeros(lay.nbytes, dtype=np.uint8)
+        v, src, pad = lay.host_views(host), host_segments(flat, sizes), Tp - T
+        v["ids"][:T], v["positions"][:T], v["slots"][:T], v["valid"][:T] = src.ids_T, src.positions_T, src.slots_T, True
+        v["positions"][T:] = np.arange(pad)  # the padding sequence B: positions 0..pad-1 over keys of block 0
+        v["slots"][T:] = -1  # writes no K/V (ids 0, valid False, table row B 0: the zero fill)
+        v["query_starts"][:B + 1], v["query_starts"][B + 1:] = src.query_start_B1, Tp
+        v["seq_lens"][:B], v["seq_lens"][B:] = src.seq_lens_B, max(pad, 1)
+        v["block_tables"][:B, :m], v["block_tables"][:B, m:] = src.block_tables_BM, -1
+        v["sample_rows"][:], v["extra"][:] = src.sample_rows_S, src.extra
+        self.inputs.load(host)
+        d = lay.device_views(self.inputs.buffer)
+        meta = AttentionMetadata(
+            positions_T=d["positions"][:T], slot_mapping_T=d["slots"][:T], block_tables_BM=d["block_tables"][:B, :m],
+            query_start_loc_B1=d["query_starts"][:B + 1], seq_lens_B=d["seq_lens"][:B], max_query_len=max_query_len,
+            max_seq_len=max_seq_len, block_size=self.block_size)
+        return StepInputs(d["ids"][:T], meta, d["sample_rows"], sizes, key), d["extra"]
 
     def _meta(self, Tp: int, Bp: int, Qp: int) -> AttentionMetadata:
+        v = self._views(Tp, Bp)
         return AttentionMetadata(
-            positions_T=self.positions_T[:Tp], slot_mapping_T=self.slot_mapping_T[:Tp],
-            block_tables_BM=self.block_tables_BM[:Bp], query_start_loc_B1=self.query_start_loc_B1[:Bp + 1],
-            seq_lens_B=self.seq_lens_B[:Bp], max_query_len=Qp, max_seq_len=self.max_blocks * self.block_size,
-            block_size=self.block_size,
+            positions_T=v["positions"], slot_mapping_T=v["slots"], block_tables_BM=v["block_tables"],
+            query_start_loc_B1=v["query_starts"], seq_lens_B=v["seq_lens"], max_query_len=Qp,
+            max_seq_len=self.max_blocks * self.block_size, block_size=self.block_size,
         )
 
     def _run_static(self, Tp: int, Bp: int, Qp: int) -> torch.Tensor:
-        with forward_context(self._meta(Tp, Bp, Qp), valid_T=self.valid_T[:Tp]):
-            return self.forward(self.input_ids_T[:Tp], self.positions_T[:Tp])
+        v = self._views(Tp, Bp)
+        with forward_context(self._meta(Tp, Bp, Qp), valid_T=v["valid"]):
+            return self.forward(v["ids"], v["positions"])
 
-    def run(self, input_ids_T: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
-        """hidden [T, D] of the step, or None: run it eagerly (a capture failed, or the graph budget is spent)."""
-        T = input_ids_T.shape[0]
-        key = self.bucket(T, meta)
+    def replay(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+        """hidden [T, D] of a step `load`ed into the buffer, or None: run it eagerly (a capture failed, or the
+        graph budget is spent)."""
+        key, T = inputs.bucket, inputs.input_ids_T.shape[0]
         if self.capture and key not in self.graphs and len(self.graphs) >= self.max_graphs:
             if not self.full_logged:
                 self.full_logged = True
                 logger.info("%d prefill/mixed-step CUDA graphs captured (the limit): steps of new shapes run "
                             "eagerly", self.max_graphs)
             return None
-        self._fill(input_ids_T, meta, key[0], key[1])
         if not self.capture:
             self.runs += 1
             return self._run_static(*key)[:T]
-        out_TpD = replay_graph(self, key, lambda: self._run_static(*key), self.valid_T,
+        out_TpD = replay_graph(self, key, lambda: self._run_static(*key), self._views(*key[:2])["valid"],
                                f"a step of {T} tokens (bucket {key})")
         return None if out_TpD is None else out_TpD[:T]

@@ -184,17 +184,27 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step (one rank)
     def prepare(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> StepInputs:
         """input_ids_T, the attention metadata and the row of each sampling sequence's last token: one
-        int64 host buffer, copied to the device once and sliced there. Rows whose input is the token the
-        step in flight (prev) samples take it from prev's sampled ids, on the device."""
+        host buffer, copied to the device once and sliced there (a step for a prefill graph: laid out as its
+        graph reads it, `ExtendGraphs.load`). Rows whose input is the token the step in flight (prev)
+        samples take it from prev's sampled ids, on the device."""
         rows, src = placeholder_rows(plan, prev)
         flat, sizes = flat_inputs(plan, self.block_size, rows + src)
-        num_main = len(flat) - 2 * len(rows)
-        flat_dev = torch.from_numpy(flat).to(self.device, non_blocking=True)
-        inputs = decode_inputs(flat_dev[:num_main], sizes, self.block_size)
+        num_extra = 2 * len(rows)
+        if self._takes_extend_graph(sizes):
+            inputs, extra_X = self.extend_graphs.load(flat, sizes, num_extra)
+        else:
+            flat_dev = torch.from_numpy(flat).to(self.device, non_blocking=True)
+            inputs = decode_inputs(flat_dev[:len(flat) - num_extra], sizes, self.block_size)
+            extra_X = flat_dev[len(flat) - num_extra:]
         if rows:
-            rows_R, src_R = flat_dev[num_main:].split(len(rows))
+            rows_R, src_R = extra_X.split(len(rows))
             inputs.input_ids_T.index_copy_(0, rows_R, prev.sampled.token_ids_B.index_select(0, src_R))
         return inputs
+
+    def _takes_extend_graph(self, sizes) -> bool:
+        """A step for the prefill / mixed-step graphs: not a decode-graph step, and fits their buffers."""
+        return (self.extend_graphs is not None and not (self.graphs is not None and self.graphs.can_run(sizes))
+                and self.extend_graphs.can_run(sizes))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
@@ -218,10 +228,10 @@ class ModelRunner:
         inputs = self.prepare(plan, prev)
         self._before_forward(inputs)
         hidden_TD = None
-        if self.graphs is not None and self.graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
+        if inputs.bucket is not None:
+            hidden_TD = self.extend_graphs.replay(inputs)  # None: run eagerly
+        elif self.graphs is not None and self.graphs.can_run(inputs.sizes):
             hidden_TD = self.graphs.run(inputs.input_ids_T, inputs.meta)  # None: the capture failed, run eagerly
-        elif self.extend_graphs is not None and self.extend_graphs.can_run(inputs.input_ids_T.shape[0], inputs.meta):
-            hidden_TD = self.extend_graphs.run(inputs.input_ids_T, inputs.meta)  # None: run eagerly
         if hidden_TD is None:
             with forward_context(inputs.meta):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)

@@ -29,15 +29,17 @@ from moe_infer.parallel.step_message import (
 )
 
 
+# (T, B, S, M, max_query_len, max_seq_len)
+Sizes = Tuple[int, int, int, int, int, int]
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids_T: torch.Tensor
     meta: AttentionMetadata
     sample_rows_S: torch.Tensor
-
-
-# (T, B, S, M, max_query_len, max_seq_len)
-Sizes = Tuple[int, int, int, int, int, int]
+    sizes: Optional[Sizes] = None
+    bucket: Optional[Tuple[int, int, int]] = None  # laid out in ExtendGraphs' buffer for this bucket's graph
 
 
 class LaunchedStep:
@@ -137,6 +139,29 @@ def flat_inputs(plan: SchedulerOutput, block_size: int, extra: Sequence[int] = (
     return host, (T, len(seqs), len(sample_rows), max_blocks, max_query_len, max(seq_lens))
 
 
+@dataclass(frozen=True)
+class HostSegments:
+    """`flat_inputs`' buffer cut into its segments (numpy views, int64)."""
+
+    ids_T: np.ndarray
+    positions_T: np.ndarray
+    slots_T: np.ndarray
+    sample_rows_S: np.ndarray
+    query_start_B1: np.ndarray
+    seq_lens_B: np.ndarray
+    block_tables_BM: np.ndarray
+    extra: np.ndarray
+
+
+def host_segments(flat: np.ndarray, sizes: Sizes) -> HostSegments:
+    """The segments of a `flat_inputs` buffer on the host (for a layout of its own: graph_inputs.py)."""
+    T, B, S, M = sizes[:4]
+    pad_q, pad_s = _pad4(B + 1), _pad4(B)
+    cuts = np.cumsum([T, T, T, S, pad_q, pad_s, B * M])
+    ids, pos, slots, sample, qsl, lens, tables, extra = np.split(flat, cuts)
+    return HostSegments(ids, pos, slots, sample, qsl[:B + 1], lens[:B], tables.reshape(B, M), extra)
+
+
 def decode_inputs(flat: torch.Tensor, sizes: Sizes, block_size: int) -> StepInputs:
     """The model inputs from the step's flat int64 buffer (already on the compute device): one cast
     makes the int32 tail (query starts, seq lens, block tables; each 16-byte aligned, padded between)."""
@@ -150,7 +175,7 @@ def decode_inputs(flat: torch.Tensor, sizes: Sizes, block_size: int) -> StepInpu
         query_start_loc_B1=query_start_loc_B1, seq_lens_B=seq_lens_B,
         max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=block_size,
     )
-    return StepInputs(input_ids_T, meta, sample_rows_S)
+    return StepInputs(input_ids_T, meta, sample_rows_S, sizes)
 
 
 def message_sizes(msg: StepMessage) -> Sizes:
