@@ -1,12 +1,20 @@
 """Per-layer expert load statistics, accumulated on the device without a host sync per step.
 
+On CUDA a registered kernel (LOAD_COUNT_KERNELS["triton"], `moe_infer.kernels.expert_load`, a plugin) adds a
+layer's counts in one launch; everywhere else the torch path of `record` runs (the kernel's reference).
+
 Legend: L MoE layers, E experts (global), K top-k.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
+
+from moe_infer.registry import Registry
+
+# (routed_E, processed_E, dropped_E, rerouted_E, topk_ids_TK, kept_ids_TK or None, valid_T or None) -> None
+LOAD_COUNT_KERNELS: Registry[Callable[..., None]] = Registry("expert load count kernel")
 
 
 class ExpertLoadStats:
@@ -23,11 +31,22 @@ class ExpertLoadStats:
         valid_T: bool, rows that are padding (False) are not counted (None: all rows count).
         Counted per expert: routed (the router's choice), dropped and rerouted (by the router's
         choice), processed (by the expert that runs the row: kept and rerouted-to rows)."""
+        if kept_ids_TK is topk_ids_TK:
+            kept_ids_TK = None
+        if topk_ids_TK.is_cuda and "triton" in LOAD_COUNT_KERNELS:
+            LOAD_COUNT_KERNELS.get("triton")(self.routed_LE[layer], self.processed_LE[layer], self.dropped_LE[layer],
+                                             self.rerouted_LE[layer], topk_ids_TK, kept_ids_TK, valid_T)
+            return
+        self.record_torch(layer, topk_ids_TK, kept_ids_TK, valid_T)
+
+    def record_torch(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None,
+                     valid_T: torch.Tensor | None = None) -> None:
+        """`record` by torch ops (any device; the reference of the kernel)."""
         ids_N = topk_ids_TK.reshape(-1).long()
         count_N = (torch.ones_like(ids_N) if valid_T is None
                    else valid_T[:, None].expand(topk_ids_TK.shape).reshape(-1).long())
         self.routed_LE[layer].scatter_add_(0, ids_N, count_N)
-        if kept_ids_TK is None or kept_ids_TK is topk_ids_TK:
+        if kept_ids_TK is None:
             self.processed_LE[layer].scatter_add_(0, ids_N, count_N)
         else:
             kept_N = kept_ids_TK.reshape(-1).long()

@@ -1,0 +1,71 @@
+"""The expert-load counters of one MoE layer in one launch (`moe_infer.routing.stats.ExpertLoadStats.record`).
+
+The torch path takes 4 launches for a dropless layer (two casts, two scatter-adds) and 8 with a capacity
+policy: on an H100 about 5.7 us of a decode step's ~91 us per layer at batch 1. Here one program per
+BLOCK routed rows adds each row's count with an atomic per counter:
+
+    routed[ids[n]]    += c_n          processed[kept[n]] += c_n  (kept[n] >= 0)
+    dropped[ids[n]]   += c_n  (kept[n] < 0)
+    rerouted[ids[n]]  += c_n  (kept[n] >= 0 and kept[n] != ids[n])
+
+with c_n = valid[n // K] (1 without a padding mask). Without kept (the dropless policy) processed counts the
+routed ids and nothing is dropped or rerouted. Integer atomics: the counts are exact, in any order.
+No host sync (CUDA-graph safe). The reference is the torch path of `ExpertLoadStats.record`.
+
+Legend: T tokens, K top-k, N = T*K routed rows, E experts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["N"])  # one variant for every step size (no compile after start-up)
+def expert_load_kernel(ids_ptr, kept_ptr, valid_ptr, routed_ptr, processed_ptr, dropped_ptr, rerouted_ptr, N,
+                       K: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_row = offs < N
+    ids = tl.load(ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
+    count = tl.full([BLOCK_N], 1, tl.int64)
+    if HAS_VALID:
+        count = tl.load(valid_ptr + offs // K, mask=is_row, other=0).to(tl.int64)
+    live = is_row & (count != 0)
+    tl.atomic_add(routed_ptr + ids, count, mask=live)
+    if HAS_KEPT:
+        kept = tl.load(kept_ptr + offs, mask=is_row, other=-1).to(tl.int64)
+        is_kept = kept >= 0
+        tl.atomic_add(processed_ptr + tl.where(is_kept, kept, 0), count, mask=live & is_kept)
+        tl.atomic_add(dropped_ptr + ids, count, mask=live & ~is_kept)
+        tl.atomic_add(rerouted_ptr + ids, count, mask=live & is_kept & (kept != ids))
+    else:
+        tl.atomic_add(processed_ptr + ids, count, mask=live)
+
+
+def record_load_triton(routed_E: torch.Tensor, processed_E: torch.Tensor, dropped_E: torch.Tensor,
+                       rerouted_E: torch.Tensor, topk_ids_TK: torch.Tensor, kept_ids_TK: Optional[torch.Tensor],
+                       valid_T: Optional[torch.Tensor]) -> None:
+    """Adds one layer's counts to the int64 counters [E] (in place); see the module docstring."""
+    T, K = topk_ids_TK.shape
+    for name, t in (("routed", routed_E), ("processed", processed_E), ("dropped", dropped_E), ("rerouted", rerouted_E)):
+        if t.dtype != torch.int64 or t.dim() != 1 or t.stride(0) != 1 or t.device != topk_ids_TK.device:
+            raise ValueError(f"{name} counters must be contiguous int64 [E] on {topk_ids_TK.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if kept_ids_TK is not None and kept_ids_TK.shape != topk_ids_TK.shape:
+        raise ValueError(f"kept ids {tuple(kept_ids_TK.shape)} must match the routed ids {tuple(topk_ids_TK.shape)}")
+    if valid_T is not None and valid_T.shape != (T,):
+        raise ValueError(f"the padding mask must be [{T}], got {tuple(valid_T.shape)}")
+    N = T * K
+    if N == 0:
+        return
+    ids_N = topk_ids_TK.reshape(-1).contiguous()
+    kept_N = kept_ids_TK.reshape(-1).contiguous() if kept_ids_TK is not None else ids_N
+    valid = valid_T.contiguous() if valid_T is not None else ids_N
+    expert_load_kernel[(triton.cdiv(N, BLOCK),)](
+        ids_N, kept_N, valid, routed_E, processed_E, dropped_E, rerouted_E, N,
+        K=K, HAS_KEPT=kept_ids_TK is not None, HAS_VALID=valid_T is not None, BLOCK_N=BLOCK, num_warps=4,
+    )
