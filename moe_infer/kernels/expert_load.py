@@ -16,7 +16,7 @@ Legend: T tokens, K top-k, N = T*K routed rows, E experts.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import triton
@@ -25,14 +25,16 @@ import triton.language as tl
 BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["N"])  # one variant for every step size (no compile after start-up)
+# one variant for every step size and with or without a padding mask (warm-up runs masked forwards only, so an
+# unmasked eager step must not select a variant of its own: see moe_infer/engine/warmup.py)
+@triton.jit(do_not_specialize=["N", "has_valid"])
 def expert_load_kernel(ids_ptr, kept_ptr, valid_ptr, routed_ptr, processed_ptr, dropped_ptr, rerouted_ptr, N,
-                       K: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr):
+                       has_valid, K: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK_N: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_row = offs < N
     ids = tl.load(ids_ptr + offs, mask=is_row, other=0).to(tl.int64)
     count = tl.full([BLOCK_N], 1, tl.int64)
-    if HAS_VALID:
+    if has_valid != 0:
         count = tl.load(valid_ptr + offs // K, mask=is_row, other=0).to(tl.int64)
     live = is_row & (count != 0)
     tl.atomic_add(routed_ptr + ids, count, mask=live)
@@ -64,8 +66,18 @@ def record_load_triton(routed_E: torch.Tensor, processed_E: torch.Tensor, droppe
         return
     ids_N = topk_ids_TK.reshape(-1).contiguous()
     kept_N = kept_ids_TK.reshape(-1).contiguous() if kept_ids_TK is not None else ids_N
-    valid = valid_T.contiguous() if valid_T is not None else ids_N
+    valid = valid_T.contiguous() if valid_T is not None else _no_mask(ids_N.device)
     expert_load_kernel[(triton.cdiv(N, BLOCK),)](
-        ids_N, kept_N, valid, routed_E, processed_E, dropped_E, rerouted_E, N,
-        K=K, HAS_KEPT=kept_ids_TK is not None, HAS_VALID=valid_T is not None, BLOCK_N=BLOCK, num_warps=4,
+        ids_N, kept_N, valid, routed_E, processed_E, dropped_E, rerouted_E, N, int(valid_T is not None),
+        K=K, HAS_KEPT=kept_ids_TK is not None, BLOCK_N=BLOCK, num_warps=4,
     )
+
+
+_NO_MASK: Dict[torch.device, torch.Tensor] = {}
+
+
+def _no_mask(device: torch.device) -> torch.Tensor:
+    """A bool tensor that is never read: the mask argument of an unmasked step has the masked steps' type."""
+    if device not in _NO_MASK:
+        _NO_MASK[device] = torch.ones(16, dtype=torch.bool, device=device)
+    return _NO_MASK[device]
