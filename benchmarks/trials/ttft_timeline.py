@@ -126,8 +126,9 @@ def main():
                     annotate(runner, "collect", "ttft:collect"),
                     annotate(eng.scheduler, "postprocess", "ttft:postprocess"),
                     annotate(eng.executor, "finish", "ttft:finish")]
-            if runner.extend_graphs is not None:
-                undo.append(annotate(runner.extend_graphs, "run", "ttft:graph_run"))
+            if runner.extend_graphs is not None:  # "replay" since graph_inputs.py (the inputs: in prepare), "run" before
+                name = "replay" if hasattr(runner.extend_graphs, "replay") else "run"
+                undo.append(annotate(runner.extend_graphs, name, "ttft:graph_run"))
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 gen(n)
