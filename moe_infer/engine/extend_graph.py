@@ -5,15 +5,18 @@ Eagerly such a step is bound by host time, not by the GPU: on an H100 (8-layer Q
 for 4.8 ms of kernels, one of 128 tokens 17.2 ms for 2.7 ms. Each layer's launches go through Python
 (torch ops, Triton's launcher). Replayed, the step costs about its kernels.
 
-What is captured: the whole model forward, attention included. The attention backend must declare
+What is captured: the whole model forward, attention included, as two graphs replayed one after the other
+where the model can be split (`MoEModel.forward_head` / `forward_tail`): its first layer, then the rest. A
+graph's launch costs host time in proportion to its kernels, and the GPU runs none of them before the launch
+ends; with the first layer apart, the GPU starts after a short launch and the long one overlaps it. The attention backend must declare
 `static_launch` (the paged Triton kernel does): every launch parameter then comes from the bucket
 (grid: padded sequences x query tiles of the longest query x KV heads, one key split) and the rest
 (query starts, context lengths, block tables) is read on the device from the static buffers. The
 gather backends ("torch", "sdpa") size their work from the data, so their steps run eagerly. The LM
 head and the sampler run after the replay, on the step's real rows.
 
-Buckets: one graph per (Tp, Bp, Qp), captured the first time it is seen (after one eager warm-up run
-on the same buffers, `cuda_graph.capture_graph`), at most `max_graphs` of them; later new buckets run
+Buckets: one graph (or pair) per (Tp, Bp, Qp), captured the first time it is seen (after one eager warm-up
+run on the same buffers, `cuda_graph.capture_graph`), at most `max_graphs` buckets; later new buckets run
 eagerly.
 - Tp tokens: 16, 32, ..., 512, then multiples of 512, up to `max_tokens` (model.cuda_graph_max_tokens);
 - Bp sequences: the step's B plus one padding sequence, rounded up to a power of two;
@@ -36,19 +39,23 @@ table, D hidden.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from moe_infer.engine.cuda_graph import ForwardFn, replay_graph
+from moe_infer.engine.cuda_graph import ForwardFn, capture_graph
 from moe_infer.engine.graph_inputs import GraphInputs
 from moe_infer.engine.step_inputs import Sizes, StepInputs, host_segments
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPHS = 64  # a graph keeps its output [Tp, D] and the pool its intermediates: bounded
+MAX_GRAPHS = 64  # a bucket's graphs keep their output [Tp, D] and the pool their intermediates: bounded
+# A bucket's first layer(s) are a graph of their own: its launch is short, and the GPU runs it while the host
+# launches the rest (on an H100 one graph of the 8-layer Qwen3-30B-A3B shape took 150-220 us to launch, every
+# one of them before the first kernel ran: on the critical path of a prompt's first token).
+HEAD_LAYERS = 1
 
 
 def token_buckets(max_tokens: int) -> List[int]:
@@ -78,7 +85,7 @@ class ExtendGraphs:
         self.capture, self.max_graphs = capture, max_graphs
         self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device)
         self.views: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}  # (Tp, Bp) -> the graph's input views
-        self.graphs: Dict[Tuple[int, int, int], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: Dict[Tuple[int, int, int], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
         self.full_logged = False
@@ -143,19 +150,63 @@ class ExtendGraphs:
         with forward_context(self._meta(Tp, Bp, Qp), valid_T=v["valid"]):
             return self.forward(v["ids"], v["positions"])
 
+    def _pieces(self) -> Optional[Tuple[Callable, Callable]]:
+        """(forward_head, forward_tail) of a model that has them and more than HEAD_LAYERS layers, else None."""
+        head, tail = getattr(self.forward, "forward_head", None), getattr(self.forward, "forward_tail", None)
+        if head is None or tail is None or len(getattr(self.forward, "local_layers", ())) <= HEAD_LAYERS:
+            return None
+        return head, tail
+
+    def _capture(self, key: Tuple[int, int, int]) -> Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]:
+        """The bucket's graphs, replayed in order, and their static output: the model's first HEAD_LAYERS layers
+        and the rest as two graphs where the model can be split (`_pieces`), else one."""
+        v, pieces = self._views(*key[:2]), self._pieces()
+        if pieces is None:
+            graph, out = capture_graph(lambda: self._run_static(*key), v["valid"], self.pool)
+            return [graph], out
+        head, tail = pieces
+        meta, valid_copy = self._meta(*key), v["valid"].clone()
+        v["valid"].fill_(False)  # nothing counted in the load statistics until the real replay
+
+        def run_head():
+            with forward_context(meta, valid_T=v["valid"]):
+                return head(v["ids"], v["positions"], num_layers=HEAD_LAYERS)
+
+        head_graph, (h_TD, delta_TD) = capture_graph(run_head, v["valid"], self.pool)
+        head_graph.replay()  # the head's outputs now hold the step's values: the tail's warm-up run reads them
+
+        def run_tail():
+            with forward_context(meta, valid_T=v["valid"]):
+                return tail(h_TD, delta_TD, v["positions"], first_layer=HEAD_LAYERS)
+
+        tail_graph, out = capture_graph(run_tail, v["valid"], self.pool)
+        v["valid"].copy_(valid_copy)
+        return [head_graph, tail_graph], out
+
     def replay(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """hidden [T, D] of a step `load`ed into the buffer, or None: run it eagerly (a capture failed, or the
         graph budget is spent)."""
         key, T = inputs.bucket, inputs.input_ids_T.shape[0]
-        if self.capture and key not in self.graphs and len(self.graphs) >= self.max_graphs:
-            if not self.full_logged:
-                self.full_logged = True
-                logger.info("%d prefill/mixed-step CUDA graphs captured (the limit): steps of new shapes run "
-                            "eagerly", self.max_graphs)
-            return None
         if not self.capture:
             self.runs += 1
             return self._run_static(*key)[:T]
-        out_TpD = replay_graph(self, key, lambda: self._run_static(*key), self._views(*key[:2])["valid"],
-                               f"a step of {T} tokens (bucket {key})")
-        return None if out_TpD is None else out_TpD[:T]
+        if key not in self.graphs:
+            if len(self.graphs) >= self.max_graphs:
+                if not self.full_logged:
+                    self.full_logged = True
+                    logger.info("%d prefill/mixed-step CUDA graphs captured (the limit): steps of new shapes run "
+                                "eagerly", self.max_graphs)
+                return None
+            try:
+                self.graphs[key] = self._capture(key)
+            except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
+                torch.cuda.synchronize()
+                self.disabled = f"{type(err).__name__}: {err}"
+                logger.warning("CUDA graph capture failed for a step of %d tokens (bucket %s); prefill and mixed "
+                               "steps run eagerly from now on (%s)", T, key, self.disabled)
+                return None
+        graphs, out_TpD = self.graphs[key]
+        for graph in graphs:
+            graph.replay()
+        self.runs += 1
+        return out_TpD[:T]

@@ -101,6 +101,16 @@ class MoEModel(nn.Module):
                 hidden_TD: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids_T, positions_T [T] (int) -> hidden states [T, D] in the model dtype: final-normed on
         the last stage, the residual stream elsewhere. hidden_TD: the previous stage's output (stages > 0)."""
+        h_TD, delta_TD = self.forward_head(input_ids_T, positions_T, hidden_TD, num_layers=0)
+        return self.forward_tail(h_TD, delta_TD, positions_T, first_layer=0)
+
+    @torch.no_grad()
+    def forward_head(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
+                     hidden_TD: Optional[torch.Tensor] = None, num_layers: int = 1):
+        """The start of `forward`: the embedding (or the previous stage's hidden_TD) and this stage's first
+        num_layers layers -> (residual stream h_TD, the last layer's output delta_TD not yet added, or None).
+        A CUDA graph of a prefill step replays this piece apart, so that the GPU runs it while the host still
+        launches the rest (moe_infer/engine/extend_graph.py)."""
         if input_ids_T.dim() != 1 or input_ids_T.shape != positions_T.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids_T.shape)} and positions {tuple(positions_T.shape)} must be equal 1-D"
@@ -112,7 +122,16 @@ class MoEModel(nn.Module):
         else:
             h_TD = hidden_TD
         delta_TD = None
-        for i in self.local_layers:  # each residual add runs fused into the norm after it
+        for i in self.local_layers[:num_layers]:  # each residual add runs fused into the norm after it
+            h_TD, delta_TD = self.layers[i](h_TD, positions_T, delta_TD)
+        return h_TD, delta_TD
+
+    @torch.no_grad()
+    def forward_tail(self, h_TD: torch.Tensor, delta_TD: Optional[torch.Tensor], positions_T: torch.Tensor,
+                     first_layer: int = 1) -> torch.Tensor:
+        """The rest of `forward` after `forward_head(..., num_layers=first_layer)`: this stage's layers from
+        first_layer on, then the final norm (last stage) -> hidden states [T, D]."""
+        for i in self.local_layers[first_layer:]:
             h_TD, delta_TD = self.layers[i](h_TD, positions_T, delta_TD)
         if delta_TD is None:
             return h_TD if self.norm is None else self.norm(h_TD)
