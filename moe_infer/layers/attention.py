@@ -10,7 +10,10 @@ all-reduce each). The KV cache of a rank holds its own KV heads.
 The K/V write + paged attention is one call of a backend from ATTENTION_BACKENDS ("torch": the
 float32 reference of paged_attention.py; "sdpa": the same gather with torch's SDPA). A backend also in
 ROPE_FUSED_BACKENDS ("triton") instead gets q, k, v unrotated: one kernel rotates q and k and writes K/V
-(from the rotary's cos/sin table), then its attend-only function reads the cache. The step's
+(from the rotary's cos/sin table), then its attend-only function reads the cache. That kernel also applies
+the q/k norm (the RMSNorm modules keep the weights; only their launches go), per head or over the whole
+projection, at tp = 1 for the latter and without clip_qkv (under tp > 1 ShardedRMSNorm sums over the
+ranks; OLMoE's clip_qkv clamps between the norm and the rotary): those stay on the modules. The step's
 attention metadata comes from `get_forward_context().attn`; the layer's (k_cache, v_cache) is
 bound once by the model runner through `MoEModel.bind_kv_cache`.
 
@@ -19,7 +22,7 @@ Legend: T tokens, D hidden, H query heads, Hkv KV heads, d head_dim (the layer's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -54,6 +57,12 @@ def head_split(num_heads: int, num_kv_heads: int, shard: ShardGroup) -> HeadSpli
     return HeadSplit(H, 1, r * H, r * num_kv_heads // tp, tp // num_kv_heads)
 
 
+def _can_fuse_norm(arch: ModelArch, tp: ShardGroup) -> bool:
+    """The q/k norm comes right before the rotary and needs no other rank: per head, or over the whole
+    projection at tp = 1; never with clip_qkv (clamped between the norm and the rotary)."""
+    return arch.clip_qkv is None and (arch.qk_norm == "head" or (arch.qk_norm == "proj" and tp.size == 1))
+
+
 class Attention(nn.Module):
     def __init__(
         self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str = "torch",
@@ -83,22 +92,32 @@ class Attention(nn.Module):
             self.k_norm = ShardedRMSNorm(self.kv_size, arch.kv_size, arch.rms_norm_eps, dtype, tp, heads.kv_replicas)
         elif arch.qk_norm != "none":
             raise ValueError(f"qk_norm must be none, head or proj, got {arch.qk_norm!r}")
+        # the q/k norm the fused kernel applies in place of the modules ("none": _qkv runs them, if any)
+        self.fused_norm = arch.qk_norm if self._rope_fused is not None and _can_fuse_norm(arch, tp) else "none"
         self.rotary = rotary
         self.kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def _qkv(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
         q, k, v = self.qkv_proj(x_TD).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "proj":
+        norm = self.qk_norm if self.fused_norm == "none" else "none"  # the norm run here, not in the kernel
+        if norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q_THd = q.reshape(T, self.num_heads, self.head_dim)
         k_THd = k.reshape(T, self.num_kv_heads, self.head_dim)
         v_THd = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
+        if norm == "head":
             q_THd, k_THd = self.q_norm(q_THd), self.k_norm(k_THd)
         return q_THd, k_THd, v_THd
+
+    def _fused_norm_args(self) -> Dict[str, Any]:
+        """The q/k norm keyword arguments of `rope_store_kv` (none when the kernel applies no norm)."""
+        if self.fused_norm == "none":
+            return {}
+        return dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=self.q_norm.eps,
+                    norm_mode=self.fused_norm)
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         attn = get_forward_context().attn
@@ -112,7 +131,7 @@ class Attention(nn.Module):
         if fused is not None:
             cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
             q_THd = fused.rope_store_kv(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
-                                        attn.slot_mapping_T)
+                                        attn.slot_mapping_T, **self._fused_norm_args())
             o_THd = attend_cached(fused.attend, q_THd, k_cache, v_cache, attn, positions_T, self.scale,
                                   self.sliding_window)
         else:

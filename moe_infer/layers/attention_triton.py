@@ -2,9 +2,10 @@
 that reads K/V in place through the block tables (`moe_infer.kernels.paged_attention`). A plugin
 module (`moe_infer.plugins`): it imports triton, so it registers only where triton is installed.
 
-ROPE_FUSED_BACKENDS["triton"]: what the attention layer runs instead: the rotary embedding and the K/V
-write as one kernel (`moe_infer.kernels.rope_kv`), then the same paged kernel (one launch per layer in
-place of the ~30 of RotaryEmbedding.forward + store_kv; outputs bit-identical).
+ROPE_FUSED_BACKENDS["triton"]: what the attention layer runs instead: the q/k norm (where the layer can
+fuse it), the rotary embedding and the K/V write as one kernel (`moe_infer.kernels.rope_kv`), then the same
+paged kernel (one launch per layer in place of the ~30 of RotaryEmbedding.forward + store_kv and the two
+norm launches; outputs bit-identical but for a rare ulp of the norm's float32 sum order).
 
 The CUDA default ("auto" in ATTENTION_AUTO): on an H100 it measured 4.4-38x faster than the
 gather + SDPA path for decode and 4.5-9.9x for prefill/extend (`benchmarks/attention.py`). Eagerly,

@@ -238,8 +238,9 @@ def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
 @dataclass(frozen=True)
 class RopeFusedAttention:
     """A backend that also takes the step's K/V already rotated and written: `rope_store_kv` (the signature
-    of `moe_infer.layers.rotary.rope_store_kv_ref`) rotates q and k, writes k and v at the slots and
-    returns the rotated q; `attend` (paged_attention_ref's signature) then reads the caches."""
+    of `moe_infer.layers.rotary.rope_store_kv_ref`, q/k norm keywords included) RMS-norms q and k if asked,
+    rotates them, writes k and v at the slots and returns the rotated q; `attend` (paged_attention_ref's
+    signature) then reads the caches."""
 
     rope_store_kv: Callable[..., torch.Tensor]
     attend: Callable[..., torch.Tensor]

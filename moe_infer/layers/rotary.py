@@ -9,7 +9,8 @@ longrope) are refused: a paged batch mixes sequence lengths.
 (`moe_infer.kernels.rope_kv`) reads instead of computing cos/sin every layer of every step: row p holds
 [cos_p[:d/2] | sin_p[:d/2]] (the halves of emb = [freqs | freqs] repeat) from `cos_sin` itself, so the
 values are those of the unfused path bit for bit. It covers positions [0, max_position_embeddings); the
-model runner refuses a max_model_len beyond that. `rope_store_kv_ref` is the kernel's PyTorch reference.
+model runner refuses a max_model_len beyond that. `rope_store_kv_ref` is the kernel's PyTorch reference
+(with the q/k norm the kernel can apply first, by `rms_norm_torch`).
 
 Legend: T tokens, H heads, Hkv KV heads, d head_dim, P table positions, Nb cache blocks, S block size.
 """
@@ -20,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from moe_infer.layers.norm import rms_norm_torch
 from moe_infer.layers.paged_attention import store_kv
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -95,9 +97,17 @@ class RotaryEmbedding(nn.Module):
 def rope_store_kv_ref(
     q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
     cos_sin_Pd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, slot_mapping_T: torch.Tensor,
+    *, q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 0.0, norm_mode: str = "none",
 ) -> torch.Tensor:
-    """PyTorch reference of `moe_infer.kernels.rope_kv.rope_store_kv`: rotate q and k with the table's
-    rows, store k and v at the slots (negative slots skipped) -> rotated q."""
+    """PyTorch reference of `moe_infer.kernels.rope_kv.rope_store_kv`: RMSNorm q and k (norm_mode "head": per
+    head over d; "proj": over the whole [H * d] / [Hkv * d] projection; "none"), rotate them with the
+    table's rows, store k and v at the slots (negative slots skipped) -> rotated q."""
+    if norm_mode in ("head", "proj"):
+        q_THd = _qk_norm(q_THd, q_norm_weight, norm_eps, norm_mode)
+        k_THd = _qk_norm(k_THd, k_norm_weight, norm_eps, norm_mode)
+    elif norm_mode != "none":
+        raise ValueError(f"norm_mode must be none, head or proj, got {norm_mode!r}")
     half = cos_sin_Pd.shape[1] // 2
     rows_Td = cos_sin_Pd[positions_T.long()]
     cos_T1d = rows_Td[:, :half].repeat(1, 2)[:, None, :]
@@ -105,3 +115,12 @@ def rope_store_kv_ref(
     q_THd = q_THd * cos_T1d + _rotate_half(q_THd) * sin_T1d
     store_kv(k_THd * cos_T1d + _rotate_half(k_THd) * sin_T1d, v_THd, k_cache_NbSHd, v_cache_NbSHd, slot_mapping_T)
     return q_THd
+
+
+def _qk_norm(x_THd: torch.Tensor, weight: Optional[torch.Tensor], eps: float, mode: str) -> torch.Tensor:
+    if weight is None:
+        raise ValueError(f"norm_mode {mode!r} needs the q and k norm weights")
+    if mode == "head":
+        return rms_norm_torch(x_THd, weight, eps)
+    T, H, d = x_THd.shape
+    return rms_norm_torch(x_THd.reshape(T, H * d), weight, eps).view(T, H, d)
