@@ -88,7 +88,8 @@ def main():
                       f"{k} {1e3 * v / steps:.3f} ms" for k, v in acc.items()), flush=True)
             keys = sorted(k for k in runner.graphs.graphs if k[0] >= b)
             key = max((k for k in keys if k[0] == keys[0][0]), key=lambda k: k[1])
-            graph, _ = runner.graphs.graphs[key]
+            graphs, _ = runner.graphs.graphs[key]
+            graph = graphs[0] if isinstance(graphs, list) else graphs  # a list since the prefill graphs' split
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(5):
                 graph.replay()

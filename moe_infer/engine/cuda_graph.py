@@ -82,21 +82,23 @@ def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
     return graph, out
 
 
-def replay_graph(owner, key, run: Callable[[], torch.Tensor], valid_R: torch.Tensor, what: str) -> Optional[torch.Tensor]:
-    """The static output of owner's graph for key after a replay, the graph captured first when new
-    (owner: .graphs, .pool, .runs, .disabled); None when the capture failed: owner.disabled says why and
-    the caller runs that step, and every later one, eagerly."""
+def replay_graph(owner, key, capture: Callable[[], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]],
+                 what: str) -> Optional[torch.Tensor]:
+    """The static output of owner's graphs for key after replaying them in order, captured first when new
+    (`capture()` -> (graphs, output); owner: .graphs, .runs, .disabled); None when the capture failed:
+    owner.disabled says why and the caller runs that step, and every later one, eagerly."""
     if key not in owner.graphs:
         try:
-            owner.graphs[key] = capture_graph(run, valid_R, owner.pool)
+            owner.graphs[key] = capture()
         except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
             torch.cuda.synchronize()
             owner.disabled = f"{type(err).__name__}: {err}"
             logger.warning("CUDA graph capture failed for %s; those steps run eagerly from now on (%s)", what,
                            owner.disabled)
             return None
-    graph, out = owner.graphs[key]
-    graph.replay()
+    graphs, out = owner.graphs[key]
+    for graph in graphs:
+        graph.replay()
     owner.runs += 1
     return out
 
@@ -137,7 +139,7 @@ class DecodeGraphs:
         self.seq_lens_B = torch.ones(Bmax, dtype=torch.int32, device=dev)
         self.query_start_loc_B1 = torch.arange(Bmax + 1, dtype=torch.int32, device=dev)
         self.valid_B = torch.zeros(Bmax, dtype=torch.bool, device=dev)
-        self.graphs: Dict[Tuple[int, int], Tuple[Optional[torch.cuda.CUDAGraph], torch.Tensor]] = {}
+        self.graphs: Dict[Tuple[int, int], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
         self.runs = 0  # decode steps that went through the static buffers (replayed, or eager with capture=False)
@@ -205,6 +207,9 @@ class DecodeGraphs:
         if not self.capture:
             self.runs += 1
             return self._run_static(Bp, Mp)[:B]
-        out_BpD = replay_graph(self, (Bp, Mp), lambda: self._run_static(Bp, Mp), self.valid_B,
-                               f"a decode step at batch {Bp}, {Mp} blocks")
+        def capture():
+            graph, out = capture_graph(lambda: self._run_static(Bp, Mp), self.valid_B, self.pool)
+            return [graph], out
+
+        out_BpD = replay_graph(self, (Bp, Mp), capture, f"a decode step at batch {Bp}, {Mp} blocks")
         return None if out_BpD is None else out_BpD[:B]

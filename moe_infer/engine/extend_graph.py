@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from moe_infer.engine.cuda_graph import ForwardFn, capture_graph
+from moe_infer.engine.cuda_graph import ForwardFn, capture_graph, replay_graph
 from moe_infer.engine.graph_inputs import GraphInputs
 from moe_infer.engine.step_inputs import Sizes, StepInputs, host_segments
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
@@ -130,12 +130,14 @@ class ExtendGraphs:
         v["block_tables"][:B, :m], v["block_tables"][:B, m:] = src.block_tables_BM, -1
         v["sample_rows"][:], v["extra"][:] = src.sample_rows_S, src.extra
         self.inputs.load(host)
-        d = lay.device_views(self.inputs.buffer)
+        d = self._views(Tp, Bp)
         meta = AttentionMetadata(
             positions_T=d["positions"][:T], slot_mapping_T=d["slots"][:T], block_tables_BM=d["block_tables"][:B, :m],
             query_start_loc_B1=d["query_starts"][:B + 1], seq_lens_B=d["seq_lens"][:B], max_query_len=max_query_len,
             max_seq_len=max_seq_len, block_size=self.block_size)
-        return StepInputs(d["ids"][:T], meta, d["sample_rows"], sizes, key), d["extra"]
+        buf = self.inputs.buffer
+        return (StepInputs(d["ids"][:T], meta, lay.device_view(buf, "sample_rows"), sizes, key),
+                lay.device_view(buf, "extra"))
 
     def _meta(self, Tp: int, Bp: int, Qp: int) -> AttentionMetadata:
         v = self._views(Tp, Bp)
@@ -190,23 +192,11 @@ class ExtendGraphs:
         if not self.capture:
             self.runs += 1
             return self._run_static(*key)[:T]
-        if key not in self.graphs:
-            if len(self.graphs) >= self.max_graphs:
-                if not self.full_logged:
-                    self.full_logged = True
-                    logger.info("%d prefill/mixed-step CUDA graphs captured (the limit): steps of new shapes run "
-                                "eagerly", self.max_graphs)
-                return None
-            try:
-                self.graphs[key] = self._capture(key)
-            except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
-                torch.cuda.synchronize()
-                self.disabled = f"{type(err).__name__}: {err}"
-                logger.warning("CUDA graph capture failed for a step of %d tokens (bucket %s); prefill and mixed "
-                               "steps run eagerly from now on (%s)", T, key, self.disabled)
-                return None
-        graphs, out_TpD = self.graphs[key]
-        for graph in graphs:
-            graph.replay()
-        self.runs += 1
-        return out_TpD[:T]
+        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+            if not self.full_logged:
+                self.full_logged = True
+                logger.info("%d prefill/mixed-step CUDA graphs captured (the limit): steps of new shapes run "
+                            "eagerly", self.max_graphs)
+            return None
+        out_TpD = replay_graph(self, key, lambda: self._capture(key), f"a step of {T} tokens (bucket {key})")
+        return None if out_TpD is None else out_TpD[:T]

@@ -35,6 +35,8 @@ _SEGMENTS = (("ids", np.int64, torch.int64), ("positions", np.int64, torch.int64
              ("block_tables", np.int32, torch.int32), ("valid", np.bool_, torch.bool),
              ("sample_rows", np.int64, torch.int64), ("extra", np.int64, torch.int64))
 
+_TORCH_DTYPES = {name: dt for name, _, dt in _SEGMENTS}
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -53,12 +55,15 @@ class Layout:
         views["block_tables"] = views["block_tables"].reshape(self.seqs, self.width)
         return views
 
+    def device_view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """One segment of the device buffer (block tables as [Bp, M])."""
+        (off, n), dt = self.segments[name], _TORCH_DTYPES[name]
+        view = buf[off:off + n * dt.itemsize].view(dt)
+        return view.view(self.seqs, self.width) if name == "block_tables" else view
+
     def device_views(self, buf: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """The same views of the device buffer."""
-        views = {name: buf[off:off + n * dt.itemsize].view(dt)
-                 for (name, _, dt), (off, n) in zip(_SEGMENTS, self.segments.values())}
-        views["block_tables"] = views["block_tables"].view(self.seqs, self.width)
-        return views
+        """Every segment of the device buffer."""
+        return {name: self.device_view(buf, name) for name in self.segments}
 
 
 def layout(rows: int, seqs: int, width: int, sample_rows: int = 0, extra: int = 0) -> Layout:

@@ -38,7 +38,7 @@ class StepInputs:
     input_ids_T: torch.Tensor
     meta: AttentionMetadata
     sample_rows_S: torch.Tensor
-    sizes: Optional[Sizes] = None
+    sizes: Sizes
     bucket: Optional[Tuple[int, int, int]] = None  # laid out in ExtendGraphs' buffer for this bucket's graph
 
 
