@@ -48,7 +48,8 @@ def _case(T, K, E, seed):
     return ids_TK.to(DEVICE), kept_TK.to(DEVICE), valid_T.to(DEVICE)
 
 
-@pytest.mark.parametrize("T,K,E", [(1, 8, 128), (3, 2, 8), (BLOCK // 2 + 37, 2, 16)])  # the last: 2 programs
+# N = T * K <= E: an atomic per row (the first three); histograms in 2 programs (the last)
+@pytest.mark.parametrize("T,K,E", [(1, 8, 128), (3, 2, 8), (16, 8, 128), (BLOCK // 2 + 37, 2, 16)])
 @pytest.mark.parametrize("with_kept", [False, True])
 @pytest.mark.parametrize("with_valid", [False, True])
 def test_counts_match_a_per_row_loop(T, K, E, with_kept, with_valid):
