@@ -139,6 +139,10 @@ def test_load_lays_out_the_padded_step(lengths):
 
     bs, width = 16, 64
     graphs = ExtendGraphs(lambda ids, pos: ids, 1024, 8, width, bs, torch.device("cpu"), capture=False)
+    # first a longer step with more sequences into both staging buffers: what it leaves there must not show
+    dirty = _plan([900, 9, 1, 7, 2, 1, 1], bs, random.Random(99))
+    for _ in range(2):
+        graphs.load(*flat_inputs(dirty, bs, extra=list(range(1, 15))), 14)
     plan = _plan(lengths, bs, random.Random(len(lengths)))
     flat, sizes = flat_inputs(plan, bs, extra=[5, 6, 7, 8])
     inputs, extra_X = graphs.load(flat, sizes, 4)

@@ -38,6 +38,7 @@ table, D hidden.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from moe_infer.engine.cuda_graph import ForwardFn, capture_graph, replay_graph
-from moe_infer.engine.graph_inputs import GraphInputs
+from moe_infer.engine.graph_inputs import GraphInputs, Layout
 from moe_infer.engine.step_inputs import Sizes, StepInputs, host_segments
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
@@ -85,6 +86,8 @@ class ExtendGraphs:
         self.capture, self.max_graphs = capture, max_graphs
         self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device)
         self.views: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}  # (Tp, Bp) -> the graph's input views
+        self.tail_views: Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]] = {}  # Layout.key -> _tail_views
+        self._arange = np.arange(self.max_tokens, dtype=np.int64)  # the padding sequence's positions
         self.graphs: Dict[Tuple[int, int, int], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
@@ -116,28 +119,44 @@ class ExtendGraphs:
     def load(self, flat: np.ndarray, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
         """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own) in the bucket's
         layout, padding included, copied to the device in one copy -> (its inputs, the extra entries).
-        Rows T..Tp-1 become the padding sequence B, sequences B+1..Bp-1 have no rows."""
-        T, B, S, m, max_query_len, max_seq_len = sizes
+        Rows T..Tp-1 become the padding sequence B, sequences B+1..Bp-1 have no rows. Every element is written
+        (the staging buffer holds an earlier step)."""
+        T, B, S, m = sizes[:4]
         key = Tp, Bp, _ = self.bucket(sizes)
         lay = self.inputs.layout(Tp, Bp, S, num_extra)
-        host = np.zeros(lay.nbytes, dtype=np.uint8)
-        v, src, pad = lay.host_views(host), host_segments(flat, sizes), Tp - T
-        v["ids"][:T], v["positions"][:T], v["slots"][:T], v["valid"][:T] = src.ids_T, src.positions_T, src.slots_T, True
-        v["positions"][T:] = np.arange(pad)  # the padding sequence B: positions 0..pad-1 over keys of block 0
-        v["slots"][T:] = -1  # writes no K/V (ids 0, valid False, table row B 0: the zero fill)
+        v, src, pad = self.inputs.stage(lay), host_segments(flat, sizes), Tp - T
+        v["ids"][:T], v["ids"][T:] = src.ids_T, 0
+        v["positions"][:T], v["positions"][T:] = src.positions_T, self._arange[:pad]  # the padding sequence B:
+        v["slots"][:T], v["slots"][T:] = src.slots_T, -1  # positions 0..pad-1 over keys of block 0, no K/V written
+        v["valid"][:T], v["valid"][T:] = True, False
         v["query_starts"][:B + 1], v["query_starts"][B + 1:] = src.query_start_B1, Tp
         v["seq_lens"][:B], v["seq_lens"][B:] = src.seq_lens_B, max(pad, 1)
-        v["block_tables"][:B, :m], v["block_tables"][:B, m:] = src.block_tables_BM, -1
+        tables = v["block_tables"]
+        tables[:B, :m], tables[:B, m:], tables[B:] = src.block_tables_BM, -1, 0  # row B: block 0 (zero-filled)
         v["sample_rows"][:], v["extra"][:] = src.sample_rows_S, src.extra
-        self.inputs.load(host)
+        self.inputs.load(lay)
         d = self._views(Tp, Bp)
-        meta = AttentionMetadata(
+        sample_rows_S, extra_X = self._tail_views(lay)
+        return (StepInputs(d["ids"][:T], functools.partial(self._step_meta, d, sizes), sample_rows_S, sizes, key),
+                extra_X)
+
+    def _tail_views(self, lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The device views of a layout's sample rows and extra entries (cut once per layout)."""
+        views = self.tail_views.get(lay.key)
+        if views is None:
+            if len(self.tail_views) >= GraphInputs.MAX_VIEWS:
+                self.tail_views.clear()
+            buf = self.inputs.buffer
+            views = self.tail_views[lay.key] = (lay.device_view(buf, "sample_rows"), lay.device_view(buf, "extra"))
+        return views
+
+    def _step_meta(self, d: Dict[str, torch.Tensor], sizes: Sizes) -> AttentionMetadata:
+        """The step's own (unpadded) attention metadata over the bucket's views: for an eager run."""
+        T, B, _, m, max_query_len, max_seq_len = sizes
+        return AttentionMetadata(
             positions_T=d["positions"][:T], slot_mapping_T=d["slots"][:T], block_tables_BM=d["block_tables"][:B, :m],
             query_start_loc_B1=d["query_starts"][:B + 1], seq_lens_B=d["seq_lens"][:B], max_query_len=max_query_len,
             max_seq_len=max_seq_len, block_size=self.block_size)
-        buf = self.inputs.buffer
-        return (StepInputs(d["ids"][:T], meta, lay.device_view(buf, "sample_rows"), sizes, key),
-                lay.device_view(buf, "extra"))
 
     def _meta(self, Tp: int, Bp: int, Qp: int) -> AttentionMetadata:
         v = self._views(Tp, Bp)

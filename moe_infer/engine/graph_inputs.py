@@ -18,12 +18,18 @@ The graph-read segments come first, so their offsets depend on (Tp, Bp, M) only:
 in its own offsets into the one buffer. Steps run one after another on one stream, so a step's copy lands
 after the kernels of the step before have read their inputs.
 
+The host side is two staging buffers, pinned on CUDA and used in turn (`stage`, then `load`): a copy from
+pageable memory costs more host time (the driver stages it itself) and a new numpy buffer per step would be
+zeroed and viewed anew. A staging buffer is written again only after its previous copy has finished (an
+event per buffer); the numpy views of each layout are made once.
+
 Legend: T tokens of the step, Tp padded, B sequences, Bp padded, M table width, S sampling rows, X extra.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -48,6 +54,11 @@ class Layout:
     segments: Dict[str, Tuple[int, int]]  # name -> (byte offset, elements)
     nbytes: int
 
+    @property
+    def key(self) -> Tuple[int, ...]:
+        """Equal for equal layouts (a Layout itself is not hashable: its segments are a dict)."""
+        return (self.rows, self.seqs, self.width, self.segments["sample_rows"][1], self.segments["extra"][1])
+
     def host_views(self, host: np.ndarray) -> Dict[str, np.ndarray]:
         """numpy views of the segments of a uint8 host buffer (block tables as [Bp, M])."""
         views = {name: host[off:off + n * np.dtype(dt).itemsize].view(dt)
@@ -66,7 +77,10 @@ class Layout:
         return {name: self.device_view(buf, name) for name in self.segments}
 
 
+@functools.lru_cache(maxsize=4096)
 def layout(rows: int, seqs: int, width: int, sample_rows: int = 0, extra: int = 0) -> Layout:
+    """The segments of a step of `rows` padded rows and `seqs` padded sequences (cached: a Layout is not
+    to be changed)."""
     counts = (rows, rows, rows, seqs + 1, seqs, seqs * width, rows, sample_rows, extra)
     segments, at = {}, 0
     for (name, dt, _), n in zip(_SEGMENTS, counts):
@@ -77,13 +91,20 @@ def layout(rows: int, seqs: int, width: int, sample_rows: int = 0, extra: int = 
 
 class GraphInputs:
     """The persistent device buffer, sized for the largest bucket (rows, seqs) at table width `width`, with
-    up to `seqs` sampling rows and 2 * seqs extra entries."""
+    up to `seqs` sampling rows and 2 * seqs extra entries, and its two host staging buffers."""
+
+    MAX_VIEWS = 1024  # numpy views kept per staging buffer (one per layout seen): a bound, rarely reached
 
     def __init__(self, rows: int, seqs: int, width: int, device: torch.device) -> None:
         self.width = width
         self.max_sample, self.max_extra = seqs, 2 * seqs
-        self.buffer = torch.zeros(layout(rows, seqs, width, self.max_sample, self.max_extra).nbytes,
-                                  dtype=torch.uint8, device=device)
+        nbytes = layout(rows, seqs, width, self.max_sample, self.max_extra).nbytes
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        pin = self.buffer.is_cuda
+        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._copied: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy out of each staging buffer
+        self._host_views: List[Dict[Tuple[int, ...], Dict[str, np.ndarray]]] = [{}, {}]  # by Layout.key
+        self._turn = 0  # the staging buffer the next stage/load uses
 
     def layout(self, rows: int, seqs: int, sample_rows: int = 0, extra: int = 0) -> Layout:
         if sample_rows > self.max_sample or extra > self.max_extra:
@@ -94,8 +115,25 @@ class GraphInputs:
     def views(self, lay: Layout) -> Dict[str, torch.Tensor]:
         return lay.device_views(self.buffer)
 
-    def load(self, host: np.ndarray) -> None:
-        """One copy of a host buffer built on a `layout` into the device buffer (stream-ordered)."""
-        if host.dtype != np.uint8 or host.nbytes > self.buffer.numel():
-            raise ValueError(f"host buffer {host.dtype} of {host.nbytes} bytes does not fit {self.buffer.numel()}")
-        self.buffer[:host.nbytes].copy_(torch.from_numpy(host), non_blocking=True)
+    def stage(self, lay: Layout) -> Dict[str, np.ndarray]:
+        """numpy views, laid out as lay, of the staging buffer the next `load` copies. Its bytes are those of an
+        earlier step: the caller writes every element the graph reads."""
+        turn = self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # its copy of two loads ago (long done: a step's collect waited)
+        cache, key = self._host_views[turn], lay.key
+        views = cache.get(key)
+        if views is None:
+            if len(cache) >= self.MAX_VIEWS:
+                cache.clear()
+            views = cache[key] = lay.host_views(self._staging[turn].numpy())
+        return views
+
+    def load(self, lay: Layout) -> None:
+        """One copy of the staged step (`stage(lay)`, then written) into the device buffer (stream-ordered)."""
+        turn = self._turn
+        self.buffer[:lay.nbytes].copy_(self._staging[turn][:lay.nbytes], non_blocking=True)
+        if self.buffer.is_cuda:
+            event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
+            event.record()
+        self._turn = 1 - turn

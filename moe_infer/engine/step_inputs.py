@@ -11,10 +11,11 @@ Legend: T tokens of the step, B sequences, S sequences that sample, M max blocks
 """
 from __future__ import annotations
 
+import functools
 import pickle
 from array import array
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -36,10 +37,16 @@ Sizes = Tuple[int, int, int, int, int, int]
 @dataclass(frozen=True)
 class StepInputs:
     input_ids_T: torch.Tensor
-    meta: AttentionMetadata
+    attention: Union[AttentionMetadata, Callable[[], AttentionMetadata]]  # `meta`, or the function that makes it
     sample_rows_S: torch.Tensor
     sizes: Sizes
     bucket: Optional[Tuple[int, int, int]] = None  # laid out in ExtendGraphs' buffer for this bucket's graph
+
+    @functools.cached_property
+    def meta(self) -> AttentionMetadata:
+        """The step's attention metadata. A step replayed as a graph reads none of it (the graph has its own
+        views), so ExtendGraphs passes a function and the views are cut only if an eager run asks."""
+        return self.attention if isinstance(self.attention, AttentionMetadata) else self.attention()
 
 
 class LaunchedStep:
@@ -108,9 +115,9 @@ def flat_inputs(plan: SchedulerOutput, block_size: int, extra: Sequence[int] = (
                 ids, positions, slots = [], [], []
             pos_n = np.arange(start, start + n, dtype=np.int64)
             table_n = np.array(table, dtype=np.int64)
-            parts.append((np.array(s.token_ids, dtype=np.int64), pos_n, table_n[pos_n // bs] * bs + pos_n % bs))
+            parts.append((np.asarray(s.token_ids, dtype=np.int64), pos_n, table_n[pos_n // bs] * bs + pos_n % bs))
         else:
-            ids += s.token_ids
+            ids += s.token_ids if isinstance(s.token_ids, list) else s.token_ids.tolist()
             positions += range(start, start + n)
             pos, end = start, start + n
             while pos < end:  # the KV slots, one block at a time
@@ -156,10 +163,11 @@ class HostSegments:
 def host_segments(flat: np.ndarray, sizes: Sizes) -> HostSegments:
     """The segments of a `flat_inputs` buffer on the host (for a layout of its own: graph_inputs.py)."""
     T, B, S, M = sizes[:4]
-    pad_q, pad_s = _pad4(B + 1), _pad4(B)
-    cuts = np.cumsum([T, T, T, S, pad_q, pad_s, B * M])
-    ids, pos, slots, sample, qsl, lens, tables, extra = np.split(flat, cuts)
-    return HostSegments(ids, pos, slots, sample, qsl[:B + 1], lens[:B], tables.reshape(B, M), extra)
+    q = 3 * T + S  # where the query starts begin; each int32 segment is padded to 4 entries
+    s = q + _pad4(B + 1)
+    t = s + _pad4(B)
+    return HostSegments(flat[:T], flat[T:2 * T], flat[2 * T:3 * T], flat[3 * T:q], flat[q:q + B + 1], flat[s:s + B],
+                        flat[t:t + B * M].reshape(B, M), flat[t + B * M:])
 
 
 def decode_inputs(flat: torch.Tensor, sizes: Sizes, block_size: int) -> StepInputs:
