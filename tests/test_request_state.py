@@ -55,3 +55,25 @@ def test_outputs_carry_the_prompt_ids():
     first, second = req.output(), req.output()
     assert first.prompt_token_ids == second.prompt_token_ids == [4, 5, 6]
     assert first.outputs[0].token_ids == [7]
+
+
+def test_prompt_ids_as_an_array_reach_the_sequences():
+    """add_request hands over the int64 array its id check made: every sample's sequence keeps it (prompt chunks
+    are planned from it) and holds the ids as a list of Python ints; any other array is refused."""
+    import numpy as np
+
+    from moe_infer import LLM
+    from moe_infer.assets import TINY_MOE_DIR
+
+    prompt_N = np.array([5, 6, 7, 2 ** 40], dtype=np.int64)
+    req = RequestState("d", None, prompt_N, SamplingParams(max_tokens=8, n=2))
+    for seq in req.seqs:
+        assert seq.prompt_array is prompt_N and seq.token_ids == [5, 6, 7, 2 ** 40]
+        assert all(type(t) is int for t in seq.token_ids)
+    assert req.output().prompt_token_ids == [5, 6, 7, 2 ** 40]
+    with pytest.raises(ValueError, match="int64"):
+        RequestState("e", None, prompt_N.astype(np.int32), SamplingParams())
+    engine = LLM(model=str(TINY_MOE_DIR), device="cpu", num_kv_blocks=16).engine
+    rid = engine.add_request({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=2))
+    seq = engine.requests[rid].seqs[0]
+    assert seq.prompt_array.tolist() == [3, 4, 5] and seq.token_ids == [3, 4, 5]

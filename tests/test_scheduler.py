@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 
 from moe_infer.engine.block_manager import BlockManager
@@ -83,6 +84,29 @@ def test_preempts_newest_and_oldest_keep_priority():
         run_step(s)
     assert all(q.finish_reason == "length" and q.num_output_tokens == 12 for q in (old, mid, new))
     assert s.block_manager.num_free_blocks == 6
+
+
+def test_prompt_chunks_read_the_prompt_array():
+    """A sequence given its prompt as an int64 array (as add_request does) is planned with views of that array for
+    its prompt chunks; a recompute after preemption that reaches its generated tokens takes the token list."""
+    s = make(num_blocks=6, block_size=4, max_tokens_per_step=64)
+    seqs = [Sequence(f"r{f}", list(range(f, f + 7)), SamplingParams(max_tokens=12),
+                     prompt_array=np.arange(f, f + 7, dtype=np.int64)) for f in (10, 30, 50)]
+    for q in seqs:
+        s.add(q)
+    plan = run_step(s)
+    for item, q in zip(plan.seqs, seqs):
+        assert isinstance(item.token_ids, np.ndarray) and np.shares_memory(item.token_ids, q.prompt_array)
+        assert item.token_ids.tolist() == q.prompt_token_ids
+    assert all(isinstance(item.token_ids, list) for item in run_step(s).seqs)  # decodes
+    run_step(s)  # the newest is preempted, with 2 generated tokens
+    new = seqs[2]
+    assert new.status == SequenceStatus.WAITING and new.num_output_tokens == 2
+    plan = run_step(s)
+    while not any(item.seq_id == new.seq_id for item in plan.seqs):
+        plan = run_step(s)
+    item = next(item for item in plan.seqs if item.seq_id == new.seq_id)
+    assert isinstance(item.token_ids, list) and item.token_ids == new.token_ids[:9] and item.start_pos == 0
 
 
 def test_rejects_what_can_never_run_and_keeps_others():

@@ -3,6 +3,7 @@ naive per-token loop over the plan: long sequences take the numpy path, short on
 order and mix."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,9 +52,13 @@ def _naive(plan, block_size):
     [3, 200, 64, 1],
 ])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_flat_inputs_match_a_per_token_loop(lengths, block_size):
+@pytest.mark.parametrize("as_array", [False, True])  # True: prompt chunks as views of an int64 prompt array
+def test_flat_inputs_match_a_per_token_loop(lengths, block_size, as_array):
     rng = random.Random(sum(lengths) * block_size)
     plan = _plan(lengths, block_size, rng)
+    if as_array:
+        for s in plan.seqs:
+            s.token_ids = np.array(s.token_ids, dtype=np.int64)
     flat, sizes = flat_inputs(plan, block_size, extra=[7, 8])
     ids, pos, slots, qsl, lens, rows, tables = _naive(plan, block_size)
     T, B = len(ids), len(plan.seqs)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from moe_infer.config import EngineConfig
@@ -271,7 +272,8 @@ class LLMEngine:
                 return text, [], error
             if text is None and self.tokenizer is not None and self.detokenize:
                 text = self.tokenizer.decode(ids)
-            return text, ids_L.tolist(), None
+            # an int64 array goes on to the sequence as it is (prompt chunks read it: Sequence.prompt_array)
+            return text, ids_L if ids_L.dtype == np.int64 else ids_L.tolist(), None
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
             return self._tokenize(prompt["prompt"], params)
         return None, [], ("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "

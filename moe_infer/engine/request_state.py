@@ -16,7 +16,9 @@ caching off, every child computes the prompt.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
+
+import numpy as np
 
 from moe_infer.engine.detokenizer import IncrementalDetokenizer
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -62,14 +64,20 @@ class Child:
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt: Optional[str], token_ids: List[int], params: SamplingParams,
-                 tokenizer=None) -> None:
+    def __init__(self, request_id: str, prompt: Optional[str], token_ids: Union[List[int], np.ndarray],
+                 params: SamplingParams, tokenizer=None) -> None:
+        """token_ids: the prompt's ids, a list or an int64 array (kept by the sequences: `Sequence.prompt_array`)."""
         self.request_id, self.params = request_id, params
+        prompt_array = None
+        if isinstance(token_ids, np.ndarray):
+            if token_ids.dtype != np.int64 or token_ids.ndim != 1:
+                raise ValueError(f"prompt ids as an array must be int64 [n], got {token_ids.dtype} {token_ids.shape}")
+            prompt_array, token_ids = token_ids, token_ids.tolist()
         self.children: List[Child] = []
         self._prompt_ids: Optional[List[int]] = None  # one list shared by all of this request's outputs
         for i in range(params.n):
             p = child_params(params, i) if params.n > 1 else params
-            seq = Sequence(request_id, token_ids, p, prompt=prompt)
+            seq = Sequence(request_id, token_ids, p, prompt=prompt, prompt_array=prompt_array)
             if i > 0:
                 seq.leader = self.children[0].seq
                 seq.metrics.arrival_time = self.children[0].seq.metrics.arrival_time

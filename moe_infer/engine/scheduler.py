@@ -196,8 +196,15 @@ class Scheduler:
         seq.num_in_flight += 1
         seq.num_pending_tokens += num_new
         seq.num_placeholders += int(do_sample)
+        end = start + num_new
+        if input_in_flight:
+            token_ids = [PLACEHOLDER_TOKEN]
+        elif seq.prompt_array is not None and end <= seq.num_prompt_tokens:
+            token_ids = seq.prompt_array[start:end]  # a view
+        else:
+            token_ids = seq.token_ids[start:end]
         return ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=[PLACEHOLDER_TOKEN] if input_in_flight else seq.token_ids[start:start + num_new],
+            seq_id=seq.seq_id, token_ids=token_ids,
             start_pos=start, block_table=list(seq.block_table), do_sample=do_sample,
             params=seq.params if do_sample else None,
             history=seq.token_ids if do_sample and seq.params.has_penalties else None,

@@ -1,6 +1,6 @@
 """A request's sequence: its tokens, how many of them have KV in the cache, and its blocks.
 
-Plain Python, no tensors. `token_ids` holds the prompt then every generated token; the last
+Plain Python, no tensors (a numpy copy of the prompt at most). `token_ids` holds the prompt then every generated token; the last
 generated token has no KV yet (it is the next step's input), so `num_computed_tokens` trails
 `len(token_ids)` by one while decoding, and by the unprocessed prompt while prefilling.
 
@@ -15,7 +15,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
+
+import numpy as np
 
 from moe_infer.engine.sampling_params import SamplingParams
 
@@ -42,12 +44,15 @@ PLACEHOLDER_TOKEN = -1  # a token sampled by a step in flight, not known on the 
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams,
-                 prompt: Optional[str] = None) -> None:
+                 prompt: Optional[str] = None, prompt_array: Optional[np.ndarray] = None) -> None:
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.token_ids: List[int] = list(prompt_token_ids)
+        # the prompt as int64 [num_prompt_tokens] when the request came with one (ids checked by numpy): a prompt
+        # chunk's ids go to the step's buffer from it, not through a Python list (read only, shared by n samples)
+        self.prompt_array = prompt_array
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, taken from the prefix cache at the last admission
@@ -116,7 +121,7 @@ class ScheduledSeq:
     """One sequence's share of a step: feed `token_ids` at positions start_pos.. and maybe sample."""
 
     seq_id: int
-    token_ids: List[int]
+    token_ids: Union[List[int], np.ndarray]  # a chunk of a prompt with a prompt_array: a view of it (int64)
     start_pos: int
     block_table: List[int]
     do_sample: bool
