@@ -5,7 +5,10 @@ reads the trace back and prints, relative to the call's start: each phase's host
 GPU activity, the GPU busy time (union of kernels and copies) and its idle gaps, and the host tail after the
 last GPU activity. TTFT without the profiler (median of 7) is printed first.
 
-    python benchmarks/trials/ttft_timeline.py [--layers 8] [--lens 128,1024] [--out DIR]
+Then, without the profiler (`--phases`, median of 15 calls): each phase's host start and duration by
+perf_counter wrappers (about a microsecond each), and the host time of each graph launch.
+
+    python benchmarks/trials/ttft_timeline.py [--layers 8] [--lens 128,1024] [--out DIR] [--phases]
 """
 import argparse
 import contextlib
@@ -37,6 +40,34 @@ def annotate(obj, name: str, label: str):
     return lambda: setattr(obj, name, fn)
 
 
+def timed(obj, name: str, label: str, log: list, t0: list):
+    """Wraps obj.name to append (label, start, duration) in seconds since t0[0] to log (no profiler)."""
+    fn = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            log.append((label, start - t0[0], time.perf_counter() - start))
+
+    setattr(obj, name, wrapped)
+    return lambda: setattr(obj, name, fn)
+
+
+def phase_table(runs: list) -> list:
+    """Per (label, occurrence) across runs: median start and duration in microseconds."""
+    keyed = {}
+    for log in runs:
+        seen = {}
+        for label, start, dur in log:
+            i = seen[label] = seen.get(label, -1) + 1
+            keyed.setdefault((label, i), []).append((start, dur))
+    rows = [(statistics.median(s for s, _ in v) * 1e6, statistics.median(d for _, d in v) * 1e6, label, i)
+            for (label, i), v in keyed.items() if len(v) == len(runs)]
+    return sorted(rows)
+
+
 def union_us(spans):
     spans = sorted(spans)
     total, gaps, cur_s, cur_e = 0.0, [], None, None
@@ -51,6 +82,15 @@ def union_us(spans):
     if cur_e is not None:
         total += cur_e - cur_s
     return total, gaps
+
+
+def kernel_totals(gpu) -> list:
+    """(total us, calls, name) per GPU activity name, largest first."""
+    acc = {}
+    for s, e, name in gpu:
+        tot, calls = acc.get(name, (0.0, 0))
+        acc[name] = (tot + e - s, calls + 1)
+    return sorted(((round(tot, 1), calls, name[:70]) for name, (tot, calls) in acc.items()), reverse=True)
 
 
 def timeline(trace_path: str, top: int = 8) -> dict:
@@ -73,6 +113,7 @@ def timeline(trace_path: str, top: int = 8) -> dict:
         gaps=[dict(at_us=round(a - t0, 1), len_us=round(b - a, 1))
               for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
         gpu_first_names=[n for _, _, n in sorted(gpu)[:6]],
+        kernels=kernel_totals(gpu)[:16],
         cpu_ops_before_gpu=sorted(((round(e["dur"], 1), e["name"]) for e in cpu_ops), reverse=True)[:top],
         runtime_calls=[dict(at_us=round(e["ts"] - t0, 1), dur_us=round(e["dur"], 1), name=e["name"]) for e in xs
                        if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t1 and e["dur"] >= 20],
@@ -84,6 +125,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lens", default="128,1024")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--phases", action="store_true", help="also time the phases without the profiler")
     args = ap.parse_args()
     from moe_infer import LLM, SamplingParams
     from moe_infer.engine import model_runner as mr
@@ -149,9 +191,35 @@ def main():
                 print(f"  {p['start_us']:8.1f} +{p['dur_us']:8.1f} us  {p['name']}")
             print("  largest GPU idle gaps:", ", ".join(f"{g['len_us']} us at {g['at_us']}" for g in tl["gaps"]))
             print("  first GPU work:", tl["gpu_first_names"])
+            print("  GPU time by kernel (us, calls):", "; ".join(f"{n} {t} x{c}" for t, c, n in tl["kernels"]))
             print("  longest CPU ops before the first GPU work:", tl["cpu_ops_before_gpu"])
             print("  CUDA runtime calls >= 20 us:", ", ".join(f"{c['name']} {c['dur_us']} us at {c['at_us']}"
                                                          for c in tl["runtime_calls"]))
+            if args.phases:
+                log, t0, runs = [], [0.0], []
+                targets = [(eng, "add_request"), (eng, "step"), (eng.scheduler, "schedule"), (runner, "prepare"),
+                           (mr, "flat_inputs"), (runner, "_sample"), (runner.model, "compute_logits"),
+                           (runner.sampler, "sample"), (runner, "collect"), (eng.scheduler, "postprocess"),
+                           (eng.executor, "finish")]
+                if runner.extend_graphs is not None:
+                    targets += [(runner.extend_graphs, "load"), (runner.extend_graphs, "replay")]
+                undo = [timed(o, name, name, log, t0) for o, name in targets]
+                for _ in range(15):
+                    log.clear()
+                    prompt = ids(n)
+                    torch.cuda.synchronize()
+                    t0[0] = time.perf_counter()
+                    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+                    log.append(("generate", 0.0, time.perf_counter() - t0[0]))
+                    runs.append(list(log))
+                for u in undo:
+                    u()
+                table = phase_table(runs)
+                result[n]["phases_no_profiler"] = [{"start_us": round(a, 1), "dur_us": round(d, 1), "name": f"{lb}#{i}"}
+                                                   for a, d, lb, i in table]
+                print("  phases without the profiler (median of 15; start, duration in us; #k: k-th call):")
+                for a, d, lb, i in table:
+                    print(f"  {a:8.1f} +{d:8.1f} us  {lb}#{i}")
         # host time of one replay() call per captured graph (the device idle before and after)
         replay = {}
         for label, owner in (("extend", runner.extend_graphs), ("decode", runner.graphs)):
