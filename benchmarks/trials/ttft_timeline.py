@@ -220,20 +220,21 @@ def main():
                 print("  phases without the profiler (median of 15; start, duration in us; #k: k-th call):")
                 for a, d, lb, i in table:
                     print(f"  {a:8.1f} +{d:8.1f} us  {lb}#{i}")
-        # host time of one replay() call per captured graph (the device idle before and after)
+        # host time of one replay() call per decode graph (the device idle before and after); their buffers hold the
+        # warm-up's inputs. A prefill bucket's graph is timed by the replay phase above only: its inputs share one
+        # buffer laid out per bucket, so replaying a bucket other than the last one loaded reads another layout
+        # (KV slots and block ids out of range: an illegal address)
         replay = {}
-        for label, owner in (("extend", runner.extend_graphs), ("decode", runner.graphs)):
-            for key, (graphs, _) in sorted((owner.graphs if owner is not None else {}).items()):
-                graphs = graphs if isinstance(graphs, list) else [graphs]  # a prefill bucket: two graphs now
-                host = []
-                for _ in range(7):
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    for graph in graphs:
-                        graph.replay()
-                    host.append(time.perf_counter() - t)
+        for key, (graphs, _) in sorted((runner.graphs.graphs if runner.graphs is not None else {}).items()):
+            host = []
+            for _ in range(7):
                 torch.cuda.synchronize()
-                replay[f"{label} {key}"] = 1e6 * statistics.median(host)
+                t = time.perf_counter()
+                for graph in graphs:
+                    graph.replay()
+                host.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            replay[f"decode {key}"] = 1e6 * statistics.median(host)
         print("\nhost time of graph.replay() (median of 7, idle device):",
               ", ".join(f"{k}: {v:.0f} us" for k, v in replay.items()))
         result["replay_host_us"] = replay
