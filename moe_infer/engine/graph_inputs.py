@@ -21,7 +21,7 @@ after the kernels of the step before have read their inputs.
 The host side is two staging buffers, pinned on CUDA and used in turn (`stage`, then `load`): a copy from
 pageable memory costs more host time (the driver stages it itself) and a new numpy buffer per step would be
 zeroed and viewed anew. A staging buffer is written again only after its previous copy has finished (an
-event per buffer); the numpy views of each layout are made once.
+event per buffer); the numpy views of each layout and the copy's slices are made once.
 
 Legend: T tokens of the step, Tp padded, B sequences, Bp padded, M table width, S sampling rows, X extra.
 """
@@ -103,7 +103,8 @@ class GraphInputs:
         pin = self.buffer.is_cuda
         self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._copied: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy out of each staging buffer
-        self._host_views: List[Dict[Tuple[int, ...], Dict[str, np.ndarray]]] = [{}, {}]  # by Layout.key
+        # per staging buffer, by Layout.key: (numpy views of the segments, the copy's source and destination bytes)
+        self._staged: List[Dict[Tuple[int, ...], Tuple[Dict[str, np.ndarray], torch.Tensor, torch.Tensor]]] = [{}, {}]
         self._turn = 0  # the staging buffer the next stage/load uses
 
     def layout(self, rows: int, seqs: int, sample_rows: int = 0, extra: int = 0) -> Layout:
@@ -121,19 +122,25 @@ class GraphInputs:
         turn = self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()  # its copy of two loads ago (long done: a step's collect waited)
-        cache, key = self._host_views[turn], lay.key
-        views = cache.get(key)
-        if views is None:
-            if len(cache) >= self.MAX_VIEWS:
-                cache.clear()
-            views = cache[key] = lay.host_views(self._staging[turn].numpy())
-        return views
+        return self._layout_of(turn, lay)[0]
 
     def load(self, lay: Layout) -> None:
         """One copy of the staged step (`stage(lay)`, then written) into the device buffer (stream-ordered)."""
         turn = self._turn
-        self.buffer[:lay.nbytes].copy_(self._staging[turn][:lay.nbytes], non_blocking=True)
+        _, src, dst = self._layout_of(turn, lay)
+        dst.copy_(src, non_blocking=True)
         if self.buffer.is_cuda:
             event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
             event.record()
         self._turn = 1 - turn
+
+    def _layout_of(self, turn: int, lay: Layout) -> Tuple[Dict[str, np.ndarray], torch.Tensor, torch.Tensor]:
+        """A staging buffer's numpy views of lay's segments and the copy's source and destination (made once)."""
+        cache, key = self._staged[turn], lay.key
+        entry = cache.get(key)
+        if entry is None:
+            if len(cache) >= self.MAX_VIEWS:
+                cache.clear()
+            host = self._staging[turn]
+            entry = cache[key] = (lay.host_views(host.numpy()), host[:lay.nbytes], self.buffer[:lay.nbytes])
+        return entry
