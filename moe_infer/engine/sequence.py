@@ -1,8 +1,9 @@
 """A request's sequence: its tokens, how many of them have KV in the cache, and its blocks.
 
-Plain Python, no tensors (a numpy copy of the prompt at most). `token_ids` holds the prompt then every generated token; the last
-generated token has no KV yet (it is the next step's input), so `num_computed_tokens` trails
-`len(token_ids)` by one while decoding, and by the unprocessed prompt while prefilling.
+Plain Python, no tensors (a numpy copy of the prompt at most). `token_ids` holds the prompt then every
+generated token; the last generated token has no KV yet (it is the next step's input), so
+`num_computed_tokens` trails `len(token_ids)` by one while decoding, and by the unprocessed prompt while
+prefilling.
 
 Batches in flight (scheduled, not postprocessed yet: pipeline stages, async scheduling) hold
 `num_pending_tokens` of the sequence (their KV is being computed) and may sample `num_placeholders`
@@ -51,7 +52,7 @@ class Sequence:
         self.params = params
         self.token_ids: List[int] = list(prompt_token_ids)
         # the prompt as int64 [num_prompt_tokens] when the request came with one (ids checked by numpy): a prompt
-        # chunk's ids go to the step's buffer from it, not through a Python list (read only, shared by n samples)
+        # chunk's ids go to the step's buffer from it, not through a Python list (never written; shared by n samples)
         self.prompt_array = prompt_array
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
