@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from moe_infer.engine.cuda_graph import ForwardFn, capture_graph, replay_graph
-from moe_infer.engine.graph_inputs import GraphInputs, Layout
+from moe_infer.engine.graph_inputs import GraphInputs
 from moe_infer.engine.step_inputs import Sizes, StepInputs, host_segments
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
@@ -86,7 +86,6 @@ class ExtendGraphs:
         self.capture, self.max_graphs = capture, max_graphs
         self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device)
         self.views: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}  # (Tp, Bp) -> the graph's input views
-        self.tail_views: Dict[Tuple[int, ...], Tuple[torch.Tensor, torch.Tensor]] = {}  # Layout.key -> _tail_views
         self._arange = np.arange(self.max_tokens, dtype=np.int64)  # the padding sequence's positions
         self.graphs: Dict[Tuple[int, int, int], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if capture else None
@@ -134,21 +133,10 @@ class ExtendGraphs:
         tables = v["block_tables"]
         tables[:B, :m], tables[:B, m:], tables[B:] = src.block_tables_BM, -1, 0  # row B: block 0 (zero-filled)
         v["sample_rows"][:], v["extra"][:] = src.sample_rows_S, src.extra
-        self.inputs.load(lay)
+        sample_rows_S, extra_X = self.inputs.load(lay)
         d = self._views(Tp, Bp)
-        sample_rows_S, extra_X = self._tail_views(lay)
         return (StepInputs(d["ids"][:T], functools.partial(self._step_meta, d, sizes), sample_rows_S, sizes, key),
                 extra_X)
-
-    def _tail_views(self, lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The device views of a layout's sample rows and extra entries (cut once per layout)."""
-        views = self.tail_views.get(lay.key)
-        if views is None:
-            if len(self.tail_views) >= GraphInputs.MAX_VIEWS:
-                self.tail_views.clear()
-            buf = self.inputs.buffer
-            views = self.tail_views[lay.key] = (lay.device_view(buf, "sample_rows"), lay.device_view(buf, "extra"))
-        return views
 
     def _step_meta(self, d: Dict[str, torch.Tensor], sizes: Sizes) -> AttentionMetadata:
         """The step's own (unpadded) attention metadata over the bucket's views: for an eager run."""

@@ -103,8 +103,9 @@ class GraphInputs:
         pin = self.buffer.is_cuda
         self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._copied: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy out of each staging buffer
-        # per staging buffer, by Layout.key: (numpy views of the segments, the copy's source and destination bytes)
-        self._staged: List[Dict[Tuple[int, ...], Tuple[Dict[str, np.ndarray], torch.Tensor, torch.Tensor]]] = [{}, {}]
+        # per staging buffer, by Layout.key: (numpy views of the segments, the copy's source and destination bytes,
+        # the device views of the sample rows and extra entries)
+        self._staged: List[Dict[Tuple[int, ...], tuple]] = [{}, {}]
         self._turn = 0  # the staging buffer the next stage/load uses
 
     def layout(self, rows: int, seqs: int, sample_rows: int = 0, extra: int = 0) -> Layout:
@@ -124,23 +125,27 @@ class GraphInputs:
             self._copied[turn].synchronize()  # its copy of two loads ago (long done: a step's collect waited)
         return self._layout_of(turn, lay)[0]
 
-    def load(self, lay: Layout) -> None:
-        """One copy of the staged step (`stage(lay)`, then written) into the device buffer (stream-ordered)."""
+    def load(self, lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One copy of the staged step (`stage(lay)`, then written) into the device buffer (stream-ordered) ->
+        the device views of its sample rows and extra entries."""
         turn = self._turn
-        _, src, dst = self._layout_of(turn, lay)
+        _, src, dst, sample_rows, extra = self._layout_of(turn, lay)
         dst.copy_(src, non_blocking=True)
         if self.buffer.is_cuda:
             event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
             event.record()
         self._turn = 1 - turn
+        return sample_rows, extra
 
-    def _layout_of(self, turn: int, lay: Layout) -> Tuple[Dict[str, np.ndarray], torch.Tensor, torch.Tensor]:
-        """A staging buffer's numpy views of lay's segments and the copy's source and destination (made once)."""
+    def _layout_of(self, turn: int, lay: Layout) -> tuple:
+        """A staging buffer's numpy views of lay's segments, the copy's source and destination, and the device
+        views of the sample rows and extra entries (made once per layout)."""
         cache, key = self._staged[turn], lay.key
         entry = cache.get(key)
         if entry is None:
             if len(cache) >= self.MAX_VIEWS:
                 cache.clear()
-            host = self._staging[turn]
-            entry = cache[key] = (lay.host_views(host.numpy()), host[:lay.nbytes], self.buffer[:lay.nbytes])
+            host, buf = self._staging[turn], self.buffer
+            entry = cache[key] = (lay.host_views(host.numpy()), host[:lay.nbytes], buf[:lay.nbytes],
+                                  lay.device_view(buf, "sample_rows"), lay.device_view(buf, "extra"))
         return entry
