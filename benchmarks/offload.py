@@ -149,6 +149,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
                 continue
             use_policies(llm, rule, miss)
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
+            r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
             cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
             bound_s = moved / (link_bps + cpu_bps)
@@ -162,7 +163,8 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
                   f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
-                  f"{r['shared_share']:.2f}), step {r['step_ms']:.0f} ms vs bound {r['bound_step_ms']:.0f} ms", flush=True)
+                  f"{r['shared_share']:.2f}, scale {r['cpu_scale']:.2f}), step {r['step_ms']:.0f} ms vs bound "
+                  f"{r['bound_step_ms']:.0f} ms", flush=True)
     llm.shutdown()
     del llm, moe
     gc.collect()

@@ -179,6 +179,10 @@ def test_cpu_cost_follows_what_the_engine_measures():
     cost.observe_cpu([], 1.0)  # nothing predicted: no change
     assert abs(cost.cpu_scale - 0.5) < 0.01
     assert "x0.50 as measured in the engine" in cost.describe(expert)
+    cost.cpu_scale = 3.0
+    for _ in range(69):  # layer steps with nothing on the host: the excess over 1 halves
+        cost.relax()
+    assert cost.cpu_scale == pytest.approx(1.0 + 2.0 * 0.99 ** 69) and 1.95 < cost.cpu_scale < 2.05
 
 
 # ------------------------------------------------------------------ the store's bookkeeping

@@ -148,6 +148,25 @@ def test_tiny_model_offloaded_equals_resident(offload, tiny_resident_tokens, req
 
 
 @pytest.mark.timeout(300)
+def test_a_host_measured_slow_once_gets_misses_again():
+    """A CPU scale learned in a bad moment (6x) sends every miss to the link; as layer steps pass with
+    nothing on the host, the scale drifts back (cost.relax) until the host wins misses again, and the
+    tokens stay the resident engine's."""
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, offload="cpu", slots_per_layer=2, miss_policy="auto",
+              prefetch=False)
+    _h100_costs(llm)  # link 6.5 ms, host 6.6 ms an expert, no measurement: only relax moves the scale
+    m = llm.engine.runner.offload
+    m.cost.cpu_scale = 6.0  # 39.6 ms a host expert: more than 6 misses on the link (a step's most)
+    outs = llm.generate(TINY_PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    total = llm.get_offload_stats()["total"]
+    assert total["cpu"] > 0 and m.cost.cpu_scale < 3.0, (total["cpu"], m.cost.cpu_scale)
+    ref = LLM(device="cpu", dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
+                                                        ref.generate(TINY_PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.timeout(300)
 def test_prefetch_accuracy_on_the_trained_tiny_model():
     """Pre-gating (layer l+1's router on layer l's hidden state) on the trained tiny model: per token
     it should find about 73% of the next layer's experts (docs/tiny_moe.md, measured on 32k

@@ -8,7 +8,9 @@ one expert record.
 The start-up figures are the best of a few quiet runs; in the running engine the host thread that
 computes a missed expert is also the one that launches the GPU's work, its cores wake from idle and
 the rows travel both ways, so the CPU path's measured wall time per step (`observe_cpu`) rescales the
-CPU side of the model (`cpu_scale`, a running average of measured / predicted).
+CPU side of the model (`cpu_scale`, a running average of measured / predicted), and a layer step
+that sends no miss to the CPU lets the scale drift back toward the start-up figures (`relax`), so
+a host that was slow once is measured again.
 `split_misses` is list scheduling over two servers, the link and the host cores: experts with the
 most rows first, each where it would finish earliest given what is already queued on the link
 (in-flight prefetches included). Miss policy `wait` sends every miss to the link, `cpu` every one to
@@ -62,6 +64,14 @@ class CostModel:
         if predicted > 0 and seconds > 0:
             ratio = min(max(seconds / predicted, 0.25), 100.0)
             self.cpu_scale += weight * (ratio - self.cpu_scale)
+
+    def relax(self, rate: float = 0.01) -> None:
+        """A layer step's misses all went to the link: cpu_scale drifts back toward the start-up
+        figures (1.0). Only the CPU path's own runs measure it, so without this a host measured slow
+        once (a busy moment, a burst of wide steps) would never get a miss again and never be measured
+        again; now it is tried again after a while (at 0.01 a layer step, a scale's excess over 1
+        halves in about 70 layer steps) and `observe_cpu` tells whether it is still slow."""
+        self.cpu_scale += rate * (1.0 - self.cpu_scale)
 
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s

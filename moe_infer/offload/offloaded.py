@@ -165,6 +165,8 @@ class OffloadedExpertStore(nn.Module):
         mode = "auto" if stream_all and cfg.miss_policy == "share" else cfg.miss_policy  # streamed: whole experts
         link_wait_s = m.copier.seconds_until_idle() - (m.host_gap_s if mode == "share" else 0.0)
         plan = plan_misses(misses, partial, mode, m.cost, m.shape, link_wait_s)
+        if misses and mode in ("auto", "share") and not plan.to_cpu and not any(plan.shared.values()):
+            m.cost.relax()  # the host got nothing: its slow figure, if any, must not stick (cost.py)
         F = m.shape.intermediate_size
         to_stream, to_cpu, shared, copies = [], list(plan.to_cpu), {}, []
         for e in plan.to_copy + [e for e in plan.shared if e in misses]:
