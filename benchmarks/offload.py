@@ -17,8 +17,10 @@ For each: decode tok/s, hit rate, pre-gate accuracy, GB moved, achieved H2D GB/s
 limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the
 measured link + CPU rates; the single-stream runs once per prefetch rule of --prefetch-rules (the
 configured default `saving` first, then `all`, the rule before it), with the GB its wrong
-prefetches moved, and every run once per miss policy of --miss-policies (`auto,share`: each miss
-whole on the link or the host, against misses shared between the two). Baselines in the same run:
+prefetches moved, every run once per miss policy of --miss-policies (`auto,share`: each miss
+whole on the link or the host, against misses shared between the two) and once per value of
+--layer-graphs (`off,on`: every layer eager, or its attention part replayed as a CUDA graph, the
+default; the first run with graphs on at a batch size also captures them). Baselines in the same run:
 transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
 extrapolated to the model's layers), and the NVMe
 tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
@@ -131,7 +133,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     t0 = time.perf_counter()
     llm = LLM(model=cfg_dir, load_format="dummy", dtype="bfloat16", device=str(device), offload="cpu",
               gpu_expert_budget_gb=budget_gb, num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16,
-              max_num_batched_tokens=512, enable_prefix_caching=False, enforce_eager=True)
+              max_num_batched_tokens=512, enable_prefix_caching=False)
     setup_s = time.perf_counter() - t0
     info = llm.get_offload_stats()
     print(f"[{name}] {info['plan']}\n[{name}] {info['cost']}  (set up in {setup_s:.0f} s)", flush=True)
@@ -143,23 +145,28 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
         if routing == "trace":
             TraceReplay(traces, E, K, device).install(moe)
         runs = [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]
-        for (streams, rule), miss in [(run, miss) for run in runs for miss in args.miss_policies]:
+        layer_graphs = llm.engine.runner.layer_graphs
+        for (streams, rule), miss, graphs in [(run, miss, g) for run in runs for miss in args.miss_policies
+                                              for g in args.layer_graphs]:
             if time.perf_counter() > args.deadline:
                 print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
                 continue
             use_policies(llm, rule, miss)
+            llm.engine.runner.layer_graphs = layer_graphs if graphs else None
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
             cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
             bound_s = moved / (link_bps + cpu_bps)
             r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
+                     layer_graphs=graphs and layer_graphs is not None,
                      budget_gb=budget_gb, setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
                      bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1),
                      step_over_bound=r["seconds"] / bound_s if bound_s else None)
             rows.append(r)
-            print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}: {r['tok_s']:.2f} tok/s, "
+            print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}, layer graphs "
+                  f"{'on' if r['layer_graphs'] else 'off'}: {r['tok_s']:.2f} tok/s, "
                   f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
@@ -226,11 +233,15 @@ def main() -> int:
                     help="offload.prefetch_rule of each 16-stream run (default: the first of --prefetch-rules)")
     ap.add_argument("--miss-policies", default="auto",
                     help="offload.miss_policy of each run (comma list: each run repeated per policy)")
+    ap.add_argument("--layer-graphs", default="on",
+                    help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
+                         "(each run repeated per value, in that order)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
+    args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
     for miss in args.miss_policies:
         OffloadConfig(store="cpu", miss_policy=miss)
     args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]

@@ -38,15 +38,16 @@ logger = logging.getLogger(__name__)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids_T, positions_T) -> hidden_TD
 
 
-def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
-    """Why decode steps of this engine cannot be replayed as CUDA graphs; None when they can."""
+def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True) -> Optional[str]:
+    """Why decode steps of this engine cannot be replayed as CUDA graphs; None when they can.
+    whole_step=False: why their attention parts cannot (engine/layer_graphs.py: the MoE layers eager)."""
     from moe_infer.experts.reference import EXPERT_BACKENDS
 
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if cfg.model.enforce_eager:
         return "model.enforce_eager=true"
-    if backends.store != "resident":
+    if whole_step and backends.store != "resident":
         return f"offload.store={backends.store} decides on the host, per layer, which experts to move"
     if backends.dispatcher is not None:
         return "expert parallelism (all-to-all dispatchers run eagerly)"
@@ -54,6 +55,8 @@ def graph_blocker(cfg, device: torch.device, backends) -> Optional[str]:
         return "tensor / pipeline parallelism (steps under a mesh run eagerly)"
     if backends.trace is not None:
         return "routing.trace=true (the recorder copies each step's routing eagerly)"
+    if not whole_step:
+        return None
     if backends.policy != "dropless":
         return f"routing.policy={backends.policy} (its capacity would count the padding rows)"
     if getattr(EXPERT_BACKENDS.get(backends.experts), "fused_experts", None) is None:

@@ -29,6 +29,7 @@ from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
 from moe_infer.engine.extend_graph import ExtendGraphs
+from moe_infer.engine.layer_graphs import LayerGraphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import (
@@ -91,6 +92,7 @@ class ModelRunner:
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
         self.graphs = self._decode_graphs()
+        self.layer_graphs = self._layer_graphs()
         self.extend_graphs = self._extend_graphs()
         self.rebalancer = None
         if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
@@ -117,6 +119,16 @@ class ModelRunner:
             graphs.warmup()
         logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
         return graphs
+
+    def _layer_graphs(self) -> Optional[LayerGraphs]:
+        """Where decode steps cannot be one graph for their MoE layers' sake (an offloading store, a
+        capacity policy, an experts backend that syncs): graphs of each layer's attention part
+        (moe_infer/engine/layer_graphs.py)."""
+        if self.graphs is not None or graph_blocker(self.cfg, self.device, self.backends, whole_step=False):
+            return None
+        logger.info("decode steps replay each layer's attention part as a CUDA graph, the MLPs eagerly")
+        return LayerGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
+                           -(-self.max_model_len // self.block_size), self.block_size, self.device)
 
     def _extend_graph_tokens(self) -> int:
         """The most tokens of a prefill / mixed step replayed as a CUDA graph here; 0 where none is (logged once)."""
@@ -232,6 +244,8 @@ class ModelRunner:
             hidden_TD = self.extend_graphs.replay(inputs)  # None: run eagerly
         elif self.graphs is not None and self.graphs.can_run(inputs.sizes):
             hidden_TD = self.graphs.run(inputs.input_ids_T, inputs.meta)  # None: the capture failed, run eagerly
+        elif self.layer_graphs is not None and self.layer_graphs.can_run(inputs.sizes):
+            hidden_TD = self.layer_graphs.run(inputs.input_ids_T, inputs.meta)
         if hidden_TD is None:
             with forward_context(inputs.meta):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
