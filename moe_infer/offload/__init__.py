@@ -30,9 +30,9 @@ What moves, and when.
             slots (pinned until layer l+1 has run), overlapping layer l's tail and layer l+1's
             attention.
 
-Offload mode runs eagerly: each layer step decides on the host which experts to move, so decode
-steps are not replayed as CUDA graphs (the launch overhead of an eager step, paid once per step,
-against milliseconds per expert copy). The resident store keeps CUDA graphs.
+Each layer step decides on the host which experts to move, so a decode step is not one CUDA graph:
+each layer's attention part is replayed as its own graph and the MoE layers run eagerly between
+them (engine/layer_graphs.py); prefill steps run eagerly. The resident store keeps whole-step graphs.
 
 With expert parallelism each rank's stores hold its own experts (the dispatcher's local slots)
 and cache them independently.
