@@ -24,7 +24,7 @@ class EngineState:
     num_free_kv_blocks: int
     rss_mb: Optional[float]  # resident memory of the engine's process (None where /proc is missing)
     gpu_allocated_mb: float  # torch's allocated CUDA memory on the engine's device (0 on CPU)
-    num_cuda_graphs: int  # captured so far: decode steps and prefill / mixed steps
+    num_cuda_graphs: int  # captured so far: decode steps, prefill / mixed steps, layers' attention parts
 
     @property
     def is_idle(self) -> bool:
@@ -43,7 +43,7 @@ def _rss_mb() -> Optional[float]:
 
 def engine_state(engine) -> EngineState:
     sch, runner = engine.scheduler, engine.runner
-    graphs = sum(len(g.graphs) for g in (runner.graphs, runner.extend_graphs) if g is not None)
+    graphs = sum(len(g.graphs) for g in (runner.graphs, runner.extend_graphs, runner.layer_graphs) if g is not None)
     gpu = torch.cuda.memory_allocated(engine.device) / 2**20 if engine.device.type == "cuda" else 0.0
     return EngineState(len(engine.requests), len(sch.running), len(sch.waiting), engine.block_manager.num_blocks,
                        engine.block_manager.num_free_blocks, _rss_mb(), gpu, graphs)
