@@ -17,7 +17,7 @@ spends --host-ms per layer (the eager layer and its offload work; the H100 run's
 99 % hits took about 2.7 ms a layer) and --cpu-ms per expert it computes (in the engine, rows out
 and back included); the GPU --gpu-ms per layer; the host waits for the GPU at each layer's routing
 (the one sync). With the defaults, the rule that ran on the H100 (`all`) replays as it measured
-there (benchmarks/results/offload_nvidia_h100_80gb_hbm3.json, trace routing, 1 stream: 15.0 GB a
+there (`git show 7f56340:benchmarks/results/offload_nvidia_h100_80gb_hbm3.json`, trace routing, 1 stream: 15.0 GB a
 step, hit rate 0.61, CPU share 0.23, 301 ms a step). Step times from the model rank the rules; the
 GPU benchmark measures them. Writes benchmarks/results/offload_replay_cpu_<streams>streams.json.
 """
