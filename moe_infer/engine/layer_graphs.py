@@ -6,9 +6,10 @@ part can: per layer, the residual add and input norm, attention (QKV, RoPE and t
 paged attention, output projection) and the post-attention norm have the same kernels every decode
 step. Like vLLM's piecewise graphs, the step is cut at the MoE layers: one graph per layer replays
 that part over static buffers, the MoE layer (router, offload decisions, experts) runs eagerly on
-its output, and its result is copied into the static input of the next layer's graph. Measured on
-an H100 host, an eager layer's launches cost about as much host time as the offload decisions
-(docs/offload.md), and with one stream that host time adds to the link's.
+its output, and its result is copied into the static input of the next layer's graph. With one
+stream an offloaded step's host time adds to the link's; measured on H100s (docs/offload.md), one
+Qwen3-30B-A3B stream at 99 % cache hits went from 6.4-7.0 to 8.9-11.2 tok/s, one Mixtral stream
+0-8 % faster (its copies set the step time).
 
 The static buffers, buckets and padding are DecodeGraphs' (batch padded to a capture size, the
 context to a power of two of blocks); a graph per (padded batch, context bucket, layer), captured
@@ -60,7 +61,7 @@ class LayerGraphs:
         static = steps._meta(Bp, Mp)
         h_BD: Optional[torch.Tensor] = None
         delta_BD: Optional[torch.Tensor] = None
-        for n, i in enumerate(model.local_layers):
+        for i in model.local_layers:
             layer = model.layers[i]
             piece = partial(self._piece, layer, h_BD, static, Bp)
             out = None
