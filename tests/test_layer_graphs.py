@@ -47,6 +47,8 @@ def test_static_buffer_pieces_equal_eager_cpu(family, kw):
     layers = len(runner.model.local_layers)
     assert runner.layer_graphs.runs >= (PARAMS.max_tokens - 1) * layers  # every decode step, every layer
     assert torch.equal(runner.stats.routed_LE, want_load)  # the padding row was not routed
+    budget = LayerGraphs(runner.model, 4, 8, 4, runner.device, capture=False, max_buckets=2)
+    assert [budget._may_capture(b) for b in [(1, 1), (2, 1), (1, 1), (4, 2), (2, 1)]] == [True, True, True, False, True]
 
 
 def _cuda(family, **kw):

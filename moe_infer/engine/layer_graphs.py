@@ -13,7 +13,7 @@ Qwen3-30B-A3B stream at 99 % cache hits went from 6.4-7.0 to 8.9-11.2 tok/s, one
 
 The static buffers, buckets and padding are DecodeGraphs' (batch padded to a capture size, the
 context to a power of two of blocks); a graph per (padded batch, context bucket, layer), captured
-the first time its key is seen. Padding rows run through the attention graphs only: the MoE layers
+the first time its key is seen, for at most MAX_BUCKETS (batch, context) pairs. Padding rows run through the attention graphs only: the MoE layers
 see the step's rows [:B] (an offloading store would otherwise fetch experts for them). A capture
 that fails switches the graphs off (logged once); the layer runs eagerly, the step goes on.
 
@@ -25,6 +25,7 @@ D hidden.
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Dict, List, Optional, Tuple
 
@@ -33,13 +34,18 @@ import torch
 from moe_infer.engine.cuda_graph import DecodeGraphs, capture_graph, replay_graph
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
+logger = logging.getLogger(__name__)
+
 Piece = Tuple[torch.Tensor, torch.Tensor]  # (residual stream h_BD, normed input of the MLP x_BD), static
+MAX_BUCKETS = 32  # (padded batch, context bucket) pairs with graphs: each holds one graph per layer
 
 
 class LayerGraphs:
     def __init__(self, model, max_batch: int, max_blocks: int, block_size: int, device: torch.device,
-                 capture: bool = True) -> None:
-        self.model, self.capture = model, capture
+                 capture: bool = True, max_buckets: int = MAX_BUCKETS) -> None:
+        self.model, self.capture, self.max_buckets = model, capture, max_buckets
+        self.buckets: set = set()  # the (Bp, Mp) pairs that have (or are getting) graphs
+        self.full_logged = False
         self.steps = DecodeGraphs(model, max_batch, max_blocks, block_size, device, capture=capture)
         Bmax, D = self.steps.max_batch, model.arch.hidden_size
         self.delta_BD = torch.zeros(Bmax, D, dtype=model.dtype, device=device)  # the previous MLP's output
@@ -59,15 +65,16 @@ class LayerGraphs:
         Bp, Mp = steps._bucket(B, meta)
         steps._fill(input_ids_T, meta, Bp)
         static = steps._meta(Bp, Mp)
+        graphs = self.capture and self.disabled is None and self._may_capture((Bp, Mp))
         h_BD: Optional[torch.Tensor] = None
         delta_BD: Optional[torch.Tensor] = None
         for i in model.local_layers:
             layer = model.layers[i]
             piece = partial(self._piece, layer, h_BD, static, Bp)
             out = None
-            if self.capture and self.disabled is None:
+            if graphs and self.disabled is None:
                 out = replay_graph(self, (Bp, Mp, i), lambda: self._capture(piece, Bp), f"layer {i} at batch {Bp}")
-            if out is None:  # capture=False, or the graphs were switched off
+            if out is None:  # capture=False, the graphs were switched off, or the bucket budget is spent
                 out = piece()
                 self.runs += self.capture is False
             h_BD, x_BD = out
@@ -77,6 +84,17 @@ class LayerGraphs:
         if model.norm is None:
             return h_BD[:B] + delta_BD
         return model.norm.add_forward(h_BD[:B], delta_BD)[1]
+
+    def _may_capture(self, bucket: Tuple[int, int]) -> bool:
+        """A bucket has graphs, or may get them: at most max_buckets (later new ones run eagerly)."""
+        if bucket in self.buckets or len(self.buckets) < self.max_buckets:
+            self.buckets.add(bucket)
+            return True
+        if not self.full_logged:
+            self.full_logged = True
+            logger.info("layer graphs for %d (batch, context) buckets captured (the limit): decode steps of new "
+                        "buckets run eagerly", self.max_buckets)
+        return False
 
     def _piece(self, layer, h_BD: Optional[torch.Tensor], static: AttentionMetadata, Bp: int) -> Piece:
         """One layer up to its MLP, over the static buffers: (residual stream, normed MLP input). h_BD:
