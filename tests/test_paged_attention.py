@@ -159,10 +159,25 @@ def test_triton_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
         resolve_attention_backend("triton", "cpu")
 
 
+def test_decode_split_count():
+    """Split-KV only for decode steps that leave SMs idle: about two waves of programs, >= 128 keys a split."""
+    kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
+    sms = 132
+    assert kernels.num_splits(4, 2048, 1, sms) == 16  # one sequence, 4 KV heads
+    assert kernels.num_splits(4, 8192, 1, sms) == 64
+    assert kernels.num_splits(4, 256, 1, sms) == 2
+    assert kernels.num_splits(4, 255, 1, sms) == 1  # fewer than 2 x 128 keys
+    assert kernels.num_splits(16, 2048, 1, sms) == 16
+    assert kernels.num_splits(64, 8192, 1, sms) == 4
+    assert kernels.num_splits(256, 8192, 1, sms) == 1  # the batch fills the SMs
+    assert kernels.num_splits(4, 8192, 2, sms) == 1  # not a decode step
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("new,cached", [
     ([1] * 8, (4000, 17, 900, 1, 2047, 64, 333, 1500)),  # decode, long contexts: split-KV chosen
+    ([1], (8191,)),  # decode, one sequence: 64 splits of 128 keys
     ([1] * 64, tuple(range(100, 6500, 100))),  # decode, a batch wide enough for no split
     ([1, 300, 1, 77], (1500, 0, 31, 2000)),  # mixed: prefill chunks (one after a cached prefix) beside decodes
     ([1000], (0,)),  # one prompt: the wrapper dispatches the longest query tiles first

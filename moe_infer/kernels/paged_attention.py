@@ -4,8 +4,8 @@
 Tile choice: a decode-only step (every sequence has one query token) puts the G heads of a KV head
 in one tile (BLOCK_M = max(16, G) rows); a step with prefill chunks takes BLOCK_Q = 128 // G tokens
 per tile on the GPU for 16-bit inputs (64 // G for float32 and under the interpreter). Split-KV is
-used for decode steps whose B * Hkv programs would leave most SMs idle and whose context is long
-(`num_splits`), with a merge launch after. A prefill of one to four waves of programs runs its
+used for decode steps whose B * Hkv programs would leave most SMs idle and whose context has at least
+2 * SPLIT_MIN_KEYS keys (`num_splits`), with a merge launch after. A prefill of one to four waves of programs runs its
 longest query tiles first (`heavy_tiles_first`; paged_attention_kernels' docstring). No host sync:
 every launch parameter comes from shapes and the host ints of the attention metadata (a CUDA
 graph's max_seq_len is its context bucket, so the split count and order are fixed per capture).
@@ -24,8 +24,12 @@ import triton
 
 from moe_infer.kernels.paged_attention_kernels import paged_attention_kernel, paged_attention_reduce_kernel
 
-SPLIT_MIN_KEYS = 1024  # keys per split below which splitting a decode step is not worth a second launch
-MAX_SPLITS = 16
+# A split must have at least SPLIT_MIN_KEYS keys; at most MAX_SPLITS. On an H100 (Qwen3-30B-A3B heads,
+# benchmarks/trials/attention_splits.py) the best count put about two waves of programs on the SMs with 64-512
+# keys a split: one sequence over 2,048 keys 31.6 -> 18.4 us with 16 splits (1,024 keys a split: 2), over 8,192
+# 30.2 -> 17.6 us with 64, four over 2,048 43.0 -> 27.5 us with 8; a batch that fills the SMs stays unsplit.
+SPLIT_MIN_KEYS = 128
+MAX_SPLITS = 64
 
 
 def _check(cond: bool, msg: str) -> None:
