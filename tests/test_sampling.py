@@ -55,6 +55,20 @@ def test_greedy_and_temperature_to_zero():
     assert cold == greedy
 
 
+def test_greedy_batch_is_one_argmax_in_the_model_dtype():
+    """An all-greedy batch without logprobs, penalties or min_tokens bans takes the argmax of the logits as
+    they come (bf16 from the LM head); anything else goes through the float32 path."""
+    logits = torch.randn(64, V, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert sampler()(logits, reqs(64, temperature=0.0)).token_ids == logits.float().argmax(-1).tolist()
+    assert Sampler.argmax_only(reqs(2, temperature=0.0))
+    with_lp = sampler()(logits[:2], reqs(2, temperature=0.0, logprobs=1))
+    assert all(lp is not None for lp in with_lp.logprobs)
+    # a repetition penalty moves the greedy choice off the raw argmax
+    raw = torch.tensor([[3.0, 2.5, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0]]).to(torch.bfloat16)
+    r = SampleRequest(0, SamplingParams(temperature=0.0, repetition_penalty=2.0), 1, 1, [5, 0])
+    assert not Sampler.argmax_only([r]) and sampler()(raw, [r]).token_ids == [1]
+
+
 def test_temperature_one_follows_the_distribution():
     freq = draw(n=20000, temperature=1.0)
     assert (freq - PROBS).abs().max() < 0.015, freq

@@ -262,9 +262,12 @@ class ModelRunner:
     def _sample(self, inputs: StepInputs, hidden_TD: torch.Tensor,
                 reqs: Optional[List[SampleRequest]]) -> Optional[SampledTokens]:
         """Logits of the sampling rows (a collective over tp), sampled (launched) where reqs are given."""
-        if inputs.sample_rows_S.numel() == 0:
+        T, _, S = inputs.sizes[:3]
+        if S == 0:
             return None
-        logits_SV = self.model.compute_logits(hidden_TD[inputs.sample_rows_S])
+        # every row samples (a decode step): the rows in order, no gather
+        hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
+        logits_SV = self.model.compute_logits(hidden_SD, upcast=reqs is None or not self.sampler.argmax_only(reqs))
         if reqs is None:
             return None
         on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight

@@ -94,13 +94,22 @@ class Sampler:
     def __call__(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> SamplerOutput:
         return self.sample(logits_BV, reqs).result()
 
+    @staticmethod
+    def argmax_only(reqs: List[SampleRequest]) -> bool:
+        """Every request greedy, without logprobs, penalties or a min_tokens ban: the step's tokens are the
+        argmax of the raw logits (in any dtype: a float32 cast keeps their order), one launch."""
+        return all(r.params.is_greedy and r.params.logprobs is None and not r.params.has_penalties
+                   and r.num_output_tokens >= r.params.min_tokens for r in reqs)
+
     def sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
                input_ids_B: Optional[torch.Tensor] = None) -> SampledTokens:
         """input_ids_B: each row's input token, on the device; needed when a request is `last_on_device`."""
         B, V = logits_BV.shape
         assert B == len(reqs), f"{B} logit rows for {len(reqs)} requests"
-        logits_BV = logits_BV.float()
         num_lp = [r.params.logprobs for r in reqs]
+        if self.argmax_only(reqs):
+            return SampledTokens(logits_BV.argmax(-1), None, num_lp)
+        logits_BV = logits_BV.float()
         raw_logprobs_BV = torch.log_softmax(logits_BV, -1) if any(n is not None for n in num_lp) else None
         logits_BV = self._apply_penalties(logits_BV, reqs, input_ids_B)
         logits_BV = self._apply_min_tokens(logits_BV, reqs)

@@ -140,9 +140,11 @@ class MoEModel(nn.Module):
         return self.norm.add_forward(h_TD, delta_TD)[1]
 
     @torch.no_grad()
-    def compute_logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
-        """hidden [B, D] -> float32 logits [B, V] (last pipeline stage only)."""
-        return self.lm_head(hidden_BD).float()
+    def compute_logits(self, hidden_BD: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [B, D] -> float32 logits [B, V] (last pipeline stage only); upcast=False: in the model dtype
+        (for a greedy argmax, which the cast cannot change)."""
+        logits_BV = self.lm_head(hidden_BD)
+        return logits_BV.float() if upcast else logits_BV
 
     @property
     def num_kv_heads(self) -> int:
