@@ -65,10 +65,75 @@ def test_counts_match_a_per_row_loop(T, K, E, with_kept, with_valid):
         assert sum(want[2]) > 0 and sum(want[3]) > 0 or T < 5  # the case drops and reroutes rows
 
 
+@pytest.mark.parametrize("T,K,E", [(1, 8, 128), (BLOCK // 2 + 37, 2, 16)])
+@pytest.mark.parametrize("with_kept,with_valid", [(False, False), (True, True)])
+def test_several_layers_in_one_launch(T, K, E, with_kept, with_valid):
+    """ids [n, T, K] into every other row of [L, E] counters (a strided view): each entry counts into its own
+    row, equal to the per-row loop, and the rows between stay as they were."""
+    n, L = 3, 7
+    cases = [_case(T, K, E, seed=T + i) for i in range(n)]
+    valid = cases[0][2] if with_valid else None
+    ids_nTK = torch.stack([c[0] for c in cases])
+    kept_nTK = torch.stack([c[1] for c in cases]) if with_kept else None
+    counters = [torch.full((L, E), 5, dtype=torch.int64, device=DEVICE) for _ in range(4)]
+    record_load_triton(*[c[1:1 + 2 * n:2] for c in counters], ids_nTK, kept_nTK, valid)
+    for i in range(n):
+        want = _naive(ids_nTK[i].cpu(), kept_nTK[i].cpu() if with_kept else None,
+                      valid.cpu() if valid is not None else None, E)
+        for name, got, ref in zip(("routed", "processed", "dropped", "rerouted"), counters, want):
+            assert got[1 + 2 * i].tolist() == [5 + r for r in ref], (name, i)
+    for row in (0, 2, 4, 6):
+        assert all(bool((c[row] == 5).all()) for c in counters), row
+
+
+def test_deferred_layers_count_as_recorded_ones():
+    """ExpertLoadStats.defer + flush (runs of layers, a different padding mask, a layer out of step) equal
+    record per layer (on CUDA the runs take the several-layer launch)."""
+    E, T, K = 16, 5, 2
+    cases = [_case(T, K, E, seed=s) for s in range(6)]
+    other_valid = cases[5][2]
+    calls = [(0, cases[0], False, True), (2, cases[1], False, True), (4, cases[2], False, True),  # one run
+             (5, cases[3], True, True), (6, cases[4], True, True),  # kept ids: a run of their own
+             (7, cases[5], True, False)]  # another mask
+    got, want = ExpertLoadStats(8, E, DEVICE), ExpertLoadStats(8, E, DEVICE)
+    for layer, (ids, kept, valid), use_kept, own_mask in calls:
+        mask = cases[0][2] if own_mask else other_valid
+        got.defer(layer, ids, kept if use_kept else ids, mask)
+        want.record_torch(layer, ids, kept if use_kept else None, mask)
+    assert got.routed_LE.sum() == 0  # nothing counted before the flush
+    got.flush()
+    for name in ("routed_LE", "processed_LE", "dropped_LE", "rerouted_LE"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    got.flush()  # nothing held twice
+    assert torch.equal(got.routed_LE, want.routed_LE)
+
+
+@pytest.mark.gpu
+def test_deferred_layers_take_one_launch_a_run_gpu():
+    """On CUDA, flush launches the count kernel once per run of deferred layers (3 runs here), equal to the
+    torch path."""
+    import moe_infer.routing.load_count_triton  # noqa: F401  (registers the kernel)
+
+    E, T, K = 128, 1, 8
+    cases = [_case(T, K, E, seed=s) for s in range(6)]
+    got, want = ExpertLoadStats(8, E, DEVICE), ExpertLoadStats(8, E, DEVICE)
+    valid = cases[0][2]
+    for layer, (ids, kept, _), use_kept in zip((0, 1, 2, 3, 5, 6), cases, (False,) * 4 + (True, True)):
+        got.defer(layer, ids, kept if use_kept else ids, valid)
+        want.record_torch(layer, ids, kept if use_kept else None, valid)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got.flush()
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if "expert_load_kernel" in e.name]
+    assert len(launches) == 2, launches  # layers 0-3 (no kept ids), layers 5-6 (kept ids)
+    for name in ("routed_LE", "processed_LE", "dropped_LE", "rerouted_LE"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 def test_record_load_refuses_bad_counters():
     ids_TK, kept_TK, _ = _case(4, 2, 8, seed=1)
     good = [torch.zeros(8, dtype=torch.int64, device=DEVICE) for _ in range(4)]
-    with pytest.raises(ValueError, match="routed counters must be contiguous int64"):
+    with pytest.raises(ValueError, match="routed counters must be int64"):
         record_load_triton(torch.zeros(8, dtype=torch.int32, device=DEVICE), *good[1:], ids_TK, None, None)
     with pytest.raises(ValueError, match="kept ids"):
         record_load_triton(*good, ids_TK, kept_TK[:2], None)

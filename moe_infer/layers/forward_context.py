@@ -1,15 +1,16 @@
 """Per-forward context: the batch's attention metadata, set by the runner around one forward.
 
 A context manager instead of a bare global: layers read `get_forward_context()` inside a forward
-and nowhere else. Built once per step by the ModelRunner from the scheduler's plan.
+and nowhere else. Built once per step by the ModelRunner from the scheduler's plan. Work that nothing in
+the forward reads (the expert-load counts) can wait for its end: `at_forward_end`.
 
 Legend: T flattened tokens of the step, B sequences, M max blocks per sequence.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -30,6 +31,7 @@ class AttentionMetadata:
 class ForwardContext:
     attn: Optional[AttentionMetadata]
     valid_T: Optional[torch.Tensor] = None  # bool: False for padding rows of a CUDA-graph batch (None: all valid)
+    at_end: Dict[int, Callable[[], None]] = field(default_factory=dict)  # `at_forward_end`, by owner id
 
 
 _CONTEXT: Optional[ForwardContext] = None
@@ -39,11 +41,23 @@ _CONTEXT: Optional[ForwardContext] = None
 def forward_context(attn: Optional[AttentionMetadata],
                     valid_T: Optional[torch.Tensor] = None) -> Iterator[ForwardContext]:
     global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ForwardContext(attn=attn, valid_T=valid_T)
+    ctx = ForwardContext(attn=attn, valid_T=valid_T)
+    prev, _CONTEXT = _CONTEXT, ctx
     try:
-        yield _CONTEXT
+        yield ctx
     finally:
         _CONTEXT = prev
+        for fn in ctx.at_end.values():  # inside the forward's stream order (and its graph capture, if any)
+            fn()
+
+
+def at_forward_end(owner: object, fn: Callable[[], None]) -> bool:
+    """Run fn once when the running forward context closes (one registration per owner); False when no forward
+    runs (the caller does the work now)."""
+    if _CONTEXT is None:
+        return False
+    _CONTEXT.at_end.setdefault(id(owner), fn)
+    return True
 
 
 def valid_tokens() -> Optional[torch.Tensor]:

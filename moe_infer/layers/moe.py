@@ -21,7 +21,7 @@ from torch import nn
 
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
-from moe_infer.layers.forward_context import valid_tokens
+from moe_infer.layers.forward_context import at_forward_end, valid_tokens
 from moe_infer.offload.compute import slot_experts
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.offload.store import EXPERT_STORES
@@ -132,8 +132,11 @@ class MoELayer(nn.Module):
         kept_ids_TK, kept_weights_TK = self._policy(
             topk_ids_TK, topk_weights_TK, logits_TE=logits_TE, spec=self.spec, **self.backends.policy_kwargs
         )
-        if self.backends.stats is not None:
-            self.backends.stats.record(self.layer_idx, topk_ids_TK, kept_ids_TK, valid_tokens())
+        stats = self.backends.stats
+        if stats is not None:  # counted at the forward's end, with the other layers (routing/stats.py)
+            stats.defer(self.layer_idx, topk_ids_TK, kept_ids_TK, valid_tokens())
+            if not at_forward_end(stats, stats.flush):
+                stats.flush()
         fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
         if not self.store.is_resident:
             out_TD = self._offloaded_experts(x_TD, kept_ids_TK, kept_weights_TK)

@@ -3,11 +3,15 @@
 On CUDA a registered kernel (LOAD_COUNT_KERNELS["triton"], `moe_infer.kernels.expert_load`, a plugin) adds a
 layer's counts in one launch; everywhere else the torch path of `record` runs (the kernel's reference).
 
+Nothing in a forward reads the counters, so a forward's MoE layers `defer` their counts and the forward's end
+`flush`es them: on CUDA the layers of one step (same rows, same padding mask, evenly spaced layer ids) go
+into one stack and one launch, off the path between each layer's router and its experts.
+
 Legend: L MoE layers, E experts (global), K top-k.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +28,7 @@ class ExpertLoadStats:
         self.dropped_LE = torch.zeros_like(self.routed_LE)
         self.rerouted_LE = torch.zeros_like(self.routed_LE)
         self.processed_LE = torch.zeros_like(self.routed_LE)  # rows each expert runs, after the policy
+        self._pending: List[Tuple[int, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
 
     def record(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None,
                valid_T: torch.Tensor | None = None) -> None:
@@ -38,6 +43,34 @@ class ExpertLoadStats:
                                              self.rerouted_LE[layer], topk_ids_TK, kept_ids_TK, valid_T)
             return
         self.record_torch(layer, topk_ids_TK, kept_ids_TK, valid_T)
+
+    def defer(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None,
+              valid_T: torch.Tensor | None = None) -> None:
+        """`record`, held until `flush` (the end of the forward: moe_infer/layers/moe.py)."""
+        self._pending.append((layer, topk_ids_TK, None if kept_ids_TK is topk_ids_TK else kept_ids_TK, valid_T))
+
+    def flush(self) -> None:
+        """Records what `defer` held: runs of layers with the same rows and padding mask and evenly spaced layer
+        ids in one launch each on CUDA (one stack of their ids first), the rest layer by layer."""
+        pending, self._pending = self._pending, []
+        at = 0
+        while at < len(pending):
+            end = at + 1
+            while end < len(pending) and _same_run(pending[at], pending[end - 1], pending[end], end - at):
+                end += 1
+            run = pending[at:end]
+            layer, ids_TK, kept_TK, valid_T = run[0]
+            if len(run) > 1 and ids_TK.is_cuda and "triton" in LOAD_COUNT_KERNELS:
+                step = run[1][0] - layer
+                rows = slice(layer, layer + step * (len(run) - 1) + 1, step)
+                kept_nTK = None if kept_TK is None else torch.stack([r[2] for r in run])
+                LOAD_COUNT_KERNELS.get("triton")(self.routed_LE[rows], self.processed_LE[rows], self.dropped_LE[rows],
+                                                 self.rerouted_LE[rows], torch.stack([r[1] for r in run]), kept_nTK,
+                                                 valid_T)
+            else:
+                for entry in run:
+                    self.record(*entry)
+            at = end
 
     def record_torch(self, layer: int, topk_ids_TK: torch.Tensor, kept_ids_TK: torch.Tensor | None = None,
                      valid_T: torch.Tensor | None = None) -> None:
@@ -87,3 +120,12 @@ class ExpertLoadStats:
                 "entropy": entropy,
             })
         return out
+
+
+def _same_run(first: tuple, last: tuple, nxt: tuple, length: int) -> bool:
+    """nxt continues a run of deferred layers that starts at first and ends at last (length entries): the same
+    ids shape and device, kept ids or not alike, the same padding mask, the next evenly spaced layer id."""
+    step = (last[0] - first[0]) // (length - 1) if length > 1 else nxt[0] - last[0]
+    return (step > 0 and nxt[0] - last[0] == step and nxt[1].shape == first[1].shape
+            and nxt[1].device == first[1].device and nxt[1].dtype == first[1].dtype
+            and (nxt[2] is None) == (first[2] is None) and nxt[3] is first[3])
