@@ -47,7 +47,6 @@ def main():
                 s *= 2
             roof = nbytes / 3.0e12 * 1e6
             print(f"B {B:3d} L {L:6d} roof {roof:7.1f}  " + "  ".join(cells), flush=True)
-            del a, ref
             torch.cuda.empty_cache()
     print("(splits:us; * the current choice; ! error vs SDPA above 2e-2)")
 

@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -20,16 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import e2e_generate as e2e  # noqa: E402
-
-
-def gen(llm, prompts, new):
-    from moe_infer import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+from step_breakdown import gen  # noqa: E402  (this folder: generate, timed between device syncs)
 
 
 def kernels_of(fn, path):
