@@ -267,7 +267,7 @@ class ModelRunner:
             return None
         # every row samples (a decode step): the rows in order, no gather
         hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
-        logits_SV = self.model.compute_logits(hidden_SD, upcast=reqs is None or not self.sampler.argmax_only(reqs))
+        logits_SV = self.model.compute_logits(hidden_SD, upcast=False)  # the sampler casts where it must
         if reqs is None:
             return None
         on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight

@@ -103,7 +103,8 @@ class Sampler:
 
     def sample(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
                input_ids_B: Optional[torch.Tensor] = None) -> SampledTokens:
-        """input_ids_B: each row's input token, on the device; needed when a request is `last_on_device`."""
+        """logits_BV: in any float dtype (cast to float32 here unless the step is `argmax_only`); input_ids_B: each
+        row's input token, on the device; needed when a request is `last_on_device`."""
         B, V = logits_BV.shape
         assert B == len(reqs), f"{B} logit rows for {len(reqs)} requests"
         num_lp = [r.params.logprobs for r in reqs]
