@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moe_infer.layers.forward_context import get_forward_context
+from moe_infer.layers.linear import linear
 from moe_infer.layers.norm import RMSNorm, ShardedRMSNorm
 from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, attend_cached
 from moe_infer.layers.rotary import RotaryEmbedding
@@ -99,7 +100,7 @@ class Attention(nn.Module):
 
     def _qkv(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
-        q, k, v = self.qkv_proj(x_TD).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x_TD, self.qkv_proj.weight, self.qkv_proj.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norm = self.qk_norm if self.fused_norm == "none" else "none"  # the norm run here, not in the kernel
         if norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)

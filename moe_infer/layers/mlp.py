@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_infer.layers.linear import linear
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 
 
@@ -22,5 +23,5 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        gate_TI, up_TI = self.gate_up_proj(x_TD).chunk(2, dim=-1)
+        gate_TI, up_TI = linear(x_TD, self.gate_up_proj.weight).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate_TI) * up_TI)

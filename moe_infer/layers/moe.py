@@ -22,6 +22,7 @@ from torch import nn
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.layers.forward_context import at_forward_end, valid_tokens
+from moe_infer.layers.linear import linear
 from moe_infer.offload.compute import slot_experts
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.offload.store import EXPERT_STORES
@@ -60,11 +61,11 @@ class SharedExpert(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """reduce=False: this rank's partial sum (the caller all-reduces it with the routed experts')."""
-        gate_TF, up_TF = self.gate_up_proj(x_TD).chunk(2, dim=-1)
+        gate_TF, up_TF = linear(x_TD, self.gate_up_proj.weight).chunk(2, dim=-1)
         act_TF = F.silu(gate_TF) * up_TF
-        y_TD = self.down_proj(act_TF) if reduce else F.linear(act_TF, self.down_proj.weight)
+        y_TD = self.down_proj(act_TF) if reduce else linear(act_TF, self.down_proj.weight)
         if self.gate is not None:
-            y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
+            y_TD = torch.sigmoid(linear(x_TD, self.gate.weight)) * y_TD
         return y_TD
 
 
@@ -111,7 +112,7 @@ class MoELayer(nn.Module):
 
     def route(self, x_TD: torch.Tensor) -> tuple:
         """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""
-        logits_TE = self.gate(x_TD)
+        logits_TE = linear(x_TD, self.gate.weight)
         topk_weights_TK, topk_ids_TK = self._select(logits_TE, self.spec, self.e_score_correction_bias)
         return logits_TE, topk_weights_TK, topk_ids_TK
 

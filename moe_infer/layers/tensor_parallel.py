@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_infer.layers.linear import linear
+
 # torch >= 2.13 renames all_gather_into_tensor (2.11 has only the old name)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -88,8 +90,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.shard.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.shard.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
