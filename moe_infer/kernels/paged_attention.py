@@ -23,12 +23,14 @@ import torch
 import triton
 
 from moe_infer.kernels.paged_attention_kernels import paged_attention_kernel, paged_attention_reduce_kernel
+from moe_infer.kernels.pdl import use_pdl
 
 # A split must have at least SPLIT_MIN_KEYS keys; at most MAX_SPLITS. On an H100 (Qwen3-30B-A3B heads,
 # benchmarks/trials/attention_splits.py) the best count put about two waves of programs on the SMs with 64-512
 # keys a split: one sequence over 2,048 keys 31.6 -> 18.4 us with 16 splits (1,024 keys a split: 2), over 8,192
 # 30.2 -> 17.6 us with 64, four over 2,048 43.0 -> 27.5 us with 8; a batch that fills the SMs stays unsplit.
 SPLIT_MIN_KEYS = 128
+PDL_ENV = "MOE_ATTN_PDL"  # "0" launches both kernels without programmatic dependent launch (A/B runs)
 MAX_SPLITS = 64
 
 
@@ -124,12 +126,12 @@ def paged_attention_triton(
         NUM_SPLITS=n_split, HEAVY_FIRST=heavy_first, HAS_WINDOW=sliding_window is not None,
         DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
-        num_warps=warps,
+        num_warps=warps, **use_pdl(q_THd, PDL_ENV),
     )
     if n_split > 1:
         paged_attention_reduce_kernel[(T, H)](
             part_STHd, m_STH, l_STH, out_THd, part_STHd.stride(0), part_STHd.stride(1), part_STHd.stride(2),
             m_STH.stride(0), m_STH.stride(1), out_THd.stride(0), out_THd.stride(1),
-            NUM_SPLITS=n_split, HEAD_D=head_d, D=d, num_warps=4,
+            NUM_SPLITS=n_split, HEAD_D=head_d, D=d, num_warps=4, **use_pdl(q_THd, PDL_ENV),
         )
     return out_THd

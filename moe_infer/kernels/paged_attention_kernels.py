@@ -25,11 +25,17 @@ Split-KV (decode of long contexts): with NUM_SPLITS > 1 the program of split s h
 [s * SPLIT_N, (s + 1) * SPLIT_N) and writes its unnormalised partial output, row max and row sum to
 a float32 workspace; `paged_attention_reduce_kernel` merges the splits.
 
+Both kernels are launched with programmatic dependent launch where the device has it (`pdl.py`): the
+kernel after them (the attention output projection, `skinny_gemm`, at one token) is placed on the SMs
+early and reads its weights while they run.
+
 Legend: T query tokens of the step, B sequences, M max blocks per sequence, H query heads,
 Hkv KV heads, G = H / Hkv, d head_dim, Nb cache blocks, S block size (PAGE).
 """
 import triton
 import triton.language as tl
+
+from moe_infer.kernels.pdl import pdl_enter
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ps", "stride_ms"])
@@ -44,8 +50,9 @@ def paged_attention_kernel(
     G: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     if HEAVY_FIRST:  # grid (B * Hkv, query tiles * NUM_SPLITS): see the module docstring
         b = tl.program_id(0) // HKV
         kv_head = tl.program_id(0) % HKV
@@ -119,9 +126,10 @@ def paged_attention_kernel(
 def paged_attention_reduce_kernel(
     part_ptr, m_part_ptr, l_part_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits (m = max_s m_s, log2 units)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)

@@ -24,10 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_infer.kernels.pdl import pdl_enter, use_pdl
+
+# Launched with programmatic dependent launch (sm_90+): the kernel after a norm (a decode-sized linear
+# layer, `skinny_gemm`) is placed on the SMs as the norm starts and reads its weights meanwhile.
+# "0" turns it off (A/B runs).
+PDL_ENV = "MOE_NORM_PDL"
+
 
 @triton.jit
 def rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, h_out_ptr, eps, H, N, stride_xt, stride_xh, stride_dt, stride_dh,
-                    HAS_DELTA: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_DELTA: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     t, h = row // H, row % H
     offs_N = tl.arange(0, BLOCK_N)
@@ -72,7 +80,8 @@ def _launch(x: torch.Tensor, delta, weight_N: torch.Tensor, eps: float):
     block = triton.next_power_of_2(N)
     warps = 1 if block <= 256 else 4 if block <= 4096 else 8
     rms_norm_kernel[(T * H,)](x, delta if delta is not None else x, weight_N, y, h_out, float(eps), H, N,
-                              sxt, sxh, sdt, sdh, HAS_DELTA=delta is not None, BLOCK_N=block, num_warps=warps)
+                              sxt, sxh, sdt, sdh, HAS_DELTA=delta is not None, BLOCK_N=block, num_warps=warps,
+                              **use_pdl(x, PDL_ENV))
     return h_out, y
 
 
