@@ -30,8 +30,8 @@ from moe_infer.kernels.pdl import use_pdl
 # keys a split: one sequence over 2,048 keys 31.6 -> 18.4 us with 16 splits (1,024 keys a split: 2), over 8,192
 # 30.2 -> 17.6 us with 64, four over 2,048 43.0 -> 27.5 us with 8; a batch that fills the SMs stays unsplit.
 SPLIT_MIN_KEYS = 128
-PDL_ENV = "MOE_ATTN_PDL"  # "0" launches both kernels without programmatic dependent launch (A/B runs)
 MAX_SPLITS = 64
+PDL_ENV = "MOE_ATTN_PDL"  # "0" launches both kernels without programmatic dependent launch (A/B runs)
 
 
 def _check(cond: bool, msg: str) -> None:

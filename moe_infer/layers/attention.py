@@ -100,7 +100,8 @@ class Attention(nn.Module):
 
     def _qkv(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
-        q, k, v = linear(x_TD, self.qkv_proj.weight, self.qkv_proj.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = linear(x_TD, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norm = self.qk_norm if self.fused_norm == "none" else "none"  # the norm run here, not in the kernel
         if norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
