@@ -14,12 +14,15 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from attention import graph_time_us  # noqa: E402  (benchmarks/: a CUDA graph's median replay time)
 
 SHAPES = [  # name, N, K
     ("qwen3 qkv", 5120, 2048), ("qwen3 o", 2048, 4096), ("qwen3 router", 128, 2048),
@@ -28,31 +31,6 @@ SHAPES = [  # name, N, K
 ]
 REPS = 24
 HBM = 3.0e12
-
-
-def graph_us(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -80,14 +58,14 @@ def main():
         for M in rows:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             ref = F.linear(rms_norm_triton(x, nw, 1e-6), ws[0]).float()
-            norms = graph_us(lambda: [rms_norm_triton(x, nw, 1e-6) for _ in range(REPS)]) / REPS
+            norms = graph_time_us(lambda: [rms_norm_triton(x, nw, 1e-6) for _ in range(REPS)]) / REPS
 
             def pair(lin):
                 def fn():
                     for w in ws:
                         lin(rms_norm_triton(x, nw, 1e-6), w)
                 return fn
-            cublas = graph_us(pair(lambda h, w: F.linear(h, w))) / REPS - norms
+            cublas = graph_time_us(pair(lambda h, w: F.linear(h, w))) / REPS - norms
             results = []
             for bn, bk, wp in itertools.product(grid["block_n"], grid["block_k"], grid["warps"]):
                 if bk > 2 * triton.next_power_of_2(K):
@@ -98,13 +76,13 @@ def main():
                 except OutOfResources:
                     continue
                 bad = float((y - ref).abs().max()) > 2e-2 * float(ref.abs().max()) + 1e-2
-                us = graph_us(pair(lambda h, w, c=cfg: skinny_gemm(h, w, config=c))) / REPS - norms
+                us = graph_time_us(pair(lambda h, w, c=cfg: skinny_gemm(h, w, config=c))) / REPS - norms
                 results.append((us, cfg, bad))
             results.sort(key=lambda r: r[0])
             rule = skinny_config(M, N, K, sms)
-            rule_us = graph_us(pair(lambda h, w: skinny_gemm(h, w))) / REPS - norms
+            rule_us = graph_time_us(pair(lambda h, w: skinny_gemm(h, w))) / REPS - norms
             os.environ["MOE_SKINNY_PDL"] = "0"
-            nopdl_us = graph_us(pair(lambda h, w: skinny_gemm(h, w))) / REPS - norms
+            nopdl_us = graph_time_us(pair(lambda h, w: skinny_gemm(h, w))) / REPS - norms
             os.environ["MOE_SKINNY_PDL"] = "1"
             best = results[0]
             top = "  ".join(f"{c.block_n}x{c.block_k}/w{c.num_warps}:{u:.2f}{'!' if b else ''}"
