@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import e2e_generate as e2e  # noqa: E402
-from step_breakdown import gen  # noqa: E402  (this folder: generate, timed between device syncs)
+from step_breakdown import decode_graph_replay_us, gen  # noqa: E402  (this folder)
 
 
 def kernels_of(fn, path):
@@ -72,19 +72,7 @@ def main():
         wall = sorted(walls)[1]
         print(f"\n=== [{tag}] decode batch {B}: {B * 128 / wall:.0f} tok/s, {1e3 * wall / 128:.3f} ms/step "
               f"(median of 3 generate calls, prompt 128, 128 new)", flush=True)
-        keys = sorted(k for k in runner.graphs.graphs if k[0] >= B)
-        key = max((k for k in keys if k[0] == keys[0][0]), key=lambda k: k[1])
-        graphs, _ = runner.graphs.graphs[key]
-        graph = graphs[0]
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            graph.replay()
-        s.record()
-        for _ in range(100):
-            graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        replay_us = 1e3 * s.elapsed_time(e) / 100
+        key, graph, replay_us = decode_graph_replay_us(runner, B, 100)
         print(f"graph {key} replay GPU time {replay_us:.1f} us ({replay_us / args.layers:.1f} us a layer with the "
               "embedding and final norm)", flush=True)
         ks = kernels_of(lambda: [graph.replay() for _ in range(3)], os.path.join(args.out, f"replay_{tag}.json"))

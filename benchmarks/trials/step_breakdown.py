@@ -53,6 +53,24 @@ def kernel_table(fn, rows=22):
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
+def decode_graph_replay_us(runner, batch, replays):
+    """(key, graph, us): the decode graph a batch of `batch` replays (its smallest padded batch, longest
+    context bucket) and its GPU time per replay, over `replays` replays after 5 warm-up ones."""
+    keys = sorted(k for k in runner.graphs.graphs if k[0] >= batch)
+    key = max((k for k in keys if k[0] == keys[0][0]), key=lambda k: k[1])
+    graphs, _ = runner.graphs.graphs[key]
+    graph = graphs[0] if isinstance(graphs, list) else graphs  # a list since the prefill graphs' split
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    s.record()
+    for _ in range(replays):
+        graph.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return key, graph, 1e3 * s.elapsed_time(e) / replays
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -86,19 +104,8 @@ def main():
             print(f"\n=== decode batch {b}: {b * 128 / wall:.0f} tok/s, {1e3 * wall / steps:.3f} ms/step; "
                   "per step (host wall, no extra syncs): " + ", ".join(
                       f"{k} {1e3 * v / steps:.3f} ms" for k, v in acc.items()), flush=True)
-            keys = sorted(k for k in runner.graphs.graphs if k[0] >= b)
-            key = max((k for k in keys if k[0] == keys[0][0]), key=lambda k: k[1])
-            graphs, _ = runner.graphs.graphs[key]
-            graph = graphs[0] if isinstance(graphs, list) else graphs  # a list since the prefill graphs' split
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(5):
-                graph.replay()
-            s.record()
-            for _ in range(50):
-                graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            print(f"graph {key} replay GPU time {s.elapsed_time(e) / 50:.3f} ms", flush=True)
+            key, graph, replay_us = decode_graph_replay_us(runner, b, 50)
+            print(f"graph {key} replay GPU time {replay_us / 1e3:.3f} ms", flush=True)
             if b in (1, 64):
                 print(kernel_table(lambda: [graph.replay() for _ in range(10)]), flush=True)
                 print(kernel_table(lambda: gen(llm, ids(b, 128), 8), rows=14), flush=True)
