@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_infer.layers.linear import LINEAR_KERNELS, linear
+from moe_infer.layers.linear import LINEAR_KERNELS, graph_kernels, linear
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -128,7 +128,7 @@ def test_gpu_decode_shapes_against_cublas(N, K, M):
 
 
 @pytest.mark.gpu
-def test_gpu_linear_takes_the_kernel_for_a_few_16bit_rows():
+def test_gpu_linear_takes_the_kernel_for_a_few_16bit_rows_in_a_graph():
     from moe_infer.plugins import load_plugins
 
     load_plugins()
@@ -136,12 +136,26 @@ def test_gpu_linear_takes_the_kernel_for_a_few_16bit_rows():
     sg = _kernels()
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(256, 512, generator=gen).cuda().bfloat16()
+    wide = torch.randn(2048, 512, generator=gen).cuda().bfloat16()
+    x5 = torch.randn(5, 512, generator=gen).cuda().bfloat16()
+
+    def in_graph(fn):
+        """fn's result captured as a CUDA graph by the engine's own capture (which selects the kernels), replayed."""
+        from moe_infer.engine.cuda_graph import capture_graph
+
+        graph, out = capture_graph(fn, torch.zeros(1, dtype=torch.bool, device="cuda"), None)
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
     for M in (1, 4):  # one row, or a few into a narrow (router-sized) output: the kernel
         x = torch.randn(M, 512, generator=gen).cuda().bfloat16()
-        assert torch.equal(linear(x, w), sg.skinny_gemm(x, w))
-    x = torch.randn(5, 512, generator=gen).cuda().bfloat16()
-    assert torch.equal(linear(x, w), F.linear(x, w))  # past MAX_ROWS: cuBLAS
-    wide = torch.randn(2048, 512, generator=gen).cuda().bfloat16()
-    assert torch.equal(linear(x[:2], wide), F.linear(x[:2], wide))  # two rows into a wide output: cuBLAS
-    x32, w32 = x[:1].float(), w.float()
-    assert torch.equal(linear(x32, w32), F.linear(x32, w32))  # float32: cuBLAS
+        assert torch.equal(in_graph(lambda: linear(x, w)), sg.skinny_gemm(x, w))
+        assert torch.equal(linear(x, w), F.linear(x, w))  # eagerly: cuBLAS (host time, not GPU time, bounds it)
+        with graph_kernels():
+            assert torch.equal(linear(x, w), sg.skinny_gemm(x, w))
+    assert torch.equal(in_graph(lambda: linear(x5, w)), F.linear(x5, w))  # past MAX_ROWS: cuBLAS
+    # two rows into a wide output: cuBLAS
+    assert torch.equal(in_graph(lambda: linear(x5[:2], wide)), F.linear(x5[:2], wide))
+    x32, w32 = x5[:1].float(), w.float()
+    assert torch.equal(in_graph(lambda: linear(x32, w32)), F.linear(x32, w32))  # float32: cuBLAS

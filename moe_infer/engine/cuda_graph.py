@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
+from moe_infer.layers.linear import graph_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
                   pool) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """(graph, its static output) of run(), a forward over static buffers whose padding mask is valid_R.
 
+    Both runs are under `graph_kernels()` (the decode-sized linear kernel, moe_infer/layers/linear.py).
     One eager warm-up run first, on a side stream, for real on the step's buffers: it compiles what is
     not compiled yet and writes the same K/V the replay writes (same slots, same values); with valid_R all
     False meanwhile, it adds nothing to the expert-load statistics."""
@@ -75,11 +77,11 @@ def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
     valid_R.fill_(False)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), graph_kernels():
         run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool), graph_kernels():
         out = run()
     valid_R.copy_(valid_copy_R)
     return graph, out

@@ -31,6 +31,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
+from moe_infer.layers.linear import graph_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def warmup_kernels(model, token_counts: Sequence[int], context_lengths: Sequence
     steps += [([1], L) for L in context_lengths]
     for lengths, max_seq_len in steps:
         input_ids_T, meta, valid_T = padding_step(lengths, block_size, device, max_seq_len)
-        with forward_context(meta, valid_T=valid_T):
+        with forward_context(meta, valid_T=valid_T), graph_kernels():  # what the CUDA graphs' forwards select
             model(input_ids_T, meta.positions_T)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -9,11 +9,19 @@ for the routers, whose cuBLAS GEMM is launch-bound). The attention projections, 
 MLPs call `linear`; the LM head keeps cuBLAS (already at its bytes). float32 and CPU tensors, and
 prefill, run `F.linear` as before.
 
+Only in forwards that are captured as CUDA graphs (a decode graph, a layer graph), their eager warm-up
+runs and the start-up warm-up: the engine runs those under `graph_kernels()`. An eager call of the
+kernel cost 54-64 us of host time on a lent H100's host against 21-26 us for cuBLAS
+(`benchmarks/trials/skinny_gemm_host.py`), and eager decode-sized calls (an offloading store's router and pre-gate, a capacity policy's step)
+are bound by host time, not by the few microseconds of GPU time the kernel saves.
+
 Legend: M rows (tokens), K in features, N out features.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +36,26 @@ class SmallLinearKernel(NamedTuple):
 
 LINEAR_KERNELS: Registry[SmallLinearKernel] = Registry("linear kernel")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_IN_GRAPH: ContextVar[bool] = ContextVar("linear_in_graph", default=False)
+
+
+@contextmanager
+def graph_kernels() -> Iterator[None]:
+    """The forwards inside are captured as CUDA graphs (or compile for them): `linear` may take its kernel."""
+    token = _IN_GRAPH.set(True)
+    try:
+        yield
+    finally:
+        _IN_GRAPH.reset(token)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through LINEAR_KERNELS["triton"] for a 2-D CUDA x of 16-bit rows where the
-    kernel says it is faster (one row; a few for a narrow output)."""
+    kernel says it is faster (one row; a few for a narrow output), inside `graph_kernels()`."""
     if x.dim() == 2 and x.is_cuda and "triton" in LINEAR_KERNELS:
         kernel = LINEAR_KERNELS.get("triton")
         if (kernel.takes(x.shape[0], weight.shape[0]) and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype
-                and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous())):
+                and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous())
+                and _IN_GRAPH.get()):
             return kernel.fn(x, weight, bias)
     return F.linear(x, weight, bias)
