@@ -5,6 +5,9 @@
       -> gate_up -> down -> combine (COMBINE_MODES: "kernel" = combine_topk after down,
                                      "tail" = inside the down GEMM's epilogue)
 
+A one-token step without an explicit config takes expert_gemv.py's two matrix-vector kernels instead
+(gate_up, then down with the combine inside).
+
 No host sync: every grid is sized from shapes alone (P_max = N + min(E, N) * (BLOCK_M - 1) padded
 slots bound the schedule), so a decode step captures in a CUDA graph. Each function has a PyTorch
 reference of the same signature in fused_moe_ref.py.
@@ -21,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import triton
 
+from moe_infer.kernels.expert_gemv import expert_gemv, use_expert_gemv
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, get_config
 from moe_infer.kernels.fused_moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moe_infer.kernels.fused_moe_schedule import (  # noqa: F401  (re-exported)
@@ -207,7 +211,8 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
 
     w13_E2FD/w2_EDF hold the E local experts [expert_start, expert_start + E); rows routed elsewhere
     (or dropped, id -1) add nothing. config (default: the tuned one for this shape and device)
-    also names the schedule backend and the combine mode.
+    also names the schedule backend and the combine mode. Without a config, a one-token step takes
+    the matrix-vector kernels of expert_gemv.py instead of the tile GEMMs.
     """
     _check(x_TD.dim() == 2 and topk_ids_TK.dim() == 2 and topk_ids_TK.shape == topk_weights_TK.shape
            and topk_ids_TK.shape[0] == x_TD.shape[0],
@@ -218,6 +223,8 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
     E = w13_E2FD.shape[0]
     if T == 0:
         return torch.empty_like(x_TD)
+    if config is None and use_expert_gemv(x_TD, T):
+        return expert_gemv(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF, expert_start)
     cfg = config or launch_config(T, K, w13_E2FD)
     combine = COMBINE_MODES.get(cfg.combine)
     weights_N = topk_weights_TK.reshape(-1)
