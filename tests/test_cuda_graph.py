@@ -39,8 +39,10 @@ def _generate(llm):
     return tokens
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_static_buffer_decode_equals_eager_cpu(family):
+@pytest.mark.parametrize("family,lm_head", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+def test_static_buffer_decode_equals_eager_cpu(family, lm_head):
+    """The engine's decode path through the static buffers (one host copy, `load`; the LM head into the logits
+    buffer with lm_head), run eagerly on CPU: the same tokens and load statistics as the plain eager engine."""
     path = checkpoint(family)
     kw = dict(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
     eager = LLM(**kw)
@@ -50,7 +52,8 @@ def test_static_buffer_decode_equals_eager_cpu(family):
     llm = LLM(**kw)
     runner = llm.engine.runner
     assert runner.graphs is None  # CPU: graphs are never on by themselves
-    runner.graphs = DecodeGraphs(runner.model, 8, -(-runner.max_model_len // 4), 4, runner.device, capture=False)
+    runner.graphs = DecodeGraphs(runner.model, 8, -(-runner.max_model_len // 4), 4, runner.device, capture=False,
+                                 lm_head=runner.model.lm_head if lm_head else None)
     kv_before = [t.clone() for kv in runner.kv_caches for t in kv]
     with torch.inference_mode():
         runner.graphs.warmup()  # all rows padding: writes no KV slot, counts no load

@@ -5,7 +5,10 @@ and the context length change. Eager, it is CPU-bound on kernel launches (the H1
 benchmarks/results/profile_engine_*.json: ~490 launches for 4 layers, the GPU busy ~2.7 ms of
 ~16 ms). Like vLLM, the model forward of a decode step is captured once per shape bucket and
 replayed: the step's inputs are copied into static buffers, the graph replays, the hidden states
-come out of a static output tensor. The sampler stays eager (it reads per-request parameters).
+come out of a static output tensor. In the engine (`load`, then `replay`) the host lays the step out as
+those buffers and one copy moves it (moe_infer/engine/decode_buffers.py), and the graph runs the LM head
+too, into one static logits buffer: between two replays the GPU runs only that copy and the sampler. The
+sampler stays eager (it reads per-request parameters).
 
 Buckets: the batch is padded up to a capture size (1, 2, 4, then multiples of 8); the context
 (keys gathered per sequence by the paged attention) up to a power-of-two number of blocks. A graph
@@ -26,11 +29,15 @@ M blocks per sequence of the whole table, Mp blocks of the context bucket, D hid
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
+from moe_infer.engine.decode_buffers import DecodeBuffers
+from moe_infer.engine.step_inputs import Sizes, StepInputs, host_segments
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 from moe_infer.layers.linear import graph_kernels
 
@@ -132,19 +139,21 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: ForwardFn, max_batch: int, max_blocks: int, block_size: int,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True, lm_head=None) -> None:
         self.forward, self.block_size, self.max_blocks = forward, block_size, max_blocks
         self.sizes = capture_sizes(max_batch)
         self.max_batch, self.capture = self.sizes[-1], capture
         Bmax, dev = self.max_batch, device
-        self.input_ids_B = torch.zeros(Bmax, dtype=torch.int64, device=dev)
-        self.positions_B = torch.zeros(Bmax, dtype=torch.int64, device=dev)
-        self.slot_mapping_B = torch.full((Bmax,), -1, dtype=torch.int64, device=dev)
-        self.block_tables_BM = torch.zeros(Bmax, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens_B = torch.ones(Bmax, dtype=torch.int32, device=dev)
-        self.query_start_loc_B1 = torch.arange(Bmax + 1, dtype=torch.int32, device=dev)
-        self.valid_B = torch.zeros(Bmax, dtype=torch.bool, device=dev)
-        self.graphs: Dict[Tuple[int, int], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
+        self.bufs = DecodeBuffers(Bmax, max_blocks, dev)  # the static inputs: views of one buffer (`load`)
+        d = self.bufs.dev
+        self.input_ids_B, self.positions_B, self.slot_mapping_B = d["ids"], d["positions"], d["slots"]
+        self.block_tables_BM, self.seq_lens_B, self.valid_B = d["block_tables"], d["seq_lens"], d["valid"]
+        self.query_start_loc_B1 = d["query_starts"]
+        # with an LM head (a single rank's: `forward_into`), `load`ed steps replay it too, into one logits buffer
+        self.lm_head = lm_head
+        self.logits_BV = (None if lm_head is None else
+                          torch.empty(Bmax, lm_head.weight.shape[0], dtype=lm_head.weight.dtype, device=dev))
+        self.graphs: Dict[Tuple[int, int, bool], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
         self.runs = 0  # decode steps that went through the static buffers (replayed, or eager with capture=False)
@@ -157,8 +166,11 @@ class DecodeGraphs:
                 and m <= self.max_blocks)
 
     def _bucket(self, B: int, meta: AttentionMetadata) -> Tuple[int, int]:
+        return self._bucket_of(B, meta.block_tables_BM.shape[1], meta.max_seq_len)
+
+    def _bucket_of(self, B: int, table_width: int, max_seq_len: int) -> Tuple[int, int]:
         Bp = next(b for b in self.sizes if b >= B)
-        need = max(meta.block_tables_BM.shape[1], -(-meta.max_seq_len // self.block_size))
+        need = max(table_width, -(-max_seq_len // self.block_size))
         return Bp, context_blocks(need, self.max_blocks)
 
     def _fill(self, input_ids_T: torch.Tensor, meta: AttentionMetadata, Bp: int) -> None:
@@ -205,16 +217,66 @@ class DecodeGraphs:
             return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
 
     def run(self, input_ids_T: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
-        """hidden [B, D] of the step, or None when the graph could not be captured (run eagerly)."""
+        """hidden [B, D] of the step (its inputs copied into the static buffers on the device), or None when the
+        graph could not be captured (run eagerly)."""
         B = input_ids_T.shape[0]
         Bp, Mp = self._bucket(B, meta)
         self._fill(input_ids_T, meta, Bp)
+        return self._replay(B, Bp, Mp, False)
+
+    def load(self, flat: np.ndarray, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
+        """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own), padding included,
+        into the static buffers by one copy (`DecodeBuffers`) -> (its inputs for `replay`, the extra entries).
+        Every element the bucket reads is written (the staging buffer holds an earlier step)."""
+        T, B, S, m, _, max_seq_len = sizes
+        Bp, Mp = self._bucket_of(B, m, max_seq_len)
+        v, src = self.bufs.stage(), host_segments(flat, sizes)
+        v["ids"][:B], v["ids"][B:Bp] = src.ids_T, 0  # rows B..Bp-1: padding (see `_pad`)
+        v["positions"][:B], v["positions"][B:Bp] = src.positions_T, 0
+        v["slots"][:B], v["slots"][B:Bp] = src.slots_T, -1
+        v["seq_lens"][:B], v["seq_lens"][B:Bp] = src.seq_lens_B, 1
+        v["valid"][:B], v["valid"][B:Bp] = True, False
+        tables = v["block_tables"]
+        tables[:B, :m], tables[:B, m:], tables[B:Bp] = src.block_tables_BM, -1, 0
+        v["sample_rows"][:S], v["extra"][:num_extra] = src.sample_rows_S, src.extra
+        self.bufs.load(Bp)
+        d = self.bufs.dev
+        inputs = StepInputs(self.input_ids_B[:B], functools.partial(self._step_meta, sizes), d["sample_rows"][:S],
+                            sizes, decode_bucket=(Bp, Mp))
+        return inputs, d["extra"][:num_extra]
+
+    def _step_meta(self, sizes: Sizes) -> AttentionMetadata:
+        """The step's own (unpadded) attention metadata over the static buffers: for an eager run."""
+        T, B, _, m, max_query_len, max_seq_len = sizes
+        return AttentionMetadata(
+            positions_T=self.positions_B[:B], slot_mapping_T=self.slot_mapping_B[:B],
+            block_tables_BM=self.block_tables_BM[:B, :m], query_start_loc_B1=self.query_start_loc_B1[:B + 1],
+            seq_lens_B=self.seq_lens_B[:B], max_query_len=max_query_len, max_seq_len=max_seq_len,
+            block_size=self.block_size)
+
+    def replay(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+        """For a step `load`ed into the buffers: logits [B, V] with an LM head (`with_logits`), else hidden [B, D];
+        None when the graph could not be captured (run eagerly)."""
+        Bp, Mp = inputs.decode_bucket
+        return self._replay(inputs.input_ids_T.shape[0], Bp, Mp, self.with_logits)
+
+    @property
+    def with_logits(self) -> bool:
+        return self.lm_head is not None
+
+    def _run_static_logits(self, Bp: int, Mp: int) -> torch.Tensor:
+        return self.lm_head.forward_into(self._run_static(Bp, Mp), self.logits_BV[:Bp])
+
+    def _replay(self, B: int, Bp: int, Mp: int, logits: bool) -> Optional[torch.Tensor]:
+        run = (lambda: self._run_static_logits(Bp, Mp)) if logits else (lambda: self._run_static(Bp, Mp))
         if not self.capture:
             self.runs += 1
-            return self._run_static(Bp, Mp)[:B]
+            return run()[:B]
+
         def capture():
-            graph, out = capture_graph(lambda: self._run_static(Bp, Mp), self.valid_B, self.pool)
+            graph, out = capture_graph(run, self.valid_B, self.pool)
             return [graph], out
 
-        out_BpD = replay_graph(self, (Bp, Mp), capture, f"a decode step at batch {Bp}, {Mp} blocks")
-        return None if out_BpD is None else out_BpD[:B]
+        what = f"a decode step at batch {Bp}, {Mp} blocks{' with the LM head' if logits else ''}"
+        out_Bp = replay_graph(self, (Bp, Mp, logits), capture, what)
+        return None if out_Bp is None else out_Bp[:B]

@@ -20,6 +20,7 @@ sequence, V vocabulary, D hidden.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import List, Optional, Tuple
 
@@ -113,12 +114,18 @@ class ModelRunner:
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
-                              max_blocks, self.block_size, self.device)
+                              max_blocks, self.block_size, self.device, lm_head=self._graph_lm_head())
         start = time.perf_counter()
         with torch.inference_mode():  # as the steps run (execute)
             graphs.warmup()
         logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
         return graphs
+
+    def _graph_lm_head(self):
+        """The LM head the decode graphs replay too (one that writes into their logits buffer), else None (and
+        with MOE_GRAPH_LM_HEAD=0 in the environment: A/B runs)."""
+        lm_head = getattr(self.model, "lm_head", None)
+        return lm_head if hasattr(lm_head, "forward_into") and os.environ.get("MOE_GRAPH_LM_HEAD", "1") != "0" else None
 
     def _layer_graphs(self) -> Optional[LayerGraphs]:
         """Where decode steps cannot be one graph for their MoE layers' sake (an offloading store, a
@@ -185,7 +192,7 @@ class ModelRunner:
         F = max(getattr(hf, "moe_intermediate_size", 0) or 0, getattr(hf, "intermediate_size", 0) or 0)
         elem = torch.finfo(self.dtype).bits // 8
         return int(T * (16 * D + 6 * self.arch.top_k * F) * elem + self.cfg.scheduler.max_num_seqs
-                   * self.arch.vocab_size * 4 * 4) + (512 << 20)
+                   * self.arch.vocab_size * (4 * 4 + elem)) + (512 << 20)  # + the decode graphs' logits buffer
 
     def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """One (K, V) pair per layer of this rank's stage, for its KV heads."""
@@ -204,6 +211,8 @@ class ModelRunner:
         num_extra = 2 * len(rows)
         if self._takes_extend_graph(sizes):
             inputs, extra_X = self.extend_graphs.load(flat, sizes, num_extra)
+        elif self.graphs is not None and self.graphs.can_run(sizes):
+            inputs, extra_X = self.graphs.load(flat, sizes, num_extra)
         else:
             flat_dev = torch.from_numpy(flat).to(self.device, non_blocking=True)
             inputs = decode_inputs(flat_dev[:len(flat) - num_extra], sizes, self.block_size)
@@ -239,17 +248,18 @@ class ModelRunner:
             return None
         inputs = self.prepare(plan, prev)
         self._before_forward(inputs)
-        hidden_TD = None
+        hidden_TD = logits_TV = None
         if inputs.bucket is not None:
             hidden_TD = self.extend_graphs.replay(inputs)  # None: run eagerly
-        elif self.graphs is not None and self.graphs.can_run(inputs.sizes):
-            hidden_TD = self.graphs.run(inputs.input_ids_T, inputs.meta)  # None: the capture failed, run eagerly
+        elif inputs.decode_bucket is not None:  # None: the capture failed, run eagerly
+            out = self.graphs.replay(inputs)
+            hidden_TD, logits_TV = (None, out) if self.graphs.with_logits else (out, None)
         elif self.layer_graphs is not None and self.layer_graphs.can_run(inputs.sizes):
             hidden_TD = self.layer_graphs.run(inputs.input_ids_T, inputs.meta)
-        if hidden_TD is None:
+        if hidden_TD is None and logits_TV is None:
             with forward_context(inputs.meta):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
-        return LaunchedStep(plan, self._sample(inputs, hidden_TD, plan_requests(plan)))
+        return LaunchedStep(plan, self._sample(inputs, hidden_TD, plan_requests(plan), logits_TV))
 
     def _before_forward(self, inputs: StepInputs) -> None:
         """Between steps, on every rank in the same order: online re-balancing moves expert weights; the
@@ -259,15 +269,19 @@ class ModelRunner:
         if self.trace is not None:
             self.trace.begin_step(inputs.meta.positions_T, inputs.input_ids_T.shape[0])
 
-    def _sample(self, inputs: StepInputs, hidden_TD: torch.Tensor,
-                reqs: Optional[List[SampleRequest]]) -> Optional[SampledTokens]:
-        """Logits of the sampling rows (a collective over tp), sampled (launched) where reqs are given."""
+    def _sample(self, inputs: StepInputs, hidden_TD: Optional[torch.Tensor], reqs: Optional[List[SampleRequest]],
+                logits_TV: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
+        """Logits of the sampling rows (a collective over tp; logits_TV: every row's, from a decode graph),
+        sampled (launched) where reqs are given."""
         T, _, S = inputs.sizes[:3]
         if S == 0:
             return None
         # every row samples (a decode step): the rows in order, no gather
-        hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
-        logits_SV = self.model.compute_logits(hidden_SD, upcast=False)  # the sampler casts where it must
+        if logits_TV is not None:
+            logits_SV = logits_TV[:S] if S == T else logits_TV[inputs.sample_rows_S]
+        else:
+            hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
+            logits_SV = self.model.compute_logits(hidden_SD, upcast=False)  # the sampler casts where it must
         if reqs is None:
             return None
         on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight

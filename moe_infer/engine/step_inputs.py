@@ -41,6 +41,7 @@ class StepInputs:
     sample_rows_S: torch.Tensor
     sizes: Sizes
     bucket: Optional[Tuple[int, int, int]] = None  # laid out in ExtendGraphs' buffer for this bucket's graph
+    decode_bucket: Optional[Tuple[int, int]] = None  # laid out in DecodeGraphs' buffers for this (Bp, Mp) graph
 
     @functools.cached_property
     def meta(self) -> AttentionMetadata:

@@ -136,3 +136,9 @@ class ParallelLMHead(nn.Module):
         if self.shard.size == 1:
             return logits_TVl
         return self.shard.all_gather_last(logits_TVl)[:, :self.vocab_size]
+
+    def forward_into(self, h_TD: torch.Tensor, out_TV: torch.Tensor) -> torch.Tensor:
+        """forward(h_TD) written into out_TV (a static buffer: the decode graphs' logits) and returned; one rank."""
+        if self.shard.size != 1:
+            raise ValueError("forward_into needs the whole vocabulary on one rank (tensor parallel size 1)")
+        return torch.matmul(h_TD, self.weight.t(), out=out_TV)

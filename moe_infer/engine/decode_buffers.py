@@ -1,0 +1,92 @@
+"""The static inputs of the decode graphs: views of one device buffer that one host-to-device copy fills.
+
+A captured decode graph reads its inputs from fixed addresses. Filling them tensor by tensor from the step's
+own device tensors took seven copies and fills per step, plus the step's own H2D copy and the slicing of
+it: GPU work between two replays (each a launch gap) and host time (on an H100, `prepare` and the graph's
+`run` took 0.35 ms of host time a batch-1 step, against 0.76 ms of GPU work; benchmarks/trials/step_breakdown.py).
+Instead the host writes the step, padding included, into a pinned staging buffer laid out as the device
+buffer, and one copy moves the bytes the step's bucket reads.
+
+Layout (bytes; every segment 16-byte aligned), fixed for the largest batch Bmax and the table width M:
+
+    ids int64 [Bmax] | positions int64 [Bmax] | slots int64 [Bmax] | sample rows int64 [Bmax]
+    | query starts int32 [Bmax + 1] | seq lens int32 [Bmax] | valid bool [Bmax] | extra int64 [2 Bmax]
+    | block tables int32 [Bmax, M]
+
+A step padded to Bp rows copies everything before the tables and Bp rows of them. The query starts (0..Bmax:
+one query token a sequence) are written once, in both staging buffers and on the device.
+
+Two staging buffers are used in turn; one is written again only after its previous copy has finished (an
+event each), as in graph_inputs.py (the prefill graphs' inputs, which lay out each bucket on its own).
+
+Legend: B sequences of the step (one token each), Bp padded, Bmax largest, M table width, X extra entries.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+_ALIGN = 16
+# (name, numpy dtype, torch dtype, elements as a function of Bmax); the block tables come last (M per row)
+_SEGMENTS = (("ids", np.int64, torch.int64, lambda b: b), ("positions", np.int64, torch.int64, lambda b: b),
+             ("slots", np.int64, torch.int64, lambda b: b), ("sample_rows", np.int64, torch.int64, lambda b: b),
+             ("query_starts", np.int32, torch.int32, lambda b: b + 1), ("seq_lens", np.int32, torch.int32, lambda b: b),
+             ("valid", np.bool_, torch.bool, lambda b: b), ("extra", np.int64, torch.int64, lambda b: 2 * b))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class DecodeBuffers:
+    """`dev[name]`: the device views (block tables as [Bmax, M]); `stage()` -> the host views of the staging
+    buffer the next `load(Bp)` copies."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        offsets, at = {}, 0
+        for name, np_dt, _, count in _SEGMENTS:
+            offsets[name] = (at, count(max_batch))
+            at += _aligned(count(max_batch) * np.dtype(np_dt).itemsize)
+        self.tables_at = at
+        nbytes = at + max_batch * max_blocks * 4
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.dev: Dict[str, torch.Tensor] = {
+            name: self.buffer[off:off + n * t_dt.itemsize].view(t_dt)
+            for (name, _, t_dt, _), (off, n) in zip(_SEGMENTS, offsets.values())}
+        self.dev["block_tables"] = self.buffer[at:].view(torch.int32).view(max_batch, max_blocks)
+        pin = self.buffer.is_cuda
+        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host: List[Dict[str, np.ndarray]] = []
+        for staging in self._staging:
+            host = staging.numpy()
+            views = {name: host[off:off + n * np.dtype(np_dt).itemsize].view(np_dt)
+                     for (name, np_dt, _, _), (off, n) in zip(_SEGMENTS, offsets.values())}
+            views["block_tables"] = host[at:].view(np.int32).reshape(max_batch, max_blocks)
+            views["query_starts"][:] = np.arange(max_batch + 1, dtype=np.int32)
+            self._host.append(views)
+        self.dev["query_starts"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
+        self.dev["slots"].fill_(-1)
+        self.dev["seq_lens"].fill_(1)
+        self._copied: List[Optional[torch.cuda.Event]] = [None, None]
+        self._turn = 0
+
+    def stage(self) -> Dict[str, np.ndarray]:
+        """The host views of the staging buffer the next `load` copies. Its bytes are an earlier step's: the caller
+        writes every element its bucket reads."""
+        turn = self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # its copy of two loads ago (long done: a step's collect waited)
+        return self._host[turn]
+
+    def load(self, padded_batch: int) -> None:
+        """One copy (stream-ordered) of the staged segments and the first padded_batch rows of the block tables."""
+        turn = self._turn
+        n = self.tables_at + padded_batch * self.max_blocks * 4
+        self.buffer[:n].copy_(self._staging[turn][:n], non_blocking=True)
+        if self.buffer.is_cuda:
+            event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
+            event.record()
+        self._turn = 1 - turn
