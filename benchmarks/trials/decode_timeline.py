@@ -73,8 +73,9 @@ def main():
         print(f"\n=== [{tag}] decode batch {B}: {B * 128 / wall:.0f} tok/s, {1e3 * wall / 128:.3f} ms/step "
               f"(median of 3 generate calls, prompt 128, 128 new)", flush=True)
         key, graph, replay_us = decode_graph_replay_us(runner, B, 100)
+        extra = "embedding, final norm and LM head" if runner.graphs.with_logits else "embedding and final norm"
         print(f"graph {key} replay GPU time {replay_us:.1f} us ({replay_us / args.layers:.1f} us a layer with the "
-              "embedding and final norm)", flush=True)
+              f"{extra})", flush=True)
         ks = kernels_of(lambda: [graph.replay() for _ in range(3)], os.path.join(args.out, f"replay_{tag}.json"))
         per = len(ks) // 3
         one = ks[per:2 * per]  # the middle replay

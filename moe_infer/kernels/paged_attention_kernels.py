@@ -52,7 +52,6 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     if HEAVY_FIRST:  # grid (B * Hkv, query tiles * NUM_SPLITS): see the module docstring
         b = tl.program_id(0) // HKV
         kv_head = tl.program_id(0) % HKV
@@ -67,6 +66,8 @@ def paged_attention_kernel(
     if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
+    # the step's query starts and lengths come from the step's inputs, not from the kernel before: read before waiting
+    pdl_enter(USE_PDL)
     context = seq_len - q_len  # keys before the step's first query token
 
     rows = tl.arange(0, BLOCK_M)

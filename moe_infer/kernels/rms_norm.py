@@ -35,11 +35,12 @@ PDL_ENV = "MOE_NORM_PDL"
 @triton.jit
 def rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, h_out_ptr, eps, H, N, stride_xt, stride_xh, stride_dt, stride_dh,
                     HAS_DELTA: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     t, h = row // H, row % H
     offs_N = tl.arange(0, BLOCK_N)
     mask_N = offs_N < N
+    w_N = tl.load(w_ptr + offs_N, mask=mask_N, other=0.0)  # a weight: read before waiting on the kernel before
+    pdl_enter(USE_PDL)
     x_N = tl.load(x_ptr + t * stride_xt + h * stride_xh + offs_N, mask=mask_N, other=0.0)
     if HAS_DELTA:  # h' = h + delta, rounded to the dtype once, as torch's add
         d_N = tl.load(d_ptr + t * stride_dt + h * stride_dh + offs_N, mask=mask_N, other=0.0)
@@ -48,7 +49,6 @@ def rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, h_out_ptr, eps, H, N, stride_xt,
     x32_N = x_N.to(tl.float32)
     var = tl.sum(x32_N * x32_N, axis=0) / N
     normed_N = (x32_N * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
-    w_N = tl.load(w_ptr + offs_N, mask=mask_N, other=0.0)
     y_N = (w_N.to(tl.float32) * normed_N.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + offs_N, y_N, mask=mask_N)
 

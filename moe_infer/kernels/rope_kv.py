@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_infer.kernels.pdl import pdl_enter, use_pdl
+
 
 @triton.jit
 def _round(x, DTYPE: tl.constexpr):
@@ -93,7 +95,7 @@ def rope_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -103,6 +105,8 @@ def rope_store_kv_kernel(
     cs_ok = half_ok & (half * 0 + pos >= 0) & (half * 0 + pos < num_positions)
     c_1h = tl.load(cos_sin_ptr + pos * stride_cp + half, mask=cs_ok, other=0.0).to(tl.float32)[None, :]
     s_1h = tl.load(cos_sin_ptr + pos * stride_cp + HALF + half, mask=cs_ok, other=0.0).to(tl.float32)[None, :]
+    # positions, slots and the table are the step's inputs and a constant: read above, before waiting on the qkv GEMM
+    pdl_enter(USE_PDL)
 
     head = tl.arange(0, BLOCK_H)
     mask = (head < H)[:, None] & half_ok[None, :]
@@ -131,6 +135,10 @@ def rope_store_kv_kernel(
     tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
 
 
+# Programmatic dependent launch: the kernel is placed on the SMs while the qkv GEMM drains and reads the step's
+# positions, slots and the cos/sin table meanwhile; the attention kernel after it starts early in turn. "0" turns
+# it off (A/B runs).
+PDL_ENV = "MOE_ROPE_PDL"
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 NORM_MODES = {"none": 0, "head": 1, "proj": 2}  # the kernel's NORM constexpr of each q/k norm mode
 
@@ -203,5 +211,6 @@ def rope_store_kv(
         BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_HALF=triton.next_power_of_2(d // 2),
         DTYPE=_TL_DTYPES[q_THd.dtype], NORM=NORM_MODES[norm_mode], num_warps=4 if H * d >= 2048 else 1,
         enable_fp_fusion=False,  # x*c + x*s as two roundings, as torch does (float32 inputs)
+        **use_pdl(q_THd, PDL_ENV),
     )
     return q_out_THd
