@@ -94,7 +94,7 @@ def main():
             gen(llm, ids(b, 128), 128)
             acc = collections.Counter()
             undo = [wrap(eng.scheduler, "schedule", acc), wrap(runner, "prepare", acc),
-                    wrap(runner.graphs, "run", acc), wrap(runner.graphs, "replay", acc), wrap(runner, "_sample", acc),
+                    wrap(runner.graphs, "replay", acc), wrap(runner, "_sample", acc),
                     wrap(eng.scheduler, "postprocess", acc), wrap(runner, "collect", acc),  # collect: the wait
                     wrap(eng, "step", acc)]  # for the step in flight (async scheduling)
             wall = gen(llm, ids(b, 128), 128)

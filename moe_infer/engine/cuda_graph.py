@@ -4,11 +4,11 @@ A decode step (every sequence runs one token) has the same kernels every time; o
 and the context length change. Eager, it is CPU-bound on kernel launches (the H100 profile in
 benchmarks/results/profile_engine_*.json: ~490 launches for 4 layers, the GPU busy ~2.7 ms of
 ~16 ms). Like vLLM, the model forward of a decode step is captured once per shape bucket and
-replayed: the step's inputs are copied into static buffers, the graph replays, the hidden states
-come out of a static output tensor. In the engine (`load`, then `replay`) the host lays the step out as
-those buffers and one copy moves it (moe_infer/engine/decode_buffers.py), and the graph runs the LM head
-too, into one static logits buffer: between two replays the GPU runs only that copy and the sampler. The
-sampler stays eager (it reads per-request parameters).
+replayed: `load` lays the step out on the host as the graphs' static input buffers and one copy moves it
+(moe_infer/engine/decode_buffers.py; the layer graphs fill the same buffers on the device, `_fill`), then
+`replay` runs the graph, the LM head included, into one static logits buffer (without an LM head: the hidden
+states come out of a static output tensor). Between two replays the GPU runs only that copy and the
+sampler. The sampler stays eager (it reads per-request parameters).
 
 Buckets: the batch is padded up to a capture size (1, 2, 4, then multiples of 8); the context
 (keys gathered per sequence by the paged attention) up to a power-of-two number of blocks. A graph
@@ -215,14 +215,6 @@ class DecodeGraphs:
     def _run_static(self, Bp: int, Mp: int) -> torch.Tensor:
         with forward_context(self._meta(Bp, Mp), valid_T=self.valid_B[:Bp]):
             return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
-
-    def run(self, input_ids_T: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
-        """hidden [B, D] of the step (its inputs copied into the static buffers on the device), or None when the
-        graph could not be captured (run eagerly)."""
-        B = input_ids_T.shape[0]
-        Bp, Mp = self._bucket(B, meta)
-        self._fill(input_ids_T, meta, Bp)
-        return self._replay(B, Bp, Mp, False)
 
     def load(self, flat: np.ndarray, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
         """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own), padding included,

@@ -16,17 +16,19 @@ Layout (bytes; every segment 16-byte aligned), fixed for the largest batch Bmax 
 A step padded to Bp rows copies everything before the tables and Bp rows of them. The query starts (0..Bmax:
 one query token a sequence) are written once, in both staging buffers and on the device.
 
-Two staging buffers are used in turn; one is written again only after its previous copy has finished (an
-event each), as in graph_inputs.py (the prefill graphs' inputs, which lay out each bucket on its own).
+Two staging buffers are used in turn (`graph_inputs.PinnedStaging`, shared with the prefill graphs' inputs, which
+lay out each bucket on its own).
 
 Legend: B sequences of the step (one token each), Bp padded, Bmax largest, M table width, X extra entries.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 import torch
+
+from moe_infer.engine.graph_inputs import PinnedStaging
 
 _ALIGN = 16
 # (name, numpy dtype, torch dtype, elements as a function of Bmax); the block tables come last (M per row)
@@ -57,10 +59,9 @@ class DecodeBuffers:
             name: self.buffer[off:off + n * t_dt.itemsize].view(t_dt)
             for (name, _, t_dt, _), (off, n) in zip(_SEGMENTS, offsets.values())}
         self.dev["block_tables"] = self.buffer[at:].view(torch.int32).view(max_batch, max_blocks)
-        pin = self.buffer.is_cuda
-        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._staging = PinnedStaging(self.buffer)
         self._host: List[Dict[str, np.ndarray]] = []
-        for staging in self._staging:
+        for staging in self._staging.host:
             host = staging.numpy()
             views = {name: host[off:off + n * np.dtype(np_dt).itemsize].view(np_dt)
                      for (name, np_dt, _, _), (off, n) in zip(_SEGMENTS, offsets.values())}
@@ -70,23 +71,13 @@ class DecodeBuffers:
         self.dev["query_starts"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
         self.dev["slots"].fill_(-1)
         self.dev["seq_lens"].fill_(1)
-        self._copied: List[Optional[torch.cuda.Event]] = [None, None]
-        self._turn = 0
 
     def stage(self) -> Dict[str, np.ndarray]:
         """The host views of the staging buffer the next `load` copies. Its bytes are an earlier step's: the caller
         writes every element its bucket reads."""
-        turn = self._turn
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # its copy of two loads ago (long done: a step's collect waited)
-        return self._host[turn]
+        return self._host[self._staging.next()]
 
     def load(self, padded_batch: int) -> None:
         """One copy (stream-ordered) of the staged segments and the first padded_batch rows of the block tables."""
-        turn = self._turn
         n = self.tables_at + padded_batch * self.max_blocks * 4
-        self.buffer[:n].copy_(self._staging[turn][:n], non_blocking=True)
-        if self.buffer.is_cuda:
-            event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
-            event.record()
-        self._turn = 1 - turn
+        self._staging.copy(self._staging.host[self._staging.turn][:n], self.buffer[:n])

@@ -89,6 +89,32 @@ def layout(rows: int, seqs: int, width: int, sample_rows: int = 0, extra: int = 
     return Layout(rows, seqs, width, segments, at)
 
 
+class PinnedStaging:
+    """Two host staging buffers of a device buffer's size (pinned on CUDA), used in turn: `next()` is the one the
+    next `copy` reads, once its previous copy has finished (an event each); `copy` moves bytes of it, stream-ordered."""
+
+    def __init__(self, device_buffer: torch.Tensor) -> None:
+        self.host = [torch.zeros(device_buffer.numel(), dtype=torch.uint8, pin_memory=device_buffer.is_cuda)
+                     for _ in range(2)]
+        self._on_cuda = device_buffer.is_cuda
+        self._copied: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy out of each staging buffer
+        self.turn = 0
+
+    def next(self) -> int:
+        """The staging buffer the next `copy` reads (its copy of two copies ago long done: a step's collect waited)."""
+        if self._copied[self.turn] is not None:
+            self._copied[self.turn].synchronize()
+        return self.turn
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst (device) <- src (bytes of host[turn]), then the other staging buffer's turn."""
+        dst.copy_(src, non_blocking=True)
+        if self._on_cuda:
+            event = self._copied[self.turn] = self._copied[self.turn] or torch.cuda.Event()
+            event.record()
+        self.turn = 1 - self.turn
+
+
 class GraphInputs:
     """The persistent device buffer, sized for the largest bucket (rows, seqs) at table width `width`, with
     up to `seqs` sampling rows and 2 * seqs extra entries, and its two host staging buffers."""
@@ -100,13 +126,10 @@ class GraphInputs:
         self.max_sample, self.max_extra = seqs, 2 * seqs
         nbytes = layout(rows, seqs, width, self.max_sample, self.max_extra).nbytes
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        pin = self.buffer.is_cuda
-        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._copied: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy out of each staging buffer
+        self._staging = PinnedStaging(self.buffer)
         # per staging buffer, by Layout.key: (numpy views of the segments, the copy's source and destination bytes,
         # the device views of the sample rows and extra entries)
         self._staged: List[Dict[Tuple[int, ...], tuple]] = [{}, {}]
-        self._turn = 0  # the staging buffer the next stage/load uses
 
     def layout(self, rows: int, seqs: int, sample_rows: int = 0, extra: int = 0) -> Layout:
         if sample_rows > self.max_sample or extra > self.max_extra:
@@ -120,21 +143,13 @@ class GraphInputs:
     def stage(self, lay: Layout) -> Dict[str, np.ndarray]:
         """numpy views, laid out as lay, of the staging buffer the next `load` copies. Its bytes are those of an
         earlier step: the caller writes every element the graph reads."""
-        turn = self._turn
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # its copy of two loads ago (long done: a step's collect waited)
-        return self._layout_of(turn, lay)[0]
+        return self._layout_of(self._staging.next(), lay)[0]
 
     def load(self, lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
         """One copy of the staged step (`stage(lay)`, then written) into the device buffer (stream-ordered) ->
         the device views of its sample rows and extra entries."""
-        turn = self._turn
-        _, src, dst, sample_rows, extra = self._layout_of(turn, lay)
-        dst.copy_(src, non_blocking=True)
-        if self.buffer.is_cuda:
-            event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
-            event.record()
-        self._turn = 1 - turn
+        _, src, dst, sample_rows, extra = self._layout_of(self._staging.turn, lay)
+        self._staging.copy(src, dst)
         return sample_rows, extra
 
     def _layout_of(self, turn: int, lay: Layout) -> tuple:
@@ -145,7 +160,7 @@ class GraphInputs:
         if entry is None:
             if len(cache) >= self.MAX_VIEWS:
                 cache.clear()
-            host, buf = self._staging[turn], self.buffer
+            host, buf = self._staging.host[turn], self.buffer
             entry = cache[key] = (lay.host_views(host.numpy()), host[:lay.nbytes], buf[:lay.nbytes],
                                   lay.device_view(buf, "sample_rows"), lay.device_view(buf, "extra"))
         return entry
