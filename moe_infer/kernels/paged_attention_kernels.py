@@ -83,9 +83,26 @@ def paged_attention_kernel(
     pos = context + tok  # position of each query row
 
     kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)  # no key past the tile's last query
-    kv_start = context * 0
+    acc, m_i, l_i = _attend_keys(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, context + q_tile * BLOCK_Q, kv_end, split, pos,
+        window, scale, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        SPLIT_N, PAGE, BLOCK_M, BLOCK_N, HEAD_D, NUM_SPLITS, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
+    _store_rows(acc, m_i, l_i, out_ptr, part_ptr, m_part_ptr, l_part_ptr, q_start + tok, head, row_ok, split, offs_d,
+                d_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS)
+
+
+@triton.jit
+def _attend_keys(
+    q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, first_pos, kv_end, split, pos, window, scale,
+    offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, SPLIT_N,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The online softmax of the q rows [BLOCK_M, HEAD_D] (positions pos, the first first_pos) over keys
+    [0, kv_end) of sequence b's KV head (the window's and the split's part of them) -> (acc, m_i, l_i)."""
+    kv_start = first_pos * 0
     if HAS_WINDOW:
-        kv_start = tl.maximum(context + q_tile * BLOCK_Q - window + 1, 0)
+        kv_start = tl.maximum(first_pos - window + 1, 0)
         kv_start = (kv_start // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
         kv_start = tl.maximum(kv_start, split * SPLIT_N)
@@ -95,7 +112,7 @@ def paged_attention_kernel(
     # without masks (no window); the rest (the diagonal, a split's or a window's edge) masked
     full_end = kv_start
     if not HAS_WINDOW:
-        full_end = tl.maximum(tl.minimum(kv_end, ((context + q_tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N), kv_start)
+        full_end = tl.maximum(tl.minimum(kv_end, ((first_pos + 1) // BLOCK_N) * BLOCK_N), kv_start)
     qk_scale = scale * 1.4426950408889634  # exp2 domain: m_i and the split maxima are in log2 units
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -110,8 +127,16 @@ def paged_attention_kernel(
             q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, n0, kv_end, pos, window, qk_scale,
             acc, m_i, l_i, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             PAGE, BLOCK_N, True, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
+    return acc, m_i, l_i
 
-    t = q_start + tok
+
+@triton.jit
+def _store_rows(
+    acc, m_i, l_i, out_ptr, part_ptr, m_part_ptr, l_part_ptr, t, head, row_ok, split, offs_d, d_ok,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS: tl.constexpr,
+):
+    """The rows' output (tokens t, heads head) normalised into out, or with NUM_SPLITS > 1 their partial sums,
+    row maxima and row sums into the split's workspace."""
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

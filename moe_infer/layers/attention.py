@@ -10,7 +10,8 @@ all-reduce each). The KV cache of a rank holds its own KV heads.
 The K/V write + paged attention is one call of a backend from ATTENTION_BACKENDS ("torch": the
 float32 reference of paged_attention.py; "sdpa": the same gather with torch's SDPA). A backend also in
 ROPE_FUSED_BACKENDS ("triton") instead gets q, k, v unrotated: one kernel rotates q and k and writes K/V
-(from the rotary's cos/sin table), then its attend-only function reads the cache. That kernel also applies
+(from the rotary's cos/sin table), then its attend-only function reads the cache (or, for a decode step, one
+kernel does all of it: `moe_infer.kernels.rope_decode_attention`). That kernel also applies
 the q/k norm (the RMSNorm modules keep the weights; only their launches go), per head or over the whole
 projection, at tp = 1 for the latter and without clip_qkv (under tp > 1 ShardedRMSNorm sums over the
 ranks; OLMoE's clip_qkv clamps between the norm and the rotary): those stay on the modules. The step's
@@ -132,6 +133,12 @@ class Attention(nn.Module):
         fused = self._rope_fused
         if fused is not None:
             cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
+            if fused.decode is not None and fused.decode_supports(self.head_dim, self.fused_norm, attn.max_query_len):
+                o_THd = fused.decode(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
+                                     attn.slot_mapping_T, attn.block_tables_BM, attn.seq_lens_B,
+                                     attn.query_start_loc_B1, self.scale, attn.max_seq_len, self.sliding_window,
+                                     **self._fused_norm_args())
+                return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))
             q_THd = fused.rope_store_kv(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
                                         attn.slot_mapping_T, **self._fused_norm_args())
             o_THd = attend_cached(fused.attend, q_THd, k_cache, v_cache, attn, positions_T, self.scale,

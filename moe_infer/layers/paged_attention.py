@@ -240,10 +240,15 @@ class RopeFusedAttention:
     """A backend that also takes the step's K/V already rotated and written: `rope_store_kv` (the signature
     of `moe_infer.layers.rotary.rope_store_kv_ref`, q/k norm keywords included) RMS-norms q and k if asked,
     rotates them, writes k and v at the slots and returns the rotated q; `attend` (paged_attention_ref's
-    signature) then reads the caches."""
+    signature) then reads the caches. `decode`, where given, does both in one call for the steps
+    `decode_supports` accepts."""
 
     rope_store_kv: Callable[..., torch.Tensor]
     attend: Callable[..., torch.Tensor]
+    # optional: all of it in one call for a decode step (`moe_infer.kernels.rope_decode_attention`'s signature),
+    # where decode_supports(head_dim, norm_mode, max_query_len) says so
+    decode: Optional[Callable[..., torch.Tensor]] = None
+    decode_supports: Optional[Callable[[int, str, int], bool]] = None
 
 
 # The attention backends whose layer runs the rotary embedding and the K/V write as one kernel (by the same
