@@ -202,3 +202,38 @@ def test_filters_apply_to_the_tempered_distribution(temperature, kw):
     freq = draw(n=20000, temperature=temperature, **kw)
     assert torch.equal(freq > 0, want > 0), (freq, want)  # the same support, no token outside it
     torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["late_sample", "freed_before_the_copy"])
+def test_sampled_tokens_copy_on_the_side_stream_gpu(case):
+    """On CUDA the tokens' copy to the host runs on a side stream. late_sample: the sample is launched behind ~5 ms
+    of compute-stream work and the side stream is idle: the copy must wait for it. freed_before_the_copy: the copy
+    is held back ~10 ms on the side stream while the tokens are freed and a same-sized block is allocated and
+    overwritten on the compute stream: the allocator must not hand out the tokens' memory before the copy read it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moe_infer.engine.sampler import SampledTokens, _copy_stream
+
+    dev = torch.device("cuda")
+    side = _copy_stream(dev)
+    assert side is not None and side != torch.cuda.current_stream(dev)
+    B = 257  # a block size no other tensor here has
+    logits_cpu = torch.randn(B, 4096)
+    want = logits_cpu.argmax(-1).tolist()
+    logits = logits_cpu.to(dev)
+    torch.cuda.synchronize()
+    if case == "late_sample":
+        torch.cuda._sleep(10_000_000)
+    else:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+    tokens = logits.argmax(-1)
+    sampled = SampledTokens(tokens, None, [None] * B)
+    if case == "freed_before_the_copy":
+        del tokens
+        sampled.token_ids_B = None
+        junk = torch.empty(B, dtype=torch.int64, device=dev)
+        junk.fill_(-7)  # the freed block, at once, if the allocator did not know of the pending copy
+    assert sampled.result().token_ids == want
