@@ -223,6 +223,8 @@ def test_sampled_tokens_copy_on_the_side_stream_gpu(case):
     logits_cpu = torch.randn(B, 4096)
     want = logits_cpu.argmax(-1).tolist()
     logits = logits_cpu.to(dev)
+    # a first pinned block of this size is allocated by cudaHostAlloc, which waits for the device: have one cached
+    torch.empty(B, dtype=torch.int64, pin_memory=True)  # freed at once: back in the host allocator's cache
     torch.cuda.synchronize()
     if case == "late_sample":
         torch.cuda._sleep(10_000_000)

@@ -34,7 +34,9 @@ from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _load_halves, _rms
 ENV = "MOE_ROPE_DECODE_ATTENTION"  # "0": decode steps run rope_store_kv + paged_attention_triton (A/B runs)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_ps", "stride_ms"])
+# positions and slots are views into the step's one input buffer, at offsets that vary (as rope_store_kv's): not
+# specialized on alignment, or an eager step could compile a variant the start-up warm-up did not
+@triton.jit(do_not_specialize=["positions_ptr", "slots_ptr", "stride_bt", "stride_ps", "stride_ms"])
 def rope_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, eps, num_positions,
     k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr, block_tables_ptr, seq_lens_ptr,
