@@ -218,13 +218,16 @@ def test_sampled_tokens_copy_on_the_side_stream_gpu(case):
 
     dev = torch.device("cuda")
     side = _copy_stream(dev)
-    assert side is not None and side != torch.cuda.current_stream(dev)
+    assert side is not None and side != torch.cuda.current_stream(dev) and _copy_stream(torch.device("cuda", 0)) is side
     B = 257  # a block size no other tensor here has
     logits_cpu = torch.randn(B, 4096)
     want = logits_cpu.argmax(-1).tolist()
     logits = logits_cpu.to(dev)
-    # a first pinned block of this size is allocated by cudaHostAlloc, which waits for the device: have one cached
-    torch.empty(B, dtype=torch.int64, pin_memory=True)  # freed at once: back in the host allocator's cache
+    # a first pinned block of this size is allocated by cudaHostAlloc, which waits for the device: one sample
+    # first, as in the engine's steady state, leaves one in the host allocator's cache
+    warm = SampledTokens(logits.argmax(-1), None, [None] * B)
+    assert warm.result().token_ids == want
+    del warm
     torch.cuda.synchronize()
     if case == "late_sample":
         torch.cuda._sleep(10_000_000)

@@ -91,6 +91,7 @@ def _copy_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     (on an H100 at batch 1 it and the gaps around it took ~10 us of a ~775 us step)."""
     if os.environ.get(COPY_STREAM_ENV, "1") == "0":
         return None
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     if device not in _copy_streams:
         _copy_streams[device] = torch.cuda.Stream(device)
     return _copy_streams[device]
