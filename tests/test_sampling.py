@@ -225,8 +225,8 @@ def test_sampled_tokens_copy_on_the_side_stream_gpu(case):
     logits = logits_cpu.to(dev)
     # a first pinned block of this size is allocated by cudaHostAlloc, which waits for the device: one sample
     # first, as in the engine's steady state, leaves one in the host allocator's cache
-    warm = SampledTokens(logits.argmax(-1), None, [None] * B)
-    assert warm.result().token_ids == want
+    warm = SampledTokens((-logits).argmax(-1), None, [None] * B)  # other tokens: its freed block holds no answer
+    assert warm.result().token_ids == logits_cpu.argmin(-1).tolist()
     del warm
     torch.cuda.synchronize()
     if case == "late_sample":
@@ -237,8 +237,11 @@ def test_sampled_tokens_copy_on_the_side_stream_gpu(case):
     tokens = logits.argmax(-1)
     sampled = SampledTokens(tokens, None, [None] * B)
     if case == "freed_before_the_copy":
+        allocated = torch.cuda.memory_allocated(dev)
         del tokens
         sampled.token_ids_B = None
+        # the block stays the allocator's until the copy ran (it waits on the copy stream's work)
+        assert torch.cuda.memory_allocated(dev) == allocated
         junk = torch.empty(B, dtype=torch.int64, device=dev)
-        junk.fill_(-7)  # the freed block, at once, if the allocator did not know of the pending copy
+        junk.fill_(-7)  # were the block free, this could be it
     assert sampled.result().token_ids == want
