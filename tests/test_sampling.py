@@ -237,11 +237,11 @@ def test_sampled_tokens_copy_on_the_side_stream_gpu(case):
     tokens = logits.argmax(-1)
     sampled = SampledTokens(tokens, None, [None] * B)
     if case == "freed_before_the_copy":
-        allocated = torch.cuda.memory_allocated(dev)
+        active = torch.cuda.memory_stats(dev)["active_bytes.all.current"]
         del tokens
         sampled.token_ids_B = None
-        # the block stays the allocator's until the copy ran (it waits on the copy stream's work)
-        assert torch.cuda.memory_allocated(dev) == allocated
+        # the block stays active (not free for reuse) until the copy stream's work up to the copy has run
+        assert torch.cuda.memory_stats(dev)["active_bytes.all.current"] == active
         junk = torch.empty(B, dtype=torch.int64, device=dev)
         junk.fill_(-7)  # were the block free, this could be it
     assert sampled.result().token_ids == want
