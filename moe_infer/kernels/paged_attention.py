@@ -52,6 +52,19 @@ def num_splits(batch_kv_programs: int, max_seq_len: int, max_query_len: int, num
     return 1 << (want.bit_length() - 1)  # a power of two (the merge kernel's tl.arange)
 
 
+def split_workspace(out_THd: torch.Tensor, n_split: int, max_seq_len: int, block_n: int):
+    """(keys a split, partial outputs [S, T, H, d], row maxima [S, T, H], row sums [S, T, H]) of a split-KV decode
+    (float32; with one split no workspace: out_THd in their place, not read)."""
+    _check(n_split >= 1 and n_split & (n_split - 1) == 0, f"splits must be a power of two, got {n_split}")
+    split_n = triton.cdiv(triton.cdiv(max(max_seq_len, 1), n_split), block_n) * block_n
+    if n_split == 1:
+        return split_n, out_THd, out_THd, out_THd
+    T, H, d = out_THd.shape
+    m_STH = torch.empty((n_split, T, H), dtype=torch.float32, device=out_THd.device)
+    return (split_n, torch.empty((n_split, T, H, d), dtype=torch.float32, device=out_THd.device), m_STH,
+            torch.empty_like(m_STH))
+
+
 def heavy_tiles_first(num_q_tiles: int, batch_kv_programs: int, num_sms: int) -> bool:
     """Dispatch the last (longest) query tiles first: a prefill whose programs fill the SMs one to four
     times over (with fewer there is no tail to even out; with more the plain order measured faster)."""
@@ -99,14 +112,7 @@ def paged_attention_triton(
     block_n = 64 if q_THd.is_cuda else 16
     sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
     n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, max_query_len, sms)
-    _check(n_split >= 1 and n_split & (n_split - 1) == 0, f"splits must be a power of two, got {n_split}")
-    split_n = triton.cdiv(triton.cdiv(max(max_seq_len, 1), n_split), block_n) * block_n
-    if n_split > 1:
-        part_STHd = torch.empty((n_split, T, H, d), dtype=torch.float32, device=q_THd.device)
-        m_STH = torch.empty((n_split, T, H), dtype=torch.float32, device=q_THd.device)
-        l_STH = torch.empty_like(m_STH)
-    else:
-        part_STHd = m_STH = l_STH = out_THd  # not read
+    split_n, part_STHd, m_STH, l_STH = split_workspace(out_THd, n_split, max_seq_len, block_n)
     head_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
     if heavy_first is None:

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.paged_attention import PDL_ENV, _num_sms, num_splits
+from moe_infer.kernels.paged_attention import PDL_ENV, _num_sms, num_splits, split_workspace
 from moe_infer.kernels.paged_attention_kernels import _attend_keys, _store_rows, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import pdl_enter, use_pdl
-from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _load_halves, _rms_norm, _rotate
+from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate
 
 ENV = "MOE_ROPE_DECODE_ATTENTION"  # "0": decode steps run rope_store_kv + paged_attention_triton (A/B runs)
 
@@ -169,11 +169,7 @@ def rope_decode_attention(
         _check(x.device == q_THd.device, f"{name} is on {x.device}, q on {q_THd.device}")
     _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
            f"rope_decode_attention is a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
-    if norm_mode == "head":
-        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            _check(w is not None and w.shape == (d,) and w.stride() == (1,) and w.dtype == q_THd.dtype
-                   and w.device == q_THd.device, f"norm_mode 'head' needs a contiguous [{d}] {q_THd.dtype} {name} "
-                   f"on {q_THd.device}, got {None if w is None else (tuple(w.shape), w.dtype, w.device)}")
+    _check_norm(norm_mode, q_norm_weight, k_norm_weight, q_THd, Hkv)
     out_THd = torch.empty_like(q_THd)
     if T == 0 or B == 0:
         return out_THd
@@ -181,16 +177,8 @@ def rope_decode_attention(
     block_n = 64 if q_THd.is_cuda else 16
     sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
     n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, 1, sms)
-    _check(n_split >= 1 and n_split & (n_split - 1) == 0, f"splits must be a power of two, got {n_split}")
-    split_n = triton.cdiv(triton.cdiv(max(max_seq_len, 1), n_split), block_n) * block_n
-    if n_split > 1:
-        part_STHd = torch.empty((n_split, T, H, d), dtype=torch.float32, device=q_THd.device)
-        m_STH = torch.empty((n_split, T, H), dtype=torch.float32, device=q_THd.device)
-        l_STH = torch.empty_like(m_STH)
-        ps = part_STHd.stride()[:3] + m_STH.stride()[:2]
-    else:
-        part_STHd = m_STH = l_STH = out_THd  # not read
-        ps = (0, 0, 0, 0, 0)
+    split_n, part_STHd, m_STH, l_STH = split_workspace(out_THd, n_split, max_seq_len, block_n)
+    ps = part_STHd.stride()[:3] + m_STH.stride()[:2] if n_split > 1 else (0, 0, 0, 0, 0)
     pdl = use_pdl(q_THd, PDL_ENV)
     rope_decode_attention_kernel[(B, n_split, Hkv)](
         q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, slot_mapping_T,
