@@ -103,10 +103,11 @@ def _same(a, b):
                        b.view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", ["none", "head"])
 @pytest.mark.parametrize("H,Hkv,S,window", [(4, 2, 4, None), (8, 1, 5, None), (4, 4, 3, 6)])
 def test_matches_the_references(dtype, norm, H, Hkv, S, window):
