@@ -58,8 +58,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = lambda b, n: torch.randint(2, dims["vocab_size"], (b, n), generator=g).tolist()  # noqa: E731
     B = args.batch
-    tag = (f"pdl{os.environ.get('MOE_FUSED_PDL', '1')}_early{os.environ.get('MOE_PDL_EARLY_TRIGGER', '0')}"
-           f"_rda{os.environ.get('MOE_ROPE_DECODE_ATTENTION', '1')}_b{B}")
+    tag = f"pdl{os.environ.get('MOE_FUSED_PDL', '1')}_rda{os.environ.get('MOE_ROPE_DECODE_ATTENTION', '1')}_b{B}"
     with tempfile.TemporaryDirectory() as ckpt:
         hf = e2e.build_checkpoint(dims, torch.bfloat16, dev, ckpt)
         del hf
