@@ -31,7 +31,8 @@ from moe_infer.kernels.paged_attention_kernels import _attend_keys, _store_rows,
 from moe_infer.kernels.pdl import pdl_enter, use_pdl
 from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate
 
-ENV = "MOE_ROPE_DECODE_ATTENTION"  # "0": decode steps run rope_store_kv + paged_attention_triton (A/B runs)
+# "0": decode steps run rope_store_kv + paged_attention_triton (A/B runs; read when the model's layers are built)
+ENV = "MOE_ROPE_DECODE_ATTENTION"
 
 
 # positions and slots are views into the step's one input buffer, at offsets that vary (as rope_store_kv's): not

@@ -96,6 +96,10 @@ class Attention(nn.Module):
             raise ValueError(f"qk_norm must be none, head or proj, got {arch.qk_norm!r}")
         # the q/k norm the fused kernel applies in place of the modules ("none": _qkv runs them, if any)
         self.fused_norm = arch.qk_norm if self._rope_fused is not None and _can_fuse_norm(arch, tp) else "none"
+        # whether this layer's decode steps (one query token a sequence) run the fused backend's one-call decode
+        fused = self._rope_fused
+        self.decode_in_one_call = (fused is not None and fused.decode is not None
+                                   and fused.decode_supports(self.head_dim, self.fused_norm, 1))
         self.rotary = rotary
         self.kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -133,7 +137,7 @@ class Attention(nn.Module):
         fused = self._rope_fused
         if fused is not None:
             cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
-            if fused.decode is not None and fused.decode_supports(self.head_dim, self.fused_norm, attn.max_query_len):
+            if self.decode_in_one_call and attn.max_query_len <= 1:
                 o_THd = fused.decode(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
                                      attn.slot_mapping_T, attn.block_tables_BM, attn.seq_lens_B,
                                      attn.query_start_loc_B1, self.scale, attn.max_seq_len, self.sliding_window,
