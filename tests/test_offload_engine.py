@@ -148,6 +148,25 @@ def test_tiny_model_offloaded_equals_resident(offload, tiny_resident_tokens, req
 
 
 @pytest.mark.timeout(300)
+def test_nvme_prefetches_do_not_pin_the_host_cache_for_good(tiny_resident_tokens, tmp_path):
+    """The NVMe tier with the smallest host cache it allows (two layers' experts) and a prefetch of
+    every prediction: each prefetch pins its experts in the host cache while their reads and copies are
+    issued. Those pins must end: kept, they filled the host cache after a few dozen steps and the engine
+    stopped ("all pinned"). The tokens stay the resident engine's."""
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, offload="nvme", nvme_path=str(tmp_path),
+              nvme_reader="threads", slots_per_layer=2, cpu_budget_gb=0.0121, prefetch_rule="all",
+              miss_policy="wait")
+    m = llm.engine.runner.offload
+    assert m.plan.host_slots == 33  # two layers of the tiny model's 16 experts, and one
+    outs = llm.generate(TINY_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tiny_resident_tokens
+    total = llm.get_offload_stats()["total"]
+    assert total["prefetched"] > 2 * m.plan.host_slots and total["gb_read"] > 0, str(total)
+    assert len(m.host_table.pins["prefetch"]) <= 16  # at most the last layer step's prefetch
+    llm.shutdown()
+
+
+@pytest.mark.timeout(300)
 def test_a_host_measured_slow_once_gets_misses_again():
     """A CPU scale learned in a bad moment (6x) sends every miss to the link; as layer steps pass with
     nothing on the host, the scale drifts back (cost.relax) until the host wins misses again, and the

@@ -85,12 +85,16 @@ class OffloadManager:
 
     def begin_layer(self, store) -> None:
         """A layer step starts: no other layer step is running, so every step pin is released (the GPU
-        side is ordered by the events: a slot is rewritten only after the compute that read it)."""
+        side is ordered by the events: a slot is rewritten only after the compute that read it). The
+        host cache's prefetch pins go too: a prefetch's reads ended before its copies were queued, and
+        `host_busy` keeps a host slot until its copy has run (kept, they pinned the whole host cache
+        after enough steps)."""
         for other in self.step_pinned:
             other.table.unpin_all("step")
         self.step_pinned.clear()
         if self.nvme is not None:
             self.host_table.unpin_all("step")
+            self.host_table.unpin_all("prefetch")
 
     # ------------------------------------------------------------------ host tier
     def host_weights(self, store, e: int) -> Tuple[torch.Tensor, torch.Tensor]:
