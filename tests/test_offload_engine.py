@@ -56,6 +56,7 @@ def _h100_costs(llm) -> None:
     m.copier.busy_share = lambda: 0.0  # an idle link, as the modelled copies are not timed by this machine's
     m.copier.seconds_until_idle = lambda: 0.0  # wall clock: prefetches run, misses are shared
     m.note_host_gap = lambda now: None  # and no credit for this host's launch time, which is not the H100's
+    m.note_host_lead = lambda lead_s: None  # nor a late start of its expert compute
 
 
 @pytest.fixture(autouse=True)
@@ -98,6 +99,7 @@ def test_offload_greedy_matches_transformers(case, tmp_path):
     if kind == "cpu":
         assert total["cpu"] == total["needed"] - total["hits"] and total["copied"] == total["streamed"] == 0
         assert llm.engine.runner.offload.cost.cpu_scale != 1.0  # the CPU path's measured time reached the model
+        assert llm.engine.runner.offload.host_lead_s > 0  # and when the host's compute started
     if kind == "wait":
         assert total["cpu"] == 0
     if case == "cpu_streaming":

@@ -122,13 +122,15 @@ def _interpolate(pts: Tuple[Tuple[int, float], ...], rows: int) -> float:
 
 
 def split_misses(misses: Dict[int, int], mode: str, cost: CostModel, expert_bytes: int, link_wait_s: float,
-                 needs_read: Callable[[int], bool] = lambda e: False) -> Tuple[List[int], List[int]]:
-    """(experts to copy, experts to compute on the CPU) for misses {expert: rows}."""
+                 needs_read: Callable[[int], bool] = lambda e: False, cpu_lead_s: float = 0.0
+                 ) -> Tuple[List[int], List[int]]:
+    """(experts to copy, experts to compute on the CPU) for misses {expert: rows}; the link is free in
+    link_wait_s, the host cores in cpu_lead_s."""
     if mode == "wait":
         return sorted(misses), []
     if mode == "cpu":
         return [], sorted(misses)
-    link, cpu, disk = link_wait_s, 0.0, 0.0
+    link, cpu, disk = link_wait_s, cpu_lead_s, 0.0
     to_copy, to_cpu = [], []
     read_s = expert_bytes / cost.read_bytes_per_s
     for e, rows in sorted(misses.items(), key=lambda kv: (-kv[1], kv[0])):

@@ -71,19 +71,20 @@ def _unit_costs(cost: CostModel, shape: ExpertShape) -> Tuple[float, float]:
 
 
 def plan_misses(misses: Dict[int, int], partial: Dict[int, Tuple[int, int]], mode: str, cost: CostModel,
-                shape: ExpertShape, link_wait_s: float) -> MissPlan:
+                shape: ExpertShape, link_wait_s: float, cpu_lead_s: float = 0.0) -> MissPlan:
     """misses: {expert: routed rows} not in a slot; partial: {expert: (routed rows, missing rows)} in a
     slot that lacks its first `missing` gate/up rows; link_wait_s: the link's backlog (share: less the
-    host's credit, so it may be negative)."""
+    host's credit, so it may be negative); cpu_lead_s: when the host's expert compute will start (after
+    it has launched the device's part of the step, OffloadManager.host_lead_s)."""
     if mode in ("auto", "wait", "cpu"):
-        to_copy, to_cpu = split_misses(misses, mode, cost, shape.nbytes, link_wait_s)
+        to_copy, to_cpu = split_misses(misses, mode, cost, shape.nbytes, link_wait_s, cpu_lead_s=cpu_lead_s)
         return MissPlan(to_copy, to_cpu, {e: (m if mode == "cpu" else 0) for e, (_, m) in partial.items()})
     if mode != "share":
         raise ValueError(f"unknown miss policy {mode!r}")
     F = shape.intermediate_size
     w2_s, row_s = _unit_costs(cost, shape)
     link = link_wait_s + len(misses) * (w2_s + F * row_s) + sum(m * row_s for _, m in partial.values())
-    cpu = 0.0
+    cpu = cpu_lead_s
     shared: Dict[int, int] = {e: 0 for e in partial}
     items = [(n, e, F) for e, n in misses.items()] + [(n, e, m) for e, (n, m) in partial.items()]
     for n, e, m in sorted(items):  # the host's cheapest rows first: experts with the fewest routed rows
