@@ -1,7 +1,7 @@
 """Trial: where one Mixtral offload decode step's host time goes, per miss policy (auto vs whole).
 
 The Mixtral shape as benchmarks/offload.py sets it up (24 GB, every layer host memory can pin, trace
-routing, one stream). For --steps decode steps after warm-up, host wall time is split by wrapping the
+routing, one stream; argv: steps, miss policies, streams). For --steps decode steps after warm-up, host wall time is split by wrapping the
 offload calls: fetch (its one copy to the host = the wait for the GPU, timed apart), gather_cpu_rows (the CPU
 path's sync and rows out), cpu_experts (the host's expert compute), prefetch (decisions and copy
 launches), the rest of run (slot compute launches, streams), and the step's remainder (the eager
@@ -51,6 +51,7 @@ def timed(name, fn):
 def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     policies = sys.argv[2].split(",") if len(sys.argv) > 2 else ["auto", "whole"]
+    streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     torch.cuda.set_per_process_memory_fraction(24 * bench.GiB / torch.cuda.get_device_properties(0).total_memory)
     mix = bench.shapes(False)["mixtral"]
     mix.num_hidden_layers = max(1, min(32, bench.host_layers(mix, 24.0)))
@@ -59,7 +60,7 @@ def main():
     mix.save_pretrained(d)
     llm = LLM(model=d, load_format="dummy", dtype="bfloat16", device="cuda", offload="cpu", gpu_expert_budget_gb=budget,
               num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-              enable_prefix_caching=False, enforce_eager=True)
+              enable_prefix_caching=False)
     moe = llm.engine.runner.model.moe_layers()
     TraceReplay(record_tiny_traces(16, 128, torch.device("cuda")), 8, 2, torch.device("cuda")).install(moe)
     m = llm.engine.runner.offload
@@ -73,8 +74,9 @@ def main():
     eng = llm.engine
     for miss in policies:
         use_policies(llm, "saving", miss)
-        eng.add_request({"prompt_token_ids": list(range(100, 116))},
-                        SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True))
+        for i in range(streams):
+            eng.add_request({"prompt_token_ids": list(range(100 + 17 * i, 116 + 17 * i))},
+                            SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True))
         for _ in range(5):
             eng.step()
         torch.cuda.synchronize()
