@@ -106,6 +106,49 @@ def test_plan_refuses_a_bad_nvme_path(tmp_path, monkeypatch):
         OffloadConfig(store="nvme")
 
 
+class _TimedEvent:
+    """A CUDA event as the copier sees it: done or not, recorded at t ms."""
+
+    def __init__(self, done: bool, t_ms: float) -> None:
+        self.done, self.t_ms = done, t_ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_TimedEvent") -> float:
+        return end.t_ms - self.t_ms
+
+
+def test_the_link_backlog_follows_the_copies_themselves():
+    """The copier's backlog is the bandwidth estimate or the copies not yet done (the one under way as
+    half done), whichever is more; each finished large copy's measured time moves the link rate, and
+    the manager's cost model takes that rate for its next split."""
+    from moe_infer.offload.copier import Copier
+
+    c = Copier(torch.device("cpu"))
+    c.bytes_per_s, c.clock = 50e9, lambda: 0.0  # by the bandwidth estimate the link is idle
+    mb352 = 352_000_000
+    c.pending.extend([(_TimedEvent(True, 0.0), _TimedEvent(True, 8.0), mb352),  # done: 44 GB/s
+                      (_TimedEvent(True, 8.0), _TimedEvent(True, 8.01), 4096),  # done, small: not timed
+                      (_TimedEvent(True, 8.0), _TimedEvent(False, 0.0), mb352),  # under way
+                      (_TimedEvent(False, 0.0), _TimedEvent(False, 0.0), mb352)])  # queued
+    wait = c.seconds_until_idle()
+    rate = 50e9 + 0.05 * (44e9 - 50e9)
+    assert c.bytes_per_s == pytest.approx(rate)
+    assert wait == pytest.approx(1.5 * mb352 / rate) and len(c.pending) == 2
+    c.link_free_at = 0.1  # a backlog the estimate knows of, longer than the copies': that one
+    assert c.seconds_until_idle() == pytest.approx(0.1)
+    for _, end, _ in c.pending:
+        end.done = True
+    c.link_free_at = 0.0
+    assert c.seconds_until_idle() == 0.0 and not c.pending
+    m, _, _ = _stores(2, 4, 2, 1)
+    m.copier.pending.append((_TimedEvent(True, 0.0), _TimedEvent(True, 1.0), 1 << 21))  # 2 MiB in 1 ms
+    m.copier.rate_weight = 1.0
+    m.link_wait_s()
+    assert m.cost.h2d_bytes_per_s == pytest.approx((1 << 21) / 1e-3)
+
+
 def test_split_misses_balances_link_and_cpu():
     cost = CostModel(h2d_bytes_per_s=1e9, cpu_seconds_at=((1, 4e-3), (4, 4e-3), (16, 8e-3), (64, 30e-3)))
     expert = int(6.5e6)  # 6.5 ms on the link

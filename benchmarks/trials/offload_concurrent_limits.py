@@ -109,6 +109,33 @@ def main():
           f"link's copies {2 / under:.1f} GB/s; the link then {nbytes / (s.elapsed_time(e) / N) / 1e6:.1f} GB/s",
           flush=True)
 
+    # a small copy on the compute stream (a step's tables, the host experts' rows back) while an expert's
+    # copy runs on the side stream: does it wait for the big one (one copy engine per direction)?
+    small = torch.randn(16, D, dtype=torch.bfloat16).pin_memory()
+    small_d = torch.empty_like(small, device=dev)
+
+    def small_copy_ms(pieces):
+        torch.cuda.synchronize()
+        if pieces:
+            with torch.cuda.stream(side):
+                for i in range(N):
+                    for a, b in zip(d13.chunk(pieces), w13[i].chunk(pieces)):
+                        a.copy_(b, non_blocking=True)
+            time.sleep(0.002)  # the big copies are running
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0.record()
+        small_d.copy_(small, non_blocking=True)
+        s1.record()
+        s1.synchronize()
+        ms = s0.elapsed_time(s1)
+        torch.cuda.synchronize()
+        return ms
+
+    print(f"\nsmall H2D ({small.numel() * 2 / 1e3:.0f} kB) on the compute stream: alone "
+          f"{statistics.median(small_copy_ms(0) for _ in range(5)):.3f} ms; under expert copies (whole) "
+          f"{statistics.median(small_copy_ms(1) for _ in range(5)):.3f} ms; under copies in 16 pieces "
+          f"{statistics.median(small_copy_ms(16) for _ in range(5)):.3f} ms", flush=True)
+
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():

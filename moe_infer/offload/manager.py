@@ -104,6 +104,13 @@ class OffloadManager:
         """A layer step's host expert compute starts `lead_s` after its plan: averaged into host_lead_s."""
         self.host_lead_s += weight * (min(max(lead_s, 0.0), cap_s) - self.host_lead_s)
 
+    def link_wait_s(self) -> float:
+        """The link's backlog in seconds; the cost model's link rate follows the one the copies measure."""
+        wait = self.copier.seconds_until_idle()
+        if self.cost is not None:
+            self.cost.h2d_bytes_per_s = self.copier.bytes_per_s
+        return wait
+
     def take_buffer(self) -> int:
         """The stream buffer for the next chunk (its copy waits for the buffer's `last_use`); never the one
         that holds the next layer's staged chunk (a layer step whose rows come in several `run` calls, as
@@ -220,6 +227,7 @@ class OffloadManager:
                 store.drop_load_views()
         self.cost = self._measure()
         self.copier.bytes_per_s = self.cost.h2d_bytes_per_s
+        self.copier.pending.clear()  # the measurement's copies are done (it synchronized)
         logger.info("%s", self.plan.describe())
         logger.info("%s", self.cost.describe(self.shape.nbytes))
 

@@ -173,7 +173,7 @@ class OffloadedExpertStore(nn.Module):
         m.ensure_host(self, list(misses) + list(partial), "step", st)
         stream_all = len(needed) > cfg.stream_fraction * E
         mode = "auto" if stream_all and cfg.miss_policy == "share" else cfg.miss_policy  # streamed: whole experts
-        link_wait_s = m.copier.seconds_until_idle() - (m.host_gap_s if mode == "share" else 0.0)
+        link_wait_s = m.link_wait_s() - (m.host_gap_s if mode == "share" else 0.0)
         plan = plan_misses(misses, partial, mode, m.cost, m.shape, link_wait_s, m.host_lead_s)
         if misses and mode in ("auto", "share") and not plan.to_cpu and not any(plan.shared.values()):
             m.cost.relax()  # the host got nothing: its slow figure, if any, must not stick (cost.py)
