@@ -124,7 +124,7 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
                 "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
                 "needed", "copied", "streamed", "cpu", "shared", "shared_share", "partial", "partial_share",
                 "partial_missing", "cpu_shared", "prefetched", "prefetch_wasted", "prefetch_declined",
-                "prefetch_evicted_needed", "gb_prefetch_wasted", "streamed_ahead", "stream_ahead_wasted")}}
+                "prefetch_evicted_needed", "gb_prefetch_wasted")}}
 
 
 def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
@@ -146,20 +146,19 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             TraceReplay(traces, E, K, device).install(moe)
         runs = [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]
         layer_graphs = llm.engine.runner.layer_graphs
-        for (streams, rule), miss, graphs, ahead in [(run, miss, g, a) for run in runs for miss in args.miss_policies
-                                                     for g in args.layer_graphs for a in args.stream_ahead]:
+        for (streams, rule), miss, graphs in [(run, miss, g) for run in runs for miss in args.miss_policies
+                                              for g in args.layer_graphs]:
             if time.perf_counter() > args.deadline:
                 print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
                 continue
-            use_policies(llm, rule, miss, ahead)
+            use_policies(llm, rule, miss)
             llm.engine.runner.layer_graphs = layer_graphs if graphs else None
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
             cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
             bound_s = moved / (link_bps + cpu_bps)
-            r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, stream_ahead=ahead,
-                     layers=cfg.num_hidden_layers,
+            r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
                      layer_graphs=graphs and layer_graphs is not None,
                      budget_gb=budget_gb, setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
@@ -167,8 +166,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
                      step_over_bound=r["seconds"] / bound_s if bound_s else None)
             rows.append(r)
             print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}, layer graphs "
-                  f"{'on' if r['layer_graphs'] else 'off'}, stream ahead {'on' if ahead else 'off'}: "
-                  f"{r['tok_s']:.2f} tok/s, "
+                  f"{'on' if r['layer_graphs'] else 'off'}: {r['tok_s']:.2f} tok/s, "
                   f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
@@ -238,16 +236,12 @@ def main() -> int:
     ap.add_argument("--layer-graphs", default="on",
                     help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
                          "(each run repeated per value, in that order)")
-    ap.add_argument("--stream-ahead", default="on",
-                    help="offload.stream_ahead (a streaming layer's first chunk copied a layer early): on, off, or "
-                         "on,off (each run repeated per value, in that order)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
     args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
-    args.stream_ahead = [{"on": True, "off": False}[v] for v in args.stream_ahead.split(",")]
     for miss in args.miss_policies:
         OffloadConfig(store="cpu", miss_policy=miss)
     args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]

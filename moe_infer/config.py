@@ -120,7 +120,6 @@ class OffloadConfig:
     miss_policy: str = "auto"  # auto (the cost model picks copy or CPU) | share (both, split along F) | wait | cpu
     stream_fraction: float = 0.75  # a step that needs more than this share of a layer's experts streams them
     stream_chunk: Optional[int] = None  # experts per double buffer (None: max(1, top_k // 2))
-    stream_ahead: bool = True  # a layer the pre-gate says will stream gets its first chunk copied a layer early
     cpu_budget_gb: Optional[float] = None  # nvme: GiB of pinned host cache (None: one layer's experts x 4)
     nvme_path: Optional[str] = None  # nvme: a directory on a local disk with room for every expert
     nvme_reader: str = "auto"  # auto (DeepSpeed async I/O, else threads) | deepspeed | threads

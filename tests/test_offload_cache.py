@@ -346,60 +346,6 @@ def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, pol
         assert total["shared"] == total["partial"] == 0
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-@pytest.mark.parametrize("pregate,needed_ids,used", [
-    ([[2, 3], [3, 2]], [[3, 0], [2, 1]], 1),  # the likeliest prediction (3: 1.3 of routing mass) was needed
-    ([[2, 3], [3, 2]], [[0, 1], [1, 0]], 0),  # a wrong prediction: the chunk copied ahead is wasted
-])
-def test_a_streaming_layer_gets_its_first_chunk_copied_a_layer_early(ahead, pregate, needed_ids, used):
-    """When the pre-gate says the next layer will stream (more than stream_fraction of its experts), its
-    likeliest uncached expert is copied into the free stream buffer during this layer's step; the next
-    step computes it from there without copying it again, and streams the rest after it. Outputs are
-    the naive loop's either way."""
-    torch.set_num_threads(1)
-    m, stores, routers = _stores(3, 4, 2, 0, miss_policy="wait", stream_fraction=0.3, stream_ahead=ahead)
-    first, second = stores[0], stores[1]
-    x_TD = torch.randn(2, D) / 1e3
-    routers[1].ids_TK = torch.tensor(pregate)
-    routers[1].weights_TK = torch.tensor([[0.4, 0.6], [0.7, 0.3]])
-    routers[2].ids_TK, routers[2].weights_TK = torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2)
-    ids0 = torch.tensor([[0, 1], [1, 2]])
-    first.fetch(x_TD, ids0).run(x_TD, ids0, torch.ones(2, 2), _checking_compute(first, ids0, set()))
-    staged = m.staged
-    assert (staged is not None) == ahead
-    if ahead:
-        assert staged.pos == 1 and staged.experts == [3]
-        assert m.stats[1].bytes_h2d == m.shape.nbytes  # copied during the first layer's step
-    ids_TK, weights_TK = torch.tensor(needed_ids), torch.tensor([[0.5, 0.25], [0.75, 1.0]])
-    before = m.stats[1].bytes_h2d
-    fetched = second.fetch(x_TD, ids_TK)
-    seen = set()
-    out_TD = fetched.run(x_TD, ids_TK, weights_TK, _checking_compute(second, ids_TK, seen))
-    assert seen == {(t, k) for t in range(2) for k in range(2)}  # every row from a buffer holding its expert
-    ref_TD = torch.zeros(2, D)
-    for t in range(2):
-        for k in range(2):
-            e = int(ids_TK[t, k])
-            ref_TD[t] += weights_TK[t, k] * _swiglu_ref(x_TD[t], second.w13_E2FD[e], second.w2_EDF[e])
-    torch.testing.assert_close(out_TD, ref_TD, rtol=1e-4, atol=1e-6)
-    st_ = m.stats[1]
-    copied_now = (st_.bytes_h2d - before) // m.shape.nbytes
-    n = len(set(needed_ids[0] + needed_ids[1]))  # no cache slots: every needed expert streams
-    assert st_.streamed == n and st_.streamed_ahead == (used if ahead else 0)
-    assert copied_now == n - st_.streamed_ahead  # the chunk copied ahead is not copied again
-    assert st_.stream_ahead_wasted == (1 - used if ahead else 0)
-    assert st_.bytes_prefetch_wasted == st_.stream_ahead_wasted * m.shape.nbytes
-    assert (m.staged is not None) == ahead and (not ahead or m.staged.pos == 2)  # now the third layer's
-    # a second `run` of the same step (an EP dispatcher's overlap runs its rows in parts) copies the first
-    # chunk again, and streams through the buffer that the third layer's staged chunk does not hold
-    again_TD = fetched.run(x_TD, ids_TK, weights_TK, _checking_compute(second, ids_TK, set()))
-    torch.testing.assert_close(again_TD, ref_TD, rtol=1e-4, atol=1e-6)
-    ids2 = torch.tensor([[0, 1], [1, 0]])
-    seen = set()
-    stores[2].fetch(x_TD, ids2).run(x_TD, ids2, torch.ones(2, 2), _checking_compute(stores[2], ids2, seen))
-    assert len(seen) == 4 and m.stats[2].streamed_ahead == (1 if ahead else 0)
-
-
 @pytest.mark.parametrize("rule", ["all", "saving"])
 def test_a_prefetch_never_evicts_what_it_just_brought(rule):
     """LFU ranks a just-prefetched (never routed) expert coldest: without the prefetch pin the next

@@ -72,9 +72,8 @@ def main():
     fe.cpu_experts = timed("cpu_experts", fe.cpu_experts)
     torch.Tensor.cpu = timed("sync", torch.Tensor.cpu)  # fetch's one copy to the host: the wait for the GPU
     eng = llm.engine
-    for variant in policies:  # a miss policy, ":noahead" for offload.stream_ahead off
-        miss, _, flag = variant.partition(":")
-        use_policies(llm, "saving", miss, flag != "noahead")
+    for miss in policies:
+        use_policies(llm, "saving", miss)
         for i in range(streams):
             eng.add_request({"prompt_token_ids": list(range(100 + 17 * i, 116 + 17 * i))},
                             SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True))
@@ -103,9 +102,8 @@ def main():
         while eng.has_unfinished_requests():
             eng.step()
         ms = {k: 1e3 * v / steps for k, v in T.items()}
-        print(f"\n== misses {variant}: {1e3 * wall / steps:.1f} ms/step, cpu_scale {m.cost.cpu_scale:.2f}, host gap "
-              f"{1e3 * m.host_gap_s:.2f} ms, lead {1e3 * m.host_lead_s:.2f} ms, ahead {tot['streamed_ahead'] / steps:.1f}"
-              f"/step, "
+        print(f"\n== misses {miss}: {1e3 * wall / steps:.1f} ms/step, cpu_scale {m.cost.cpu_scale:.2f}, host gap "
+              f"{1e3 * m.host_gap_s:.2f} ms, lead {1e3 * m.host_lead_s:.2f} ms, "
               f"hit {tot['hit_rate']:.2f} partial {tot['partial_share']:.2f} shared {tot['shared_share']:.2f} "
               f"cpu {tot['cpu_share']:.2f}, {tot['gb_h2d'] / steps:.2f} GB/step on the link "
               f"({tot['gb_h2d'] / steps / (m.cost.h2d_bytes_per_s / 1e9) * 1e3:.0f} ms of link)")

@@ -14,7 +14,7 @@ Legend: T tokens, R rows, D hidden, E local experts, S cache slots, K top-k.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -25,14 +25,12 @@ from moe_infer.offload.compute import CpuRows, SlotCompute, cpu_experts, gather_
 class FetchedExperts:
     def __init__(self, store, slot_of_E: List[int], waits: list, to_cpu: List[int], shared: Dict[int, int],
                  needed: Dict[int, int], to_stream: List[int], nxt, next_scores,
-                 local_N: Optional[np.ndarray] = None, ahead: Optional[Tuple[List[int], int, object]] = None) -> None:
+                 local_N: Optional[np.ndarray] = None) -> None:
         """local_N: the local expert of each of fetch's T*K rows (-1: none), when the local dispatcher will
-        run them as they are (`run_local`). ahead: (experts, stream buffer, copy event) of a chunk the
-        previous layer step copied for this one (manager.StagedChunk): the first chunk, no copy of its own."""
+        run them as they are (`run_local`)."""
         self.planned_at = time.perf_counter()
         dev, E, C = store.w13_S2FD.device, store.num_local_experts, store.manager.plan.stream_chunk
-        self.store, self.waits, self.to_cpu = store, waits, to_cpu
-        self.to_stream = (list(ahead[0]) if ahead else []) + to_stream  # every streamed expert, ahead's first
+        self.store, self.waits, self.to_cpu, self.to_stream = store, waits, to_cpu, to_stream
         self.shared = shared  # expert -> gate/up rows [0:c) the host computes (the slot has the rest)
         F = store.manager.shape.intermediate_size
         on_host = to_cpu + list(shared)
@@ -41,8 +39,7 @@ class FetchedExperts:
         self.nxt, self.next_scores = nxt, next_scores
         self.on_device = any(s >= 0 for s in slot_of_E)
         self.w13_S2FD, self.w2_SDF = store.w13_S2FD, store.w2_SDF
-        self.ahead = ahead
-        self.chunks = ([list(ahead[0])] if ahead else []) + [to_stream[i:i + C] for i in range(0, len(to_stream), C)]
+        self.chunks = [to_stream[i:i + C] for i in range(0, len(to_stream), C)]
         tables = [slot_of_E, [int(e in to_cpu or e in shared) for e in range(E)]]
         for chunk in self.chunks:
             tables.append([chunk.index(e) if e in chunk else -1 for e in range(E)])
@@ -103,17 +100,11 @@ class FetchedExperts:
         store.last_compute = m.copier.mark()
         st = m.stats[store.pos]
         for i, chunk in enumerate(self.chunks):  # copy of chunk i+1 queued under the compute of chunk i
-            if i == 0 and self.ahead is not None:  # copied during the previous layer step
-                b, ready = self.ahead[1], self.ahead[2]
-            else:
-                b = m.take_buffer()
-                ready = m.copy_experts(store, [(e, m.buffers[b].w13_C2FD[j], m.buffers[b].w2_CDF[j])
-                                               for j, e in enumerate(chunk)], [m.buffers[b].last_use], st)
-            buf = m.buffers[b]
-            m.copier.wait([ready])
+            buf = m.buffers[i % 2]
+            m.copier.wait([m.copy_experts(store, [(e, buf.w13_C2FD[j], buf.w2_CDF[j]) for j, e in enumerate(chunk)],
+                                          [buf.last_use], st)])
             out_TD = out_TD + compute(x_TD, chunk_ids[i], weights_TK, buf.w13_C2FD, buf.w2_CDF)
             buf.last_use = m.copier.mark()
-        self.ahead = None  # its buffer is reused now: another `run` of this step copies that chunk again
         if self.nxt is not None:  # the GPU has its work queued: the link turns to the next layer
             self.nxt.prefetch(self.next_scores)
             self.nxt = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -27,17 +26,6 @@ from moe_infer.offload.slots import SlotTable
 from moe_infer.offload.stats import OffloadStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StagedChunk:
-    """A layer's first stream chunk, copied into a stream buffer during the previous layer's step
-    (`OffloadedExpertStore.prefetch` when the pre-gate says the layer will stream)."""
-
-    pos: int  # the store (MoE layer) it is for
-    experts: List[int]
-    buffer: int  # index into OffloadManager.buffers
-    ready: Event  # the copy's event
 
 
 class StreamBuffer:
@@ -60,8 +48,6 @@ class OffloadManager:
         self.step_pinned: set = set()  # stores whose slot tables hold step pins (their _plan ran)
         self.stats: List[OffloadStats] = []
         self.buffers = [StreamBuffer(plan, self.device) for _ in range(2)]
-        self.next_buffer = 0  # the buffer the next stream chunk takes: they alternate across layers too
-        self.staged: Optional[StagedChunk] = None  # the next layer's first stream chunk, copied ahead
         self.cost: Optional[CostModel] = None
         # the host's own work between a layer step's end and the next one's sync (launching the next
         # layers): the link copies under it, the host's expert compute does not (split.py's credit)
@@ -110,27 +96,6 @@ class OffloadManager:
         if self.cost is not None:
             self.cost.h2d_bytes_per_s = self.copier.bytes_per_s
         return wait
-
-    def take_buffer(self) -> int:
-        """The stream buffer for the next chunk (its copy waits for the buffer's `last_use`); never the one
-        that holds the next layer's staged chunk (a layer step whose rows come in several `run` calls, as
-        an EP dispatcher's overlap makes, streams its later calls through the other buffer alone)."""
-        b = self.next_buffer
-        if self.staged is not None and self.staged.buffer == b:
-            b = 1 - b
-        self.next_buffer = 1 - b
-        return b
-
-    def take_staged(self, store) -> Optional[StagedChunk]:
-        """The chunk copied ahead for this store's layer step, if any; one left for another layer (a
-        forward that stopped part-way) is dropped and counted wasted."""
-        staged, self.staged = self.staged, None
-        if staged is not None and staged.pos != store.pos:
-            st = self.stats[staged.pos]
-            st.stream_ahead_wasted += len(staged.experts)
-            st.bytes_prefetch_wasted += len(staged.experts) * self.shape.nbytes
-            return None
-        return staged
 
     def begin_layer(self, store) -> None:
         """A layer step starts: no other layer step is running, so every step pin is released (the GPU

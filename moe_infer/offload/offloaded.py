@@ -26,7 +26,6 @@ from torch import nn
 
 from moe_infer.offload.fetched import FetchedExperts
 from moe_infer.offload.host import layer_host_tensors
-from moe_infer.offload.manager import StagedChunk
 from moe_infer.offload.nvme import record_views
 from moe_infer.offload.policies import CACHE_POLICIES
 from moe_infer.offload.slots import SlotTable
@@ -144,7 +143,6 @@ class OffloadedExpertStore(nn.Module):
     def _plan(self, needed: Dict[int, int], st: OffloadStats, nxt, next_scores, local_N: np.ndarray) -> FetchedExperts:
         m, cfg, E, table = self.manager, self.manager.cfg, self.num_local_experts, self.table
         table.unpin_all("prefetch")  # the prefetch was for this step
-        staged = m.take_staged(self)
         table.policy.observe(needed)
         cached = [e for e in needed if table.lookup(e) is not None]
         m.step_pinned.add(self)  # before the pins: a step that fails part-way still has them released
@@ -162,14 +160,6 @@ class OffloadedExpertStore(nn.Module):
         st.bytes_prefetch_wasted += (len(self.prefetched) - used) * m.shape.nbytes
         self.prefetched = set()
         misses = {e: n for e, n in needed.items() if table.lookup(e) is None}
-        ahead = []  # misses whose stream copy the previous layer step issued: the first chunk
-        if staged is not None:
-            ahead = [e for e in staged.experts if e in misses]
-            for e in ahead:
-                del misses[e]
-            st.streamed_ahead += len(ahead)
-            st.stream_ahead_wasted += len(staged.experts) - len(ahead)
-            st.bytes_prefetch_wasted += (len(staged.experts) - len(ahead)) * m.shape.nbytes
         m.ensure_host(self, list(misses) + list(partial), "step", st)
         stream_all = len(needed) > cfg.stream_fraction * E
         mode = "auto" if stream_all and cfg.miss_policy == "share" else cfg.miss_policy  # streamed: whole experts
@@ -203,16 +193,15 @@ class OffloadedExpertStore(nn.Module):
         row = m.shape.w13_numel / (m.shape.w13_numel + m.shape.w2_numel) / F  # one gate/up row, in experts of bytes
         st.cpu_shared += row * sum(shared.values())
         st.partial_missing += row * sum(missing for _, missing in partial.values())
-        st.streamed += len(to_stream) + len(ahead)
+        st.streamed += len(to_stream)
         st.cpu += len(to_cpu)
-        elsewhere = set(to_cpu) | set(to_stream) | set(ahead)
+        elsewhere = set(to_cpu) | set(to_stream)
         slot_of_E = [-1] * E
         for e in needed:
             if e not in elsewhere:
                 slot_of_E[e] = table.lookup(e)
         waits = [self.ready[slot_of_E[e]] for e in needed if slot_of_E[e] >= 0]
-        return FetchedExperts(self, slot_of_E, waits, to_cpu, shared, needed, to_stream, nxt, next_scores, local_N,
-                              (ahead, staged.buffer, staged.ready) if ahead else None)
+        return FetchedExperts(self, slot_of_E, waits, to_cpu, shared, needed, to_stream, nxt, next_scores, local_N)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, scores: List[int]) -> None:
@@ -222,8 +211,7 @@ class OffloadedExpertStore(nn.Module):
         want = sorted((e for e, n in enumerate(scores) if n), key=lambda e: (-scores[e], e))
         self.predicted = set(want)
         if len(want) > cfg.stream_fraction * self.num_local_experts:
-            self._stream_ahead(want)  # this layer will stream its step: nothing to cache ahead
-            return
+            return  # this layer will stream its step: nothing to cache ahead
         limit = table.num_slots if cfg.max_prefetch is None else min(cfg.max_prefetch, table.num_slots)
         st = m.stats[self.pos]
         uncached = [e for e in want if table.lookup(e) is None]
@@ -247,22 +235,6 @@ class OffloadedExpertStore(nn.Module):
         st.prefetched += len(copies)
         st.prefetch_declined += len(uncached) - len(copies)
         self._copy_into_slots(copies, st)
-
-    def _stream_ahead(self, want: List[int]) -> None:
-        """This layer's next step will stream its misses: its likeliest uncached experts (one chunk) go
-        into the next stream buffer now, while the previous layer computes, so that the link keeps
-        working across the host sync and planning between two layer steps instead of idling there."""
-        m = self.manager
-        chunk = [e for e in want if self.table.lookup(e) is None][:m.plan.stream_chunk]
-        if not m.cfg.stream_ahead or m.cfg.miss_policy == "cpu" or not chunk:  # cpu: every miss on the host
-            return
-        st = m.stats[self.pos]
-        m.ensure_host(self, chunk, "prefetch", st)
-        b = m.take_buffer()
-        buf = m.buffers[b]
-        ready = m.copy_experts(self, [(e, buf.w13_C2FD[j], buf.w2_CDF[j]) for j, e in enumerate(chunk)],
-                               [buf.last_use], st)
-        m.staged = StagedChunk(self.pos, chunk, b, ready)
 
     def _copy_into_slots(self, copies: list, st: OffloadStats) -> None:
         """One batch of copies into this layer's slots (manager.copy_rows items), after this layer's last

@@ -24,8 +24,6 @@ class OffloadStats:
     prefetch_hits: int = 0  # hits that a prefetch brought in
     copied: int = 0  # misses copied into the cache (waited on)
     streamed: int = 0  # misses run through the stream buffers
-    streamed_ahead: int = 0  # ... of which the previous layer step had copied (the pre-gate's first chunk)
-    stream_ahead_wasted: int = 0  # experts copied ahead for a streaming step that the layer then did not need
     cpu: int = 0  # misses computed on the CPU
     shared: int = 0  # misses shared between the link and the CPU (split along F)
     # gate/up rows the CPU computed of shared misses and partial slots, and the rows partial slots lacked,
@@ -36,7 +34,7 @@ class OffloadStats:
     prefetch_wasted: int = 0  # ... that the layer then did not need
     prefetch_declined: int = 0  # predicted, not cached, and not copied (the prefetch rule or the slots said no)
     prefetch_evicted_needed: int = 0  # experts a prefetch evicted that the layer then needed
-    bytes_prefetch_wasted: int = 0  # prefetches and chunks copied ahead that were not needed
+    bytes_prefetch_wasted: int = 0
     bytes_h2d: int = 0
     bytes_read: int = 0  # NVMe -> host
     predicted: int = 0  # per step: experts the pre-gate predicted
