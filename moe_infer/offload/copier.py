@@ -11,8 +11,9 @@ should wait for the link or run on the CPU. On CUDA the estimate is checked agai
 themselves: each copy is timed by a pair of events, the ones not yet done count as backlog (the one
 in progress as half done), and the measured time of the finished ones moves `bytes_per_s` toward
 the rate the link really keeps in the running engine (the start-up figure is the best of a few quiet
-copies; measured on an H100 host, copies in the engine ran 15-20 % slower, so the host's estimate
-ran ahead of the link and sent it more misses than it could take). `busy_share` is the share of the
+copies; on an H100 host a copy ran about 7 % slower while the host cores computed experts,
+benchmarks/trials/offload_concurrent_limits.py, and an estimate that runs ahead of the link sends
+it more misses than it can take). `busy_share` is the share of the
 last second or so that the queued copies kept the link busy: what a wasted prefetch costs the
 copies after it.
 """

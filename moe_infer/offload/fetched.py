@@ -110,7 +110,9 @@ class FetchedExperts:
             self.nxt = None
         if cpu_rows is not None:  # the host computes while the GPU and the link work
             cpu_t0 = time.perf_counter()
-            m.note_host_lead(cpu_t0 - self.planned_at - cpu_s)  # cpu_s: the rows out, the CPU path's own cost
+            if self.planned_at is not None:  # the step's first host compute (an EP step may run in parts)
+                m.note_host_lead(cpu_t0 - self.planned_at - cpu_s)  # cpu_s: the rows out, the CPU path's own cost
+                self.planned_at = None
             shared = {e: (c, self.w2_SDF[store.table.lookup(e)]) for e, c in self.shared.items()}
             out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e), shared)
             if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
