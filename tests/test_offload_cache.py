@@ -149,6 +149,21 @@ def test_the_link_backlog_follows_the_copies_themselves():
     assert m.cost.h2d_bytes_per_s == pytest.approx((1 << 21) / 1e-3)
 
 
+def test_the_host_lead_is_noted_once_per_layer_step():
+    """An EP dispatcher may run one layer step's rows in parts (two `run` calls): only the first part's
+    start of host compute is the lead; the second starts after the first part's host compute."""
+    torch.set_num_threads(1)
+    m, (store, _), routers = _stores(2, 4, 2, 0, miss_policy="cpu")
+    routers[1].ids_TK, routers[1].weights_TK = torch.tensor([[0, 1]]), torch.ones(1, 2)
+    leads = []
+    m.note_host_lead = leads.append
+    x_TD, ids_TK = torch.randn(1, D), torch.tensor([[2, 3]])
+    fetched = store.fetch(x_TD, ids_TK)
+    for _ in range(2):
+        fetched.run(x_TD, ids_TK, torch.ones(1, 2), _checking_compute(store, ids_TK, set()))
+    assert len(leads) == 1 and leads[0] >= 0
+
+
 def test_split_misses_balances_link_and_cpu():
     cost = CostModel(h2d_bytes_per_s=1e9, cpu_seconds_at=((1, 4e-3), (4, 4e-3), (16, 8e-3), (64, 30e-3)))
     expert = int(6.5e6)  # 6.5 ms on the link
