@@ -263,15 +263,28 @@ class _Router:
         return None, self.weights_TK, self.ids_TK
 
 
-def _stores(L, E, K, slots, **cfg):
-    cfg = OffloadConfig(store="cpu", slots_per_layer=slots, **cfg)
-    m = OffloadManager(cfg, plan_offload(cfg, ExpertShape(L, E, K, D, F, torch.float32)), torch.device("cpu"))
+def _stores(L, E, K, slots, nvme_dir=None, **cfg):
+    """L stores of E experts over one manager: the CPU tier, or with nvme_dir the NVMe tier with the
+    smallest host cache it allows (two layers' experts and one); there each store keeps the weights it
+    was loaded with as plain tensors (w13_E2FD, w2_EDF) for the checks, as the load maps are dropped."""
+    shape = ExpertShape(L, E, K, D, F, torch.float32)
+    if nvme_dir is not None:
+        cfg = dict(cfg, store="nvme", nvme_path=nvme_dir, nvme_reader="threads",
+                   cpu_budget_gb=(min(2 * E + 1, L * E) * shape.record_bytes + 1) / 2**30)
+    cfg = OffloadConfig(**{"store": "cpu", **cfg}, slots_per_layer=slots)
+    m = OffloadManager(cfg, plan_offload(cfg, shape), torch.device("cpu"))
     routers = [_Router(K) for _ in range(L)]
     stores = [OffloadedExpertStore(E, D, F, torch.float32, manager=m, router=r) for r in routers]
+    refs = []
     for i, s in enumerate(stores):  # every expert's weights unique
         s.w13_E2FD.copy_(torch.arange(s.w13_E2FD.numel()).view_as(s.w13_E2FD) + 1000.0 * i)
         s.w2_EDF.copy_(-torch.arange(s.w2_EDF.numel()).view_as(s.w2_EDF) - 1000.0 * i)
+        refs.append((s.w13_E2FD.clone(), s.w2_EDF.clone()))
     m.finish_load()
+    if nvme_dir is not None:
+        assert m.plan.host_slots == min(2 * E + 1, L * E)
+        for s, (w13, w2) in zip(stores, refs):
+            s.w13_E2FD, s.w2_EDF = w13, w2
     return m, stores, routers
 
 
@@ -304,19 +317,35 @@ def _swiglu_ref(x_D, w13_2FD, w2_DF):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), E=st.integers(2, 6), K=st.integers(1, 2), slots=st.integers(0, 4),
        miss=st.sampled_from(["wait", "cpu", "auto", "share"]), policy=st.sampled_from(["lru", "lfu"]),
-       stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 4),
+       stream_fraction=st.sampled_from([0.3, 0.75, 1.0]), steps=st.integers(1, 8),
        rule=st.sampled_from(["all", "saving"]), min_prob=st.sampled_from([0.0, 0.3, 0.9]),
-       link_s=st.sampled_from([0.0, 0.5]), cpu_ms=st.sampled_from([1.0, 4.0, 20.0]), local=st.booleans())
+       link_s=st.sampled_from([0.0, 0.5]), cpu_ms=st.sampled_from([1.0, 4.0, 20.0]), local=st.booleans(),
+       nvme=st.booleans())
 def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, policy, stream_fraction, steps, rule,
-                                                    min_prob, link_s, cpu_ms, local):
+                                                    min_prob, link_s, cpu_ms, local, nvme):
     """Any sequence of steps: each row on the device reads a slot that holds its expert (but for the
     gate/up rows the host computes), and each step's output equals the experts computed from the
     host tier by a naive loop, whichever mix of hits, partial slots, copies, shared misses, streams
     and host experts the cost model picks (a 6.5 ms link; the host cpu_ms an expert); through `run` (any
-    rows, device-side slot lookups) or `run_local` (fetch's rows, slot ids looked up on the host)."""
+    rows, device-side slot lookups) or `run_local` (fetch's rows, slot ids looked up on the host); with
+    the CPU tier, or the NVMe tier behind the smallest host cache (reads, host-cache evictions, pins)."""
+    import shutil
+    import tempfile
+
     torch.set_num_threads(1)
-    L = 3
-    m, stores, routers = _stores(L, E, K, slots, miss_policy=miss, cache_policy=policy,
+    nvme_dir = tempfile.mkdtemp(prefix="offload_prop_") if nvme else None
+    try:
+        _check_steps(data, E, K, slots, miss, policy, stream_fraction, steps, rule, min_prob, link_s, cpu_ms, local,
+                     nvme_dir)
+    finally:
+        if nvme_dir is not None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def _check_steps(data, E, K, slots, miss, policy, stream_fraction, steps, rule, min_prob, link_s, cpu_ms, local,
+                 nvme_dir):
+    L = 3 if nvme_dir is None else 4  # NVMe: more layers than the host cache holds
+    m, stores, routers = _stores(L, E, K, slots, nvme_dir, miss_policy=miss, cache_policy=policy,
                                  stream_fraction=stream_fraction, prefetch_rule=rule, prefetch_min_prob=min_prob)
     m.cost = CostModel(m.shape.nbytes / 6.5e-3, ((1, cpu_ms * 1e-3), (64, 4 * cpu_ms * 1e-3)))
     m.prefetcher.costs = lambda: (1.0, link_s)  # an idle or a half-busy link, not the wall clock
@@ -352,6 +381,8 @@ def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, pol
                 e = int(ids_TK[t, k])
                 ref_TD[t] += weights_TK[t, k] * _swiglu_ref(x_TD[t], store.w13_E2FD[e], store.w2_EDF[e])
             torch.testing.assert_close(out_TD, ref_TD, rtol=1e-4, atol=1e-3)
+            if nvme_dir is not None:  # the host cache holds pins for the next layer's prefetch at most
+                assert {key[0] for key in m.host_table.pins["prefetch"]} <= {layer + 1}, m.host_table.pins
     total = m.summary()["total"]
     assert total["needed"] == (total["hits"] + total["partial"] + total["copied"] + total["shared"]
                                + total["streamed"] + total["cpu"])
@@ -359,6 +390,9 @@ def test_every_step_computes_with_the_right_weights(data, E, K, slots, miss, pol
         len(s.prefetched) for s in stores)  # every landed prefetch was used or wasted (the last ones are pending)
     if miss in ("wait", "auto"):
         assert total["shared"] == total["partial"] == 0
+    if nvme_dir is not None:
+        assert total["gb_read"] > 0
+        m.close()
 
 
 @pytest.mark.parametrize("rule", ["all", "saving"])
