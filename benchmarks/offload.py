@@ -129,6 +129,8 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
 
 def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
     cfg_dir = tempfile.mkdtemp(prefix=f"offload_bench_{name}_")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     cfg.save_pretrained(cfg_dir)
     t0 = time.perf_counter()
     llm = LLM(model=cfg_dir, load_format="dummy", dtype="bfloat16", device=str(device), offload="cpu",
@@ -158,6 +160,8 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
             bound_s = moved / (link_bps + cpu_bps)
+            if device.type == "cuda":  # how much of the process's GPU limit the run came to hold
+                r["gpu_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GiB
             r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
                      layer_graphs=graphs and layer_graphs is not None,
                      budget_gb=budget_gb, setup_s=setup_s,
@@ -236,6 +240,9 @@ def main() -> int:
     ap.add_argument("--layer-graphs", default="on",
                     help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
                          "(each run repeated per value, in that order)")
+    ap.add_argument("--reserve-gb", type=float, default=2.5,
+                    help="Mixtral: GiB of the --gpu-gb left for activations, graphs and workspaces (the rest of what "
+                         "the non-expert weights leave is the expert budget)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
@@ -270,7 +277,7 @@ def main() -> int:
         qwen.num_hidden_layers = args.qwen_layers or max(1, min(48, host_layers(qwen, 16.0)))
     result["notes"] = [f"Mixtral shape with {mix.num_hidden_layers} of 32 layers (host memory for pinning)",
                        f"Qwen3 shape with {qwen.num_hidden_layers} of 48 layers"]
-    mix_budget = ((args.gpu_gb * GiB - non_expert_bytes(mix) - 2.5 * GiB) / GiB if not args.smoke
+    mix_budget = ((args.gpu_gb * GiB - non_expert_bytes(mix) - args.reserve_gb * GiB) / GiB if not args.smoke
                   else 0.3 * mix.num_hidden_layers * 8 * expert_bytes(mix) / GiB)
     qwen_budget = args.qwen_budget_gb if not args.smoke else 0.3 * qwen.num_hidden_layers * 16 * expert_bytes(qwen) / GiB
     tag = "smoke_cpu" if args.smoke else result["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
