@@ -1,12 +1,13 @@
-"""Trial: where one Mixtral offload decode step's host time goes, per miss policy (auto vs whole).
+"""Trial: where one Mixtral offload decode step's host time goes, per miss policy (auto vs share).
 
 The Mixtral shape as benchmarks/offload.py sets it up (24 GB, every layer host memory can pin, trace
-routing, one stream; argv: steps, miss policies, streams). For --steps decode steps after warm-up, host wall time is split by wrapping the
-offload calls: fetch (its one copy to the host = the wait for the GPU, timed apart), gather_cpu_rows (the CPU
-path's sync and rows out), cpu_experts (the host's expert compute), prefetch (decisions and copy
-launches), the rest of run (slot compute launches, streams), and the step's remainder (the eager
-layers: attention, norms, router launches, sampling). Prints ms per step for each, then a cProfile
-of four more steps (host time by function).
+routing, layer graphs on; argv: steps, miss policies, streams, default 8 auto,share 1). For the
+decode steps after warm-up, host wall time is split by wrapping the offload calls: fetch (its one
+copy to the host = the wait for the GPU, timed apart), gather_cpu_rows (the CPU path's sync and rows
+out), cpu_experts (the host's expert compute), prefetch (decisions and copy launches), the rest of
+run (slot compute launches, streams), and the step's remainder (the attention parts' graph
+replays, norms, router launches, sampling). Prints ms per step for each, then a cProfile of four
+more steps (host time by function).
 """
 import cProfile
 import io
@@ -50,7 +51,7 @@ def timed(name, fn):
 
 def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    policies = sys.argv[2].split(",") if len(sys.argv) > 2 else ["auto", "whole"]
+    policies = sys.argv[2].split(",") if len(sys.argv) > 2 else ["auto", "share"]
     streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     torch.cuda.set_per_process_memory_fraction(24 * bench.GiB / torch.cuda.get_device_properties(0).total_memory)
     mix = bench.shapes(False)["mixtral"]
