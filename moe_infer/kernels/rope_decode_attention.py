@@ -29,7 +29,7 @@ import triton.language as tl
 from moe_infer.kernels.paged_attention import PDL_ENV, _num_sms, num_splits, split_workspace
 from moe_infer.kernels.paged_attention_kernels import _attend_keys, _store_rows, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import pdl_enter, use_pdl
-from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate
+from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate, check_inputs
 
 # "0": decode steps run rope_store_kv + paged_attention_triton (A/B runs; read when the model's layers are built)
 ENV = "MOE_ROPE_DECODE_ATTENTION"
@@ -148,28 +148,15 @@ def rope_decode_attention(
     _check(fits(d, norm_mode),
            f"rope_decode_attention needs a power-of-two head_dim >= 16 and norm_mode none or head, got d={d}, "
            f"norm_mode={norm_mode!r}")
-    _check(dk == d and H % Hkv == 0 and k_THd.shape == (T, Hkv, d) and v_THd.shape == (T, Hkv, d)
-           and v_cache_NbSHd.shape == k_cache_NbSHd.shape,
-           f"q {tuple(q_THd.shape)}, k {tuple(k_THd.shape)}, v {tuple(v_THd.shape)} do not fit caches "
-           f"k {tuple(k_cache_NbSHd.shape)} / v {tuple(v_cache_NbSHd.shape)} (GQA needs H % Hkv == 0)")
-    _check(positions_T.shape == (T,) and slot_mapping_T.shape == (T,) and query_start_loc_B1.shape == (B + 1,)
-           and block_tables_BM.dim() == 2 and block_tables_BM.shape[0] == B,
-           f"positions {tuple(positions_T.shape)}, slot_mapping {tuple(slot_mapping_T.shape)} must be [{T}], "
-           f"query_start_loc {tuple(query_start_loc_B1.shape)} [B+1] and block_tables {tuple(block_tables_BM.shape)} "
-           f"[B, M], B = {B}")
-    _check(cos_sin_Pd.dim() == 2 and cos_sin_Pd.shape[1] == d, f"cos_sin table {tuple(cos_sin_Pd.shape)} must be [P, {d}]")
-    _check(q_THd.dtype in _TL_DTYPES, f"rope_decode_attention supports {list(_TL_DTYPES)}, got {q_THd.dtype}")
-    for name, x in (("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
-                    ("v_cache", v_cache_NbSHd)):
-        _check(x.dtype == q_THd.dtype, f"{name} is {x.dtype}, q is {q_THd.dtype}")
-        _check(x.stride(-1) == 1, f"{name} needs a unit stride on its last dim, got {x.stride()}")
-    _check(q_THd.stride(2) == 1 and block_tables_BM.stride(1) == 1, "q needs a unit stride on d, block_tables on M")
-    for name, x in (("k", k_THd), ("v", v_THd), ("positions", positions_T), ("cos_sin", cos_sin_Pd),
-                    ("k_cache", k_cache_NbSHd), ("v_cache", v_cache_NbSHd), ("slot_mapping", slot_mapping_T),
-                    ("block_tables", block_tables_BM), ("seq_lens", seq_lens_B), ("query_start_loc", query_start_loc_B1)):
+    check_inputs("rope_decode_attention", q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache_NbSHd,
+                 v_cache_NbSHd, slot_mapping_T)
+    _check(H % Hkv == 0, f"GQA needs H % Hkv == 0, got H={H}, Hkv={Hkv}")
+    _check(query_start_loc_B1.shape == (B + 1,) and block_tables_BM.dim() == 2 and block_tables_BM.shape[0] == B,
+           f"query_start_loc {tuple(query_start_loc_B1.shape)} must be [B+1] and block_tables "
+           f"{tuple(block_tables_BM.shape)} [B, M], B = {B}")
+    _check(block_tables_BM.stride(1) == 1, "block_tables needs a unit stride on M")
+    for name, x in (("block_tables", block_tables_BM), ("seq_lens", seq_lens_B), ("query_start_loc", query_start_loc_B1)):
         _check(x.device == q_THd.device, f"{name} is on {x.device}, q on {q_THd.device}")
-    _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
-           f"rope_decode_attention is a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
     _check_norm(norm_mode, q_norm_weight, k_norm_weight, q_THd, Hkv)
     out_THd = torch.empty_like(q_THd)
     if T == 0 or B == 0:

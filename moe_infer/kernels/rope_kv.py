@@ -162,6 +162,34 @@ def _check_norm(norm_mode: str, q_norm_weight: Optional[torch.Tensor], k_norm_we
                f"[{size}] {q_THd.dtype} on {q_THd.device} for norm_mode {norm_mode!r}")
 
 
+def check_inputs(who: str, q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
+                 cos_sin_Pd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
+                 slot_mapping_T: torch.Tensor) -> None:
+    """The checks of a q/k/v + RoPE + cache-write kernel's inputs (`rope_store_kv`, and the decode kernel of
+    rope_decode_attention.py): shapes, dtypes, unit last strides, one device, CUDA or the interpreter."""
+    T, H, d = q_THd.shape
+    Nb, S, Hkv, dk = k_cache_NbSHd.shape
+    _check(d % 2 == 0 and dk == d and k_THd.shape == (T, Hkv, d) and v_THd.shape == (T, Hkv, d)
+           and v_cache_NbSHd.shape == k_cache_NbSHd.shape,
+           f"q {tuple(q_THd.shape)}, k {tuple(k_THd.shape)}, v {tuple(v_THd.shape)} do not fit caches "
+           f"k {tuple(k_cache_NbSHd.shape)} / v {tuple(v_cache_NbSHd.shape)}")
+    _check(positions_T.shape == (T,) and slot_mapping_T.shape == (T,),
+           f"positions {tuple(positions_T.shape)} and slot_mapping {tuple(slot_mapping_T.shape)} must be [{T}]")
+    _check(cos_sin_Pd.dim() == 2 and cos_sin_Pd.shape[1] == d, f"cos_sin table {tuple(cos_sin_Pd.shape)} must be [P, {d}]")
+    _check(q_THd.dtype in _TL_DTYPES, f"{who} supports {list(_TL_DTYPES)}, got {q_THd.dtype}")
+    for name, t in (("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
+                    ("v_cache", v_cache_NbSHd)):
+        _check(t.dtype == q_THd.dtype, f"{name} is {t.dtype}, q is {q_THd.dtype}")
+    for name, t in (("q", q_THd), ("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
+                    ("v_cache", v_cache_NbSHd)):
+        _check(t.stride(-1) == 1, f"{name} needs a unit stride on its last dim, got {t.stride()}")
+    for name, t in (("k", k_THd), ("v", v_THd), ("positions", positions_T), ("cos_sin", cos_sin_Pd),
+                    ("k_cache", k_cache_NbSHd), ("v_cache", v_cache_NbSHd), ("slot_mapping", slot_mapping_T)):
+        _check(t.device == q_THd.device, f"{name} is on {t.device}, q on {q_THd.device}")
+    _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+           f"{who} is a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
+
+
 def rope_store_kv(
     q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
     cos_sin_Pd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, slot_mapping_T: torch.Tensor,
@@ -174,27 +202,10 @@ def rope_store_kv(
 
     q, k, v may be strided views (the fused qkv projection's split) with a unit stride on d; cos_sin_Pd is
     `RotaryEmbedding.cos_sin_cache` ([P, d] in q's dtype)."""
+    check_inputs("rope_store_kv", q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache_NbSHd, v_cache_NbSHd,
+                 slot_mapping_T)
     T, H, d = q_THd.shape
-    Nb, S, Hkv, dk = k_cache_NbSHd.shape
-    _check(d % 2 == 0 and dk == d and k_THd.shape == (T, Hkv, d) and v_THd.shape == (T, Hkv, d)
-           and v_cache_NbSHd.shape == k_cache_NbSHd.shape,
-           f"q {tuple(q_THd.shape)}, k {tuple(k_THd.shape)}, v {tuple(v_THd.shape)} do not fit caches "
-           f"k {tuple(k_cache_NbSHd.shape)} / v {tuple(v_cache_NbSHd.shape)}")
-    _check(positions_T.shape == (T,) and slot_mapping_T.shape == (T,),
-           f"positions {tuple(positions_T.shape)} and slot_mapping {tuple(slot_mapping_T.shape)} must be [{T}]")
-    _check(cos_sin_Pd.dim() == 2 and cos_sin_Pd.shape[1] == d, f"cos_sin table {tuple(cos_sin_Pd.shape)} must be [P, {d}]")
-    _check(q_THd.dtype in _TL_DTYPES, f"rope_store_kv supports {list(_TL_DTYPES)}, got {q_THd.dtype}")
-    for name, t in (("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
-                    ("v_cache", v_cache_NbSHd)):
-        _check(t.dtype == q_THd.dtype, f"{name} is {t.dtype}, q is {q_THd.dtype}")
-    for name, t in (("q", q_THd), ("k", k_THd), ("v", v_THd), ("cos_sin", cos_sin_Pd), ("k_cache", k_cache_NbSHd),
-                    ("v_cache", v_cache_NbSHd)):
-        _check(t.stride(-1) == 1, f"{name} needs a unit stride on its last dim, got {t.stride()}")
-    for name, t in (("k", k_THd), ("v", v_THd), ("positions", positions_T), ("cos_sin", cos_sin_Pd),
-                    ("k_cache", k_cache_NbSHd), ("v_cache", v_cache_NbSHd), ("slot_mapping", slot_mapping_T)):
-        _check(t.device == q_THd.device, f"{name} is on {t.device}, q on {q_THd.device}")
-    _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
-           f"rope_store_kv is a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
+    S, Hkv = k_cache_NbSHd.shape[1:3]
     _check_norm(norm_mode, q_norm_weight, k_norm_weight, q_THd, Hkv)
     q_out_THd = torch.empty((T, H, d), dtype=q_THd.dtype, device=q_THd.device)
     if T == 0:
