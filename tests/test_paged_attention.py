@@ -160,17 +160,34 @@ def test_triton_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
 
 
 def test_decode_split_count():
-    """Split-KV only for decode steps that leave SMs idle: about two waves of programs, >= 128 keys a split."""
+    """Split-KV only for decode steps that leave SMs idle: up to 2048 keys one wave of programs with >= 32 keys a
+    split (no pair of splits over <= 256 keys), longer contexts about two waves with >= 128 keys a split."""
     kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
     sms = 132
-    assert kernels.num_splits(4, 2048, 1, sms) == 16  # one sequence, 4 KV heads
-    assert kernels.num_splits(4, 8192, 1, sms) == 64
-    assert kernels.num_splits(4, 256, 1, sms) == 2
-    assert kernels.num_splits(4, 255, 1, sms) == 1  # fewer than 2 x 128 keys
-    assert kernels.num_splits(16, 2048, 1, sms) == 16
+    assert kernels.num_splits(4, 2048, 1, sms) == 32  # one sequence, 4 KV heads: 128 programs
+    assert kernels.num_splits(4, 256, 1, sms) == 8  # 32 keys a split
+    assert kernels.num_splits(4, 128, 1, sms) == 4
+    assert kernels.num_splits(4, 63, 1, sms) == 1  # fewer than 2 x 32 keys
+    assert kernels.num_splits(16, 2048, 1, sms) == 8
+    assert kernels.num_splits(64, 512, 1, sms) == 2
+    assert kernels.num_splits(64, 256, 1, sms) == 1  # two splits of 128 keys: not worth the merge
+    assert kernels.num_splits(4, 8192, 1, sms) == 64  # long: two waves
     assert kernels.num_splits(64, 8192, 1, sms) == 4
     assert kernels.num_splits(256, 8192, 1, sms) == 1  # the batch fills the SMs
     assert kernels.num_splits(4, 8192, 2, sms) == 1  # not a decode step
+
+
+def test_decode_key_tile():
+    """Half a split's keys, 32 to 128, at most 32 KiB of keys; 64 where the batch fills the SMs."""
+    kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
+    sms, bf16_row, f32_row = 132, 128 * 2, 128 * 4
+    assert kernels.decode_block_n(4, 256, 8, sms, bf16_row) == 32  # 32 keys a split
+    assert kernels.decode_block_n(4, 2048, 32, sms, bf16_row) == 32
+    assert kernels.decode_block_n(16, 1024, 8, sms, bf16_row) == 64
+    assert kernels.decode_block_n(16, 2048, 8, sms, bf16_row) == 128
+    assert kernels.decode_block_n(16, 2048, 8, sms, f32_row) == 64  # 32 KiB of float32 keys
+    assert kernels.decode_block_n(4, 8192, 64, sms, bf16_row) == 64
+    assert kernels.decode_block_n(256, 8192, 1, sms, bf16_row) == 64
 
 
 @pytest.mark.gpu

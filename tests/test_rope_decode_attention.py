@@ -69,11 +69,12 @@ def _case(contexts, H, Hkv, d, S, dtype, norm, seed=0, pad_rows=1, Nb=48):
                 max_seq_len=max(contexts) + 1, norm_kw=norm_kw, B=B)
 
 
-def _fused(c, window=None, splits=None):
+def _fused(c, window=None, splits=None, block_n=None):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     out = kernels.rope_decode_attention(
         c["q"], c["k"], c["v"], c["positions"], c["cos_sin"], kc, vc, c["slots"], c["tables"], c["seq_lens"],
-        c["query_start"], c["q"].shape[-1] ** -0.5, c["max_seq_len"], window, splits=splits, **c["norm_kw"])
+        c["query_start"], c["q"].shape[-1] ** -0.5, c["max_seq_len"], window, splits=splits, block_n=block_n,
+        **c["norm_kw"])
     return out, kc, vc
 
 
@@ -127,12 +128,12 @@ def test_matches_the_references(dtype, norm, H, Hkv, S, window):
         torch.testing.assert_close(out[b].float(), dense, **TOL[dtype])
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (2, 16), (4, 16), (4, 32), (2, 64)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_splits_over_long_contexts(splits, window):
-    """Contexts up to 90 keys in 16-key tiles: the new key falls in the first, a middle and the last split."""
+def test_splits_over_long_contexts(splits, block_n, window):
+    """Contexts up to 90 keys in 16- to 64-key tiles: the new key falls in the first, a middle and the last split."""
     c = _case([40, 3, 89, 64], 8, 2, 16, 8, torch.float32, "head", seed=splits)
-    out, kc, vc = _fused(c, window, splits=splits)
+    out, kc, vc = _fused(c, window, splits=splits, block_n=block_n)
     want, kc_ref, vc_ref, _ = _references(c, window)
     assert _same(kc, kc_ref) and _same(vc, vc_ref)
     torch.testing.assert_close(out[:c["B"]], want[:c["B"]], atol=2e-5, rtol=2e-5)

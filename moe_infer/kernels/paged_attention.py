@@ -4,8 +4,8 @@
 Tile choice: a decode-only step (every sequence has one query token) puts the G heads of a KV head
 in one tile (BLOCK_M = max(16, G) rows); a step with prefill chunks takes BLOCK_Q = 128 // G tokens
 per tile on the GPU for 16-bit inputs (64 // G for float32 and under the interpreter). Split-KV is
-used for decode steps whose B * Hkv programs would leave most SMs idle and whose context has at least
-2 * SPLIT_MIN_KEYS keys (`num_splits`), with a merge launch after. A prefill of one to four waves of programs runs its
+used for decode steps whose B * Hkv programs would leave SMs idle (`num_splits`), with a merge launch after; their
+key tile shrinks with a split's keys (`decode_block_n`). A prefill of one to four waves of programs runs its
 longest query tiles first (`heavy_tiles_first`; paged_attention_kernels' docstring). No host sync:
 every launch parameter comes from shapes and the host ints of the attention metadata (a CUDA
 graph's max_seq_len is its context bucket, so the split count and order are fixed per capture).
@@ -25,12 +25,18 @@ import triton
 from moe_infer.kernels.paged_attention_kernels import paged_attention_kernel, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import use_pdl
 
-# A split must have at least SPLIT_MIN_KEYS keys; at most MAX_SPLITS. On an H100 (Qwen3-30B-A3B heads,
-# benchmarks/trials/attention_splits.py) the best count put about two waves of programs on the SMs with 64-512
-# keys a split: one sequence over 2,048 keys 31.6 -> 18.4 us with 16 splits (1,024 keys a split: 2), over 8,192
-# 30.2 -> 17.6 us with 64, four over 2,048 43.0 -> 27.5 us with 8; a batch that fills the SMs stays unsplit.
+# Decode tiles (`num_splits`, `decode_block_n`), measured on an H100 with Qwen3-30B-A3B heads as the time per call
+# in a graph of 20 calls in a row, as a decode step's graph runs them under PDL
+# (benchmarks/trials/decode_attention_tiles.py, results/trials/decode_attention_tiles_*): up to SHORT_CONTEXT keys,
+# splits of >= SHORT_SPLIT_KEYS keys that fill one wave of programs (one sequence over 256 keys 8.9 -> 6.2 us: 8
+# splits of 32 keys instead of 2 of 128); longer contexts, about two waves of >= SPLIT_MIN_KEYS keys a split. The key
+# tile is half a split's keys, 32 to 128 (fewer dependent tile loads a program), at most MAX_TILE_BYTES of keys (as
+# the 64-key tiles of 128 float32 or 256 16-bit dims before).
+SHORT_CONTEXT = 2048
+SHORT_SPLIT_KEYS = 32
 SPLIT_MIN_KEYS = 128
 MAX_SPLITS = 64
+MAX_TILE_BYTES = 32768
 PDL_ENV = "MOE_ATTN_PDL"  # "0" launches both kernels without programmatic dependent launch (A/B runs)
 
 
@@ -45,11 +51,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits(batch_kv_programs: int, max_seq_len: int, max_query_len: int, num_sms: int) -> int:
-    """Splits of the key range for a decode step: enough programs for the SMs, >= SPLIT_MIN_KEYS keys each."""
+    """Splits of the key range for a decode step whose B * Hkv programs leave SMs idle (see the constants above);
+    a power of two (the merge kernel's tl.arange)."""
     if max_query_len > 1 or batch_kv_programs >= num_sms:
         return 1
-    want = min(MAX_SPLITS, max(1, max_seq_len // SPLIT_MIN_KEYS), triton.cdiv(2 * num_sms, max(batch_kv_programs, 1)))
-    return 1 << (want.bit_length() - 1)  # a power of two (the merge kernel's tl.arange)
+    if max_seq_len <= SHORT_CONTEXT:
+        want = min(MAX_SPLITS, max(1, max_seq_len // SHORT_SPLIT_KEYS), max(1, num_sms // batch_kv_programs))
+        if want < 4 and max_seq_len <= 256:  # two splits of a short context do not pay for the merge
+            want = 1
+    else:
+        want = min(MAX_SPLITS, max(1, max_seq_len // SPLIT_MIN_KEYS), triton.cdiv(2 * num_sms, batch_kv_programs))
+    return 1 << (want.bit_length() - 1)
+
+
+def decode_block_n(batch_kv_programs: int, max_seq_len: int, n_split: int, num_sms: int, key_bytes: int) -> int:
+    """Key tile of a decode step on the GPU: 64 where the programs fill the SMs, else half a split's keys (a power
+    of two, 32 to 128); at most MAX_TILE_BYTES of keys of key_bytes each (head_dim * element size), at least 32."""
+    if batch_kv_programs >= num_sms:
+        return 64
+    keys = triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), n_split))
+    cap = max(32, min(128, MAX_TILE_BYTES // max(key_bytes, 1)))
+    return min(cap, max(32, keys // 2))
 
 
 def split_workspace(out_THd: torch.Tensor, n_split: int, max_seq_len: int, block_n: int):
@@ -109,9 +131,12 @@ def paged_attention_triton(
         rows = 128 if q_THd.is_cuda and q_THd.dtype != torch.float32 else 64
         block_q = max(1, rows // G)
         block_m, warps = max(16, triton.next_power_of_2(block_q * G)), 8 if rows == 128 else 4
-    block_n = 64 if q_THd.is_cuda else 16
     sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
     n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, max_query_len, sms)
+    block_n = 16  # the interpreter's tile
+    if q_THd.is_cuda:
+        key_bytes = d * k_cache_NbSHd.element_size()
+        block_n = decode_block_n(B * Hkv, max_seq_len, n_split, sms, key_bytes) if max_query_len <= 1 else 64
     split_n, part_STHd, m_STH, l_STH = split_workspace(out_THd, n_split, max_seq_len, block_n)
     head_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)

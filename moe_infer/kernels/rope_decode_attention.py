@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.paged_attention import PDL_ENV, _num_sms, num_splits, split_workspace
+from moe_infer.kernels.paged_attention import PDL_ENV, _num_sms, decode_block_n, num_splits, split_workspace
 from moe_infer.kernels.paged_attention_kernels import _attend_keys, _store_rows, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import pdl_enter, use_pdl
 from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate, check_inputs
@@ -136,12 +136,12 @@ def rope_decode_attention(
     block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor, scale: float,
     max_seq_len: int, sliding_window: Optional[int] = None, *, q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, norm_mode: str = "none",
-    splits: Optional[int] = None,
+    splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """Unrotated q [T, H, d], k, v [T, Hkv, d] of a decode step (each sequence's one token at query_start_loc)
     -> attention output [T, H, d]; k and v are written into the caches at slot_mapping_T as `rope_store_kv`
     writes them. Arguments as `rope_store_kv`'s and `paged_attention_triton`'s (max_query_len is 1);
-    splits: force a split count (tests)."""
+    splits, block_n, num_warps: force a split count, a key tile or a warp count (tests, trials)."""
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
     B = seq_lens_B.shape[0]
@@ -162,9 +162,11 @@ def rope_decode_attention(
     if T == 0 or B == 0:
         return out_THd
     G = H // Hkv
-    block_n = 64 if q_THd.is_cuda else 16
     sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
     n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, 1, sms)
+    if block_n is None:
+        key_bytes = d * k_cache_NbSHd.element_size()
+        block_n = decode_block_n(B * Hkv, max_seq_len, n_split, sms, key_bytes) if q_THd.is_cuda else 16
     split_n, part_STHd, m_STH, l_STH = split_workspace(out_THd, n_split, max_seq_len, block_n)
     ps = part_STHd.stride()[:3] + m_STH.stride()[:2] if n_split > 1 else (0, 0, 0, 0, 0)
     pdl = use_pdl(q_THd, PDL_ENV)
@@ -181,7 +183,7 @@ def rope_decode_attention(
         G=G, HALF=d // 2, PAGE=S, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, NUM_SPLITS=n_split,
         HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
-        DTYPE=_TL_DTYPES[q_THd.dtype], NORM=NORM_MODES[norm_mode], num_warps=4,
+        DTYPE=_TL_DTYPES[q_THd.dtype], NORM=NORM_MODES[norm_mode], num_warps=num_warps,
         # float32: the rotary's x*c + x*s as two roundings, as rope_store_kv; 16-bit dtypes round each product
         # by hand (rope_kv._round), and keep the attention's float32 math compiled as paged_attention_kernel's
         enable_fp_fusion=q_THd.dtype != torch.float32,
