@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launch_keys import LaunchKeys, count_compiles, no_specialize, shapes_of
-from moe_infer.engine.warmup import moe_config_of, warmup_context_lengths, warmup_token_counts
+from moe_infer.engine.warmup import moe_config_of, warmup_context_lengths, warmup_decode_shapes, warmup_token_counts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,6 +33,25 @@ def test_warmup_token_counts():
     assert warmup_context_lengths(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     with pytest.raises(ValueError, match="positive"):
         warmup_token_counts(0, 1, lambda T: None)
+
+
+@pytest.mark.parametrize("heads,key_bytes,sms", [(4, 256, 132), (1, 512, 132), (8, 256, 78), (2, 64, 4)])
+def test_warmup_decodes_cover_every_decode_tile_pair(heads, key_bytes, sms):
+    """Every (split count, key tile) that a decode of 1..24 sequences over 1..3000 keys selects (all of them
+    enumerated) is one of the warm-up decodes' (at its few edge lengths)."""
+    from moe_infer.kernels.paged_attention import decode_block_n, num_splits
+
+    def variant(B, L):
+        s = num_splits(B * heads, L, 1, sms)
+        return s, decode_block_n(B * heads, L, s, sms, key_bytes)
+
+    shapes = warmup_decode_shapes(24, 3000, variant)
+    assert len(shapes) < 60 and (1, 3000) in shapes and (1, 1) in shapes
+    warmed = {variant(B, L) for B, L in shapes}
+    every = {variant(B, L) for B in range(1, 25) for L in range(1, 3001)}
+    assert every == warmed, sorted(every - warmed)
+    with pytest.raises(ValueError, match="positive"):
+        warmup_decode_shapes(0, 10, variant)
 
 
 def test_do_not_specialize_names_are_kernel_arguments():

@@ -11,10 +11,11 @@ functions of:
     `triton.next_power_of_2`, the fused MoE schedule backend by thresholds on N);
   - the fused MoE config, tuned per token count, and the expert GEMMs' row and tile counts, which stay
     specialized (`launch_variant` of the experts backend);
-  - decode or not (the attention tiles), and for decode the context length (split-KV counts, powers of two).
-`warmup_token_counts` gives one T for each distinct combination up to the largest step; `warmup_kernels`
-runs an eager forward at each, then a one-token decode at each power-of-two context length. The GPU test
-(tests/test_jit_warmup.py) runs steps of many sizes after start-up and counts Triton compiles: none.
+  - decode or not (the attention tiles), and for decode the batch and the context length (the split count and
+    key tile, `moe_infer.kernels.paged_attention.decode_tiles`).
+`warmup_token_counts` gives one T for each distinct combination up to the largest step, `warmup_decode_shapes`
+one (batch, context) decode for each distinct decode tile pair; `warmup_kernels` runs an eager forward at each.
+The GPU test (tests/test_jit_warmup.py) runs steps of many sizes after start-up and counts Triton compiles: none.
 
 The forwards run padding rows only: no K/V slot written (slot -1), keys read from block 0, every row left
 out of the expert-load statistics (valid_T all False). One rank only (a mesh would need every rank's
@@ -54,6 +55,29 @@ def warmup_token_counts(max_tokens: int, top_k: int, config_of: Callable[[int], 
 def warmup_context_lengths(max_model_len: int) -> List[int]:
     """Decode context lengths: each power of two up to max_model_len, and max_model_len."""
     return sorted({1 << k for k in range(max_model_len.bit_length()) if 1 << k <= max_model_len} | {max_model_len})
+
+
+def warmup_decode_shapes(max_batch: int, max_context: int, variant_of: Callable[[int, int], Hashable]
+                         ) -> List[Tuple[int, int]]:
+    """(batch B, context L) of the warm-up decodes: B = 1 at every `warmup_context_lengths` L, and the first (B, L)
+    of each further variant_of(B, L) (the attention's decode tiles) over B in 1..max_batch and L at the edges of the
+    powers of two (2^k, 2^k + 1) up to max_context, where the tile rules change."""
+    if max_batch <= 0 or max_context <= 0:
+        raise ValueError(f"max_batch ({max_batch}) and max_context ({max_context}) must be positive")
+    first = {}
+    edges = {n for k in range(max_context.bit_length()) for n in (1 << k, (1 << k) + 1) if n <= max_context}
+    for L in sorted(edges | {max_context}):
+        for B in range(1, max_batch + 1):
+            first.setdefault(variant_of(B, L), (B, L))
+    return sorted(set(first.values()) | {(1, L) for L in warmup_context_lengths(max_context)},
+                  key=lambda bl: (bl[1], bl[0]))
+
+
+def decode_variant_of(num_kv_heads: int, key_bytes: int, device: torch.device) -> Callable[[int, int], Hashable]:
+    """(B, L) -> the decode attention's (split count, key tile) for B sequences over L keys."""
+    from moe_infer.kernels.paged_attention import decode_tiles
+
+    return lambda B, L: decode_tiles(B * num_kv_heads, L, key_bytes, device)
 
 
 def moe_config_of(moe_layers: Sequence, experts_backend) -> Callable[[int], Hashable]:
@@ -101,14 +125,14 @@ def padding_step(lengths: Sequence[int], block_size: int, device: torch.device, 
 
 
 @torch.inference_mode()
-def warmup_kernels(model, token_counts: Sequence[int], context_lengths: Sequence[int], max_model_len: int,
+def warmup_kernels(model, token_counts: Sequence[int], decode_shapes: Sequence[Tuple[int, int]], max_model_len: int,
                    block_size: int, device: torch.device) -> float:
-    """One eager forward per token count (sequences of at most max_model_len tokens), then a one-token decode
-    per context length. Returns the seconds it took."""
+    """One eager forward per token count (sequences of at most max_model_len tokens), then a decode of B
+    one-token sequences over L keys per (B, L) of decode_shapes. Returns the seconds it took."""
     start = time.perf_counter()
     steps = [([max_model_len] * (T // max_model_len) + ([T % max_model_len] if T % max_model_len else []), 0)
              for T in token_counts]
-    steps += [([1], L) for L in context_lengths]
+    steps += [([1] * B, L) for B, L in decode_shapes]
     for lengths, max_seq_len in steps:
         input_ids_T, meta, valid_T = padding_step(lengths, block_size, device, max_seq_len)
         with forward_context(meta, valid_T=valid_T), graph_kernels():  # what the CUDA graphs' forwards select
@@ -118,9 +142,9 @@ def warmup_kernels(model, token_counts: Sequence[int], context_lengths: Sequence
     return time.perf_counter() - start
 
 
-def warmup_plan(runner) -> Tuple[List[int], List[int]]:
-    """(token counts, decode context lengths) a ModelRunner's warm-up runs: steps of up to
-    max_num_batched_tokens tokens (and the decode batches its CUDA graphs pad to), contexts up to the
+def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]]]:
+    """(token counts, decode shapes) a ModelRunner's warm-up runs: steps of up to max_num_batched_tokens tokens
+    (and the decode batches its CUDA graphs pad to); decodes of up to max_num_seqs sequences over contexts up to the
     widest block table."""
     from moe_infer.experts.reference import EXPERT_BACKENDS
 
@@ -129,7 +153,10 @@ def warmup_plan(runner) -> Tuple[List[int], List[int]]:
                      min(cfg.model.cuda_graph_max_batch, cfg.scheduler.max_num_seqs))
     config_of = moe_config_of(runner.model.moe_layers(), EXPERT_BACKENDS.get(runner.backends.experts))
     max_context = -(-runner.max_model_len // runner.block_size) * runner.block_size
-    return warmup_token_counts(max_tokens, runner.arch.top_k, config_of), warmup_context_lengths(max_context)
+    key_bytes = runner.arch.head_dim * torch.finfo(runner.dtype).bits // 8
+    variant_of = decode_variant_of(runner.model.num_kv_heads, key_bytes, runner.device)
+    return (warmup_token_counts(max_tokens, runner.arch.top_k, config_of),
+            warmup_decode_shapes(cfg.scheduler.max_num_seqs, max_context, variant_of))
 
 
 def warm_up_runner(runner) -> Optional[float]:
@@ -138,8 +165,8 @@ def warm_up_runner(runner) -> Optional[float]:
     if why_not:
         logger.info("no start-up warm-up of the Triton kernels: %s", why_not)
         return None
-    counts, contexts = warmup_plan(runner)
-    seconds = warmup_kernels(runner.model, counts, contexts, runner.max_model_len, runner.block_size, runner.device)
-    logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), decodes at %d context "
-                "lengths", seconds, len(counts), counts[-1], len(contexts))
+    counts, decodes = warmup_plan(runner)
+    seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device)
+    logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), %d decodes (batch, "
+                "context) for the attention's tiles", seconds, len(counts), counts[-1], len(decodes))
     return seconds

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -72,6 +72,18 @@ def decode_block_n(batch_kv_programs: int, max_seq_len: int, n_split: int, num_s
     keys = triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), n_split))
     cap = max(32, min(128, MAX_TILE_BYTES // max(key_bytes, 1)))
     return min(cap, max(32, keys // 2))
+
+
+def decode_tiles(batch_kv_programs: int, max_seq_len: int, key_bytes: int, device: torch.device,
+                 splits: Optional[int] = None) -> Tuple[int, int]:
+    """(split count, key tile) of a decode step: `num_splits` (or the forced `splits`) and `decode_block_n` on
+    CUDA; under the interpreter 4 SMs and 16-key tiles (its speed). Both decode kernels launch with these, and
+    the engine's start-up warm-up compiles every pair its steps can select (moe_infer/engine/warmup.py)."""
+    sms = _num_sms(device) if device.type == "cuda" else 4
+    n_split = splits if splits is not None else num_splits(batch_kv_programs, max_seq_len, 1, sms)
+    if device.type != "cuda":
+        return n_split, 16
+    return n_split, decode_block_n(batch_kv_programs, max_seq_len, n_split, sms, key_bytes)
 
 
 def split_workspace(out_THd: torch.Tensor, n_split: int, max_seq_len: int, block_n: int):
@@ -132,11 +144,10 @@ def paged_attention_triton(
         block_q = max(1, rows // G)
         block_m, warps = max(16, triton.next_power_of_2(block_q * G)), 8 if rows == 128 else 4
     sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
-    n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, max_query_len, sms)
-    block_n = 16  # the interpreter's tile
-    if q_THd.is_cuda:
-        key_bytes = d * k_cache_NbSHd.element_size()
-        block_n = decode_block_n(B * Hkv, max_seq_len, n_split, sms, key_bytes) if max_query_len <= 1 else 64
+    if max_query_len <= 1:
+        n_split, block_n = decode_tiles(B * Hkv, max_seq_len, d * k_cache_NbSHd.element_size(), q_THd.device, splits)
+    else:
+        n_split, block_n = splits or 1, 64 if q_THd.is_cuda else 16
     split_n, part_STHd, m_STH, l_STH = split_workspace(out_THd, n_split, max_seq_len, block_n)
     head_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)

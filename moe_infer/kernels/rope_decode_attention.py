@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.paged_attention import PDL_ENV, _num_sms, decode_block_n, num_splits, split_workspace
+from moe_infer.kernels.paged_attention import PDL_ENV, decode_tiles, split_workspace
 from moe_infer.kernels.paged_attention_kernels import _attend_keys, _store_rows, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import pdl_enter, use_pdl
 from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate, check_inputs
@@ -162,11 +162,8 @@ def rope_decode_attention(
     if T == 0 or B == 0:
         return out_THd
     G = H // Hkv
-    sms = _num_sms(q_THd.device) if q_THd.is_cuda else 4
-    n_split = splits if splits is not None else num_splits(B * Hkv, max_seq_len, 1, sms)
-    if block_n is None:
-        key_bytes = d * k_cache_NbSHd.element_size()
-        block_n = decode_block_n(B * Hkv, max_seq_len, n_split, sms, key_bytes) if q_THd.is_cuda else 16
+    n_split, auto_block_n = decode_tiles(B * Hkv, max_seq_len, d * k_cache_NbSHd.element_size(), q_THd.device, splits)
+    block_n = block_n or auto_block_n
     split_n, part_STHd, m_STH, l_STH = split_workspace(out_THd, n_split, max_seq_len, block_n)
     ps = part_STHd.stride()[:3] + m_STH.stride()[:2] if n_split > 1 else (0, 0, 0, 0, 0)
     pdl = use_pdl(q_THd, PDL_ENV)
