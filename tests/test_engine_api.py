@@ -132,6 +132,10 @@ def test_text_prompt_stop_string_and_logprob_tokens(text_llm):
     as_dict = text_llm.generate({"prompt": "def f(x):"}, GREEDY, use_tqdm=False)[0]  # vLLM's TextPrompt
     assert (as_dict.prompt, as_dict.prompt_token_ids, as_dict.outputs[0].text) == (base.prompt, base.prompt_token_ids, text)
     assert base.prompt == "def f(x):" and len(base.prompt_token_ids) == 9
+    as_ids = text_llm.generate({"prompt_token_ids": base.prompt_token_ids}, GREEDY, use_tqdm=False)[0]
+    assert as_ids.prompt is None and as_ids.outputs[0].text == text  # ids are not decoded to a prompt (vLLM)
+    named = text_llm.generate({"prompt_token_ids": base.prompt_token_ids, "prompt": "f"}, GREEDY, use_tqdm=False)[0]
+    assert named.prompt == "f" and named.outputs[0].text == text
     assert len(text) >= 6, text
     stop = text[3:5]
     first = text.find(stop)

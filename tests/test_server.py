@@ -55,6 +55,19 @@ def test_greedy_completion_equals_transformers(client, tokenizer, srv):
     srv.wait_idle()
 
 
+def test_echo_returns_the_prompt_sent_as_text_or_as_ids(client, tokenizer):
+    """echo=True: the prompt's text, then the completion; a prompt sent as ids is decoded by the server (the engine
+    keeps no text for id prompts, as vLLM)."""
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body=IGNORE_EOS)
+    plain = client.completions.create(prompt=PROMPT, **kw).choices[0].text
+    ids = tokenizer(PROMPT)["input_ids"]
+    as_text = client.completions.create(prompt=PROMPT, echo=True, **kw).choices[0].text
+    as_ids = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    assert as_text == PROMPT + plain
+    assert as_ids == tokenizer.decode(ids) + plain
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == plain  # no echo: the completion alone
+
+
 def test_chat_uses_the_chat_template(client, tokenizer):
     messages = [{"role": "system", "content": "Python only."}, {"role": "user", "content": "a stack class"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,

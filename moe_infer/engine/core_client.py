@@ -147,10 +147,7 @@ class ProcessEngine(StreamingEngine):
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             ids = list(ids) if isinstance(ids, (list, tuple)) else []
-            text = prompt.get("prompt")
-            if text is None and self.tokenizer is not None and all(isinstance(t, int) for t in ids):
-                text = self.tokenizer.decode(ids)
-            return text, ids, prompt
+            return prompt.get("prompt"), ids, prompt  # not decoded to text, as the offline engine (llm_engine.py)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str) and self.tokenizer is not None:
             ids = list(self.tokenizer(text)["input_ids"])

@@ -270,8 +270,8 @@ class LLMEngine:
             error = self.limits.ids_error(ids_L)
             if error is not None:
                 return text, [], error
-            if text is None and self.tokenizer is not None and self.detokenize:
-                text = self.tokenizer.decode(ids)
+            # text None: as vLLM, a prompt given as ids is not decoded to text on the request's way in (a 1,024-id
+            # prompt's decode was most of add_request's time); the server decodes it where echo needs it
             # an int64 array goes on to the sequence as it is (prompt chunks read it: Sequence.prompt_array)
             return text, ids_L if ids_L.dtype == np.int64 else ids_L.tolist(), None
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt

@@ -6,7 +6,7 @@ text (not with logprobs: prompt logprobs are not computed). Logprobs are OpenAI'
 """
 from __future__ import annotations
 
-from typing import AsyncIterator, Dict, List
+from typing import AsyncIterator, Dict, List, Optional
 
 from fastapi import APIRouter, Request
 
@@ -38,7 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         params = sampling_params(state, body, max_tokens_for(state, len(ids), body.max_tokens, "max_tokens"),
                                  body.logprobs, "logprobs")
         check_prompt(state, ids, params, "prompt")
-        prepared.append((p if isinstance(p, str) else None, ids, params))
+        prepared.append((p if isinstance(p, str) else _echo_text(state, ids, body.echo), ids, params))
     rid, created = random_id("cmpl"), now_s()
     streams = open_streams(state, rid, prepared)
     if body.stream:
@@ -47,6 +47,12 @@ async def create_completion(body: CompletionRequest, request: Request):
     outs = await final_outputs(request, streams)
     choices = [_choice(body, o, i * body.n + c.index, c) for i, o in enumerate(outs) for c in o.outputs]
     return CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices, usage=usage(outs))
+
+
+def _echo_text(state: ServerState, ids: List[int], echo: bool) -> Optional[str]:
+    """The text of a prompt sent as ids, decoded only where echo returns it (the engine does not decode id
+    prompts); None without a tokenizer (echo then returns the completion alone)."""
+    return state.tokenizer.decode(ids) if echo and state.tokenizer is not None else None
 
 
 def _prompt_list(prompt) -> List:
