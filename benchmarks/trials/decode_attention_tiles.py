@@ -12,12 +12,14 @@ current choice's output. The current choice (`num_splits`, `decode_block_n`, 4 w
 import argparse
 import json
 import os
-import statistics
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
+
+from attention import graph_time_us  # noqa: E402  (benchmarks/)
 
 H, HKV, D, S = 32, 4, 128, 16
 DEV = "cuda"
@@ -51,26 +53,12 @@ def call(c, **kw):
         c["seq_lens"], c["query_start"], D ** -0.5, c["max_seq_len"], None, **c["norm_kw"], **kw)
 
 
-def per_call_us(fn, chain: int, iters: int = 30) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def per_call_us(fn, chain: int) -> float:
+    """Median graph time of `chain` calls in a row (benchmarks/attention.py's timing), per call."""
+    def chained():
         for _ in range(chain):
             fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / chain)
-    return statistics.median(times)
+    return graph_time_us(chained) / chain
 
 
 def main():
@@ -88,7 +76,7 @@ def main():
     sms = _num_sms(torch.device("cuda"))
     rows = []
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; rope_decode_attention, H={H} Hkv={HKV} d={D} bf16, "
-          f"us per call in a graph of {args.chain} calls (median of 30 replays)", flush=True)
+          f"us per call in a graph of {args.chain} calls (median of 50 replays)", flush=True)
     for B in [int(b) for b in args.batches.split(",")]:
         for L in [int(n) for n in args.lengths.split(",")]:
             c = case(B, L, gen)
