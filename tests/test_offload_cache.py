@@ -68,6 +68,34 @@ def test_lru_evicts_the_least_recent_and_lfu_keeps_the_hot():
     assert lfu.allocate(2) == (1, 1)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pin", "unpin_all", "allocate", "victim"]),
+                          st.sampled_from(["step", "prefetch"]), st.integers(0, 9)), max_size=80))
+def test_slot_table_pins_match_a_naive_scan(ops):
+    """is_pinned / evictable / allocate against a scan over the pin sets of every kind (the reference),
+    through any mix of pins, releases and allocations: a pinned key is never evicted."""
+    table = SlotTable(4, CACHE_POLICIES.get("lru")())
+    for op, kind, key in ops:
+        if op == "pin":
+            table.pin(key, kind)
+        elif op == "unpin_all":
+            table.unpin_all(kind)
+        elif key not in table.slot_of:
+            pinned_before = {k for pins in table.pins.values() for k in pins}
+            victim = None
+            if op == "victim":
+                free = [k for k in table.slot_of if k not in pinned_before]
+                victim = free[0] if free and not table.free else None
+            got = table.allocate(key, victim)
+            if got is not None and got[1] is not None:
+                assert got[1] not in pinned_before
+        for k in range(10):
+            assert table.is_pinned(k) == any(k in pins for pins in table.pins.values()), (k, table.pins)
+        naive = [k for k in table.slot_of if not any(k in pins for pins in table.pins.values())]
+        assert table.evictable() == naive
+
+
 # ------------------------------------------------------------------ planner
 def _shape(L=4, E=8, K=2, dtype=torch.bfloat16):
     return ExpertShape(num_layers=L, num_local_experts=E, top_k=K, hidden_size=64, intermediate_size=32, dtype=dtype)

@@ -1,7 +1,9 @@
-"""Trial: where one Mixtral offload decode step's host time goes, per miss policy (auto vs share).
+"""Trial: where one offload decode step's host time goes, per miss policy (auto vs share).
 
 The Mixtral shape as benchmarks/offload.py sets it up (24 GB, every layer host memory can pin, trace
-routing, layer graphs on; argv: steps, miss policies, streams, default 8 auto,share 1). For the
+routing, layer graphs on), or with shape `qwen3` the Qwen3-30B-A3B shape as it sets that up (a 16 GB
+expert budget, the model's own router); argv: steps, miss policies, streams, shape, default
+8 auto,share 1 mixtral, and optionally the offload `stream_chunk` (experts per stream buffer). For the
 decode steps after warm-up, host wall time is split by wrapping the offload calls: fetch (its one
 copy to the host = the wait for the GPU, timed apart), gather_cpu_rows (the CPU path's sync and rows
 out), cpu_experts (the host's expert compute), prefetch (decisions and copy launches), the rest of
@@ -53,19 +55,26 @@ def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     policies = sys.argv[2].split(",") if len(sys.argv) > 2 else ["auto", "share"]
     streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    shape = sys.argv[4] if len(sys.argv) > 4 else "mixtral"
+    chunk = {"stream_chunk": int(sys.argv[5])} if len(sys.argv) > 5 else {}
     torch.cuda.set_per_process_memory_fraction(24 * bench.GiB / torch.cuda.get_device_properties(0).total_memory)
-    mix = bench.shapes(False)["mixtral"]
-    mix.num_hidden_layers = max(1, min(32, bench.host_layers(mix, 24.0)))
-    budget = (24 * bench.GiB - bench.non_expert_bytes(mix) - 2.5 * bench.GiB) / bench.GiB
+    cfg = bench.shapes(False)[shape]
+    if shape == "mixtral":
+        cfg.num_hidden_layers = max(1, min(32, bench.host_layers(cfg, 24.0)))
+        budget = (24 * bench.GiB - bench.non_expert_bytes(cfg) - 2.5 * bench.GiB) / bench.GiB
+    else:  # benchmarks/offload.py's Qwen3 part: its default budget and layer count
+        cfg.num_hidden_layers = max(1, min(48, bench.host_layers(cfg, 16.0)))
+        budget = 16.0
     d = tempfile.mkdtemp()
-    mix.save_pretrained(d)
+    cfg.save_pretrained(d)
     llm = LLM(model=d, load_format="dummy", dtype="bfloat16", device="cuda", offload="cpu", gpu_expert_budget_gb=budget,
               num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **chunk)
     moe = llm.engine.runner.model.moe_layers()
-    TraceReplay(record_tiny_traces(16, 128, torch.device("cuda")), 8, 2, torch.device("cuda")).install(moe)
+    if shape == "mixtral":
+        TraceReplay(record_tiny_traces(16, 128, torch.device("cuda")), 8, 2, torch.device("cuda")).install(moe)
     m = llm.engine.runner.offload
-    print(f"{mix.num_hidden_layers} layers; {m.cost.describe(m.shape.nbytes)}", flush=True)
+    print(f"{shape}, {cfg.num_hidden_layers} layers; {m.plan.describe()}; {m.cost.describe(m.shape.nbytes)}", flush=True)
     off.OffloadedExpertStore.fetch = timed("fetch", off.OffloadedExpertStore.fetch)
     off.OffloadedExpertStore.prefetch = timed("prefetch", off.OffloadedExpertStore.prefetch)
     fe.FetchedExperts._run = timed("run", fe.FetchedExperts._run)
