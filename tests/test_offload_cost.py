@@ -70,6 +70,21 @@ def test_the_host_lead_is_noted_once_per_layer_step():
     assert len(leads) == 1 and leads[0] >= 0
 
 
+def test_a_long_host_lead_does_not_stick_when_every_miss_goes_to_the_link():
+    """Only host expert compute measures the lead: layer steps whose misses all go to the link move it back
+    toward 0 (1 % each), so a lead measured long once does not keep the host cores idle for good."""
+    m, (store, _), _ = _stores(2, 4, 2, 1, miss_policy="auto", prefetch=False)
+    m.cost.cpu_seconds_at = ((1, 1.0), (64, 1.0))  # a slow host: every miss goes to the link
+    m.host_lead_s = lead = 0.02
+    x_TD = torch.randn(1, D)
+    for step in range(3):
+        ids_TK = torch.tensor([[step % 4, (step + 1) % 4]])
+        store.fetch(x_TD, ids_TK).run(x_TD, ids_TK, torch.ones(1, 2), _checking_compute(store, ids_TK, set()))
+        assert m.host_lead_s < lead
+        lead = m.host_lead_s
+    assert m.host_lead_s == pytest.approx(0.02 * 0.99 ** 3)
+
+
 def test_split_misses_balances_link_and_cpu():
     cost = CostModel(h2d_bytes_per_s=1e9, cpu_seconds_at=((1, 4e-3), (4, 4e-3), (16, 8e-3), (64, 30e-3)))
     expert = int(6.5e6)  # 6.5 ms on the link

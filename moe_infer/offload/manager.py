@@ -90,6 +90,13 @@ class OffloadManager:
         """A layer step's host expert compute starts `lead_s` after its plan: averaged into host_lead_s."""
         self.host_lead_s += weight * (min(max(lead_s, 0.0), cap_s) - self.host_lead_s)
 
+    def relax_host_lead(self, rate: float = 0.01) -> None:
+        """A layer step's misses all went to the link: host_lead_s drifts toward 0. Only the host's own
+        expert compute measures the lead, so a lead measured long once (a step of many launches before
+        the host's experts, a wide prefill) would keep every later miss off the host cores and never be
+        measured again (cost.relax does the same for the CPU scale)."""
+        self.host_lead_s -= rate * self.host_lead_s
+
     def link_wait_s(self) -> float:
         """The link's backlog in seconds; the cost model's link rate follows the one the copies measure."""
         wait = self.copier.seconds_until_idle()

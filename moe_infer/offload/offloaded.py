@@ -167,6 +167,7 @@ class OffloadedExpertStore(nn.Module):
         plan = plan_misses(misses, partial, mode, m.cost, m.shape, link_wait_s, m.host_lead_s)
         if misses and mode in ("auto", "share") and not plan.to_cpu and not any(plan.shared.values()):
             m.cost.relax()  # the host got nothing: its slow figure, if any, must not stick (cost.py)
+            m.relax_host_lead()  # nor a long lead
         F = m.shape.intermediate_size
         to_stream, to_cpu, shared, copies = [], list(plan.to_cpu), {}, []
         for e in plan.to_copy + [e for e in plan.shared if e in misses]:
