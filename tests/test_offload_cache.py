@@ -68,7 +68,6 @@ def test_lru_evicts_the_least_recent_and_lfu_keeps_the_hot():
     assert lfu.allocate(2) == (1, 1)
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["pin", "unpin_all", "allocate", "victim"]),
                           st.sampled_from(["step", "prefetch"]), st.integers(0, 9)), max_size=80))
