@@ -24,6 +24,9 @@ class ModelConfig:
     # the most tokens of a prefill / mixed step replayed as a CUDA graph (0: those steps run eagerly)
     cuda_graph_max_tokens: int = 2048
     attention_backend: str = "auto"  # auto | torch (float32 reference) | sdpa | triton (paged, K/V read in place)
+    # in a step with prompt tokens, the last layer computes past its K/V write only each sequence's last row (the
+    # one the model's output is read at; moe_infer/layers/last_rows.py); off with a capacity policy or the trace
+    prune_last_layer: bool = True
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():

@@ -120,8 +120,12 @@ def test_metrics_and_expert_load(llm):
     load = llm.get_expert_load()
     arch = llm.engine.runner.arch
     assert [row["layer"] for row in load] == list(arch.moe_layer_ids)
-    # tokens through each MoE layer: both prompts, then 11 decode steps of 2 sequences
-    assert all(sum(row["routed"]) == (4 + 2 + 11 * 2) * arch.top_k for row in load)
+    # tokens through each MoE layer: both prompts, then 11 decode steps of 2 sequences; the model's last layer
+    # runs each prompt's last token only (model.prune_last_layer, moe_infer/layers/last_rows.py)
+    last = arch.num_layers - 1
+    assert llm.engine.runner.last_rows
+    assert all(sum(row["routed"]) == ((1 + 1) if row["layer"] == last else (4 + 2)) * arch.top_k + 11 * 2 * arch.top_k
+               for row in load)
     llm.reset_expert_load()
     assert all(sum(row["routed"]) == 0 for row in llm.get_expert_load())
 

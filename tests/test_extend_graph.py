@@ -66,7 +66,7 @@ def _static_vs_eager(family: str, prompts=PROMPTS, params=PARAMS, **kw):
     runner = llm.engine.runner
     assert runner.extend_graphs is None  # CPU: graphs are never on by themselves
     runner.extend_graphs = ExtendGraphs(runner.model, 24, 4, -(-runner.max_model_len // 4), 4, runner.device,
-                                        capture=False)
+                                        capture=False, last_rows=runner.last_rows)
     got = _generate(llm, prompts, params)
     assert got == want
     # every step (prefill chunks, mixed, decode: no decode graphs here) went through the buffers, padded

@@ -79,8 +79,10 @@ class ExtendGraphs:
     """
 
     def __init__(self, forward: ForwardFn, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
-                 device: torch.device, capture: bool = True, pool=None, max_graphs: int = MAX_GRAPHS) -> None:
+                 device: torch.device, capture: bool = True, pool=None, max_graphs: int = MAX_GRAPHS,
+                 last_rows: bool = False) -> None:
         self.forward, self.block_size, self.max_blocks = forward, block_size, max_blocks
+        self.last_rows = last_rows  # the last layer runs each sequence's last row only (layers/last_rows.py)
         self.sizes = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = self.sizes[-1], next_pow2(max_seqs + 1)
         self.capture, self.max_graphs = capture, max_graphs
@@ -156,8 +158,13 @@ class ExtendGraphs:
 
     def _run_static(self, Tp: int, Bp: int, Qp: int) -> torch.Tensor:
         v = self._views(Tp, Bp)
-        with forward_context(self._meta(Tp, Bp, Qp), valid_T=v["valid"]):
+        with forward_context(self._meta(Tp, Bp, Qp), valid_T=v["valid"], last_rows=self.last_rows):
             return self.forward(v["ids"], v["positions"])
+
+    def _out_rows(self, key: Tuple[int, int, int], T: int, B: int) -> int:
+        """Rows of the step's output: one a sequence where the forward ran its last layer on those (a bucket whose
+        longest query has more than one row, `MoEModel.forward_tail`), else one a token."""
+        return B if self.last_rows and key[2] > 1 else T
 
     def _pieces(self) -> Optional[Tuple[Callable, Callable]]:
         """(forward_head, forward_tail) of a model that has them and more than HEAD_LAYERS layers, else None."""
@@ -178,14 +185,14 @@ class ExtendGraphs:
         v["valid"].fill_(False)  # nothing counted in the load statistics until the real replay
 
         def run_head():
-            with forward_context(meta, valid_T=v["valid"]):
+            with forward_context(meta, valid_T=v["valid"], last_rows=self.last_rows):
                 return head(v["ids"], v["positions"], num_layers=HEAD_LAYERS)
 
         head_graph, (h_TD, delta_TD) = capture_graph(run_head, v["valid"], self.pool)
         head_graph.replay()  # the head's outputs now hold the step's values: the tail's warm-up run reads them
 
         def run_tail():
-            with forward_context(meta, valid_T=v["valid"]):
+            with forward_context(meta, valid_T=v["valid"], last_rows=self.last_rows):
                 return tail(h_TD, delta_TD, v["positions"], first_layer=HEAD_LAYERS)
 
         tail_graph, out = capture_graph(run_tail, v["valid"], self.pool)
@@ -193,12 +200,13 @@ class ExtendGraphs:
         return [head_graph, tail_graph], out
 
     def replay(self, inputs: StepInputs) -> Optional[torch.Tensor]:
-        """hidden [T, D] of a step `load`ed into the buffer, or None: run it eagerly (a capture failed, or the
-        graph budget is spent)."""
+        """hidden [T, D] of a step `load`ed into the buffer ([B, D], each sequence's last row, where the last
+        layer ran those only: `_out_rows`), or None: run it eagerly (a capture failed, or the graph budget is spent)."""
         key, T = inputs.bucket, inputs.input_ids_T.shape[0]
+        rows = self._out_rows(key, T, inputs.sizes[1])
         if not self.capture:
             self.runs += 1
-            return self._run_static(*key)[:T]
+            return self._run_static(*key)[:rows]
         if key not in self.graphs and len(self.graphs) >= self.max_graphs:
             if not self.full_logged:
                 self.full_logged = True
@@ -206,4 +214,4 @@ class ExtendGraphs:
                             "eagerly", self.max_graphs)
             return None
         out_TpD = replay_graph(self, key, lambda: self._capture(key), f"a step of {T} tokens (bucket {key})")
-        return None if out_TpD is None else out_TpD[:T]
+        return None if out_TpD is None else out_TpD[:rows]

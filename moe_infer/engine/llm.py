@@ -174,7 +174,9 @@ class LLM:
     def get_expert_load(self) -> List[dict]:
         """Per MoE layer: rows routed / dropped / rerouted per expert, imbalance, entropy.
 
-        Empty when the statistics are off (`routing.collect_stats=False`).
+        Rows the layer computed: with `model.prune_last_layer` (the default) the model's last layer runs, in a
+        step with prompt tokens, each sequence's last token only, so it counts those. Empty when the statistics
+        are off (`routing.collect_stats=False`).
         """
         return self.engine.get_expert_load()
 

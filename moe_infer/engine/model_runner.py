@@ -89,6 +89,7 @@ class ModelRunner:
         self.num_kv_blocks = self.parallel.agree_min(self._num_kv_blocks())  # the same block ids on every rank
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.model.bind_kv_cache(self.kv_caches)
+        self.last_rows = self._last_rows_on()
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
@@ -105,6 +106,14 @@ class ModelRunner:
 
             self.rebalancer = OnlineRebalancer(self.parallel, self.model.moe_layers(), self.stats,
                                                cfg.parallel.eplb_step_interval)
+
+    def _last_rows_on(self) -> bool:
+        """model.prune_last_layer where the rows of a layer are independent and no recorder wants every row: the
+        dropless policy (a capacity drops rows by what the others chose), no routing trace; and where this model
+        part can run it (moe_infer/layers/last_rows.py)."""
+        cfg = self.cfg
+        return (cfg.model.prune_last_layer and cfg.routing.policy == "dropless" and not cfg.routing.trace
+                and self.model.can_run_last_rows())
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
         """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
@@ -162,7 +171,7 @@ class ModelRunner:
             return None
         return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
-                            pool=self.graphs.pool if self.graphs is not None else None)
+                            pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
@@ -257,7 +266,7 @@ class ModelRunner:
         elif self.layer_graphs is not None and self.layer_graphs.can_run(inputs.sizes):
             hidden_TD = self.layer_graphs.run(inputs.input_ids_T, inputs.meta)
         if hidden_TD is None and logits_TV is None:
-            with forward_context(inputs.meta):
+            with forward_context(inputs.meta, last_rows=self.last_rows):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
         return LaunchedStep(plan, self._sample(inputs, hidden_TD, plan_requests(plan), logits_TV))
 
@@ -273,19 +282,29 @@ class ModelRunner:
                 logits_TV: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
         """Logits of the sampling rows (a collective over tp; logits_TV: every row's, from a decode graph),
         sampled (launched) where reqs are given."""
-        T, _, S = inputs.sizes[:3]
+        T, B, S = inputs.sizes[:3]
         if S == 0:
             return None
         # every row samples (a decode step): the rows in order, no gather
         if logits_TV is not None:
             logits_SV = logits_TV[:S] if S == T else logits_TV[inputs.sample_rows_S]
         else:
-            hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
+            if hidden_TD.shape[0] == T:
+                hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
+            else:  # one row a sequence, its last (the last layer ran those only: moe_infer/layers/last_rows.py)
+                hidden_SD = hidden_TD[:S] if S == B else hidden_TD.index_select(0, self._sampling_seqs(inputs))
             logits_SV = self.model.compute_logits(hidden_SD, upcast=False)  # the sampler casts where it must
         if reqs is None:
             return None
         on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight
         return self.sampler.sample(logits_SV, reqs, inputs.input_ids_T[inputs.sample_rows_S] if on_device else None)
+
+    @staticmethod
+    def _sampling_seqs(inputs: StepInputs) -> torch.Tensor:
+        """The sequence of each sampling row (a sequence's last row r lies in [q[b], q[b+1]): b = #{q[1:] <= r})."""
+        B = inputs.sizes[1]
+        ends_B = inputs.meta.query_start_loc_B1[1:B + 1].contiguous()
+        return torch.searchsorted(ends_B, inputs.sample_rows_S.to(ends_B.dtype), right=True)
 
     # ------------------------------------------------------------------ the step under a mesh
     def encode(self, plan: SchedulerOutput) -> StepMessage:

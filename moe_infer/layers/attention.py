@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from moe_infer.layers.forward_context import get_forward_context
+from moe_infer.layers.last_rows import LastRows
 from moe_infer.layers.linear import linear
 from moe_infer.layers.norm import RMSNorm, ShardedRMSNorm
-from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, attend_cached
+from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, attend_cached, store_kv
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.models.arch import ModelArch
@@ -103,6 +104,11 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
+    @property
+    def supports_last_rows(self) -> bool:
+        """Whether `forward` can take `rows`: the backend's attend-only part is at hand."""
+        return self._rope_fused is not None or hasattr(self._attend, "attend")
+
     def _qkv(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
         qkv = linear(x_TD, self.qkv_proj.weight, self.qkv_proj.bias)
@@ -126,7 +132,9 @@ class Attention(nn.Module):
         return dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=self.q_norm.eps,
                     norm_mode=self.fused_norm)
 
-    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, rows: Optional[LastRows] = None) -> torch.Tensor:
+        """[T, D] -> [T, D]; with rows (the last layer of a step, moe_infer/layers/last_rows.py): every row's K/V
+        written, the output of rows.keep_B only -> [B, D]."""
         attn = get_forward_context().attn
         if attn is None:
             raise RuntimeError("attention needs AttentionMetadata in the forward context, got None")
@@ -135,6 +143,8 @@ class Attention(nn.Module):
         q_THd, k_THd, v_THd = self._qkv(x_TD)
         k_cache, v_cache = self.kv_cache
         fused = self._rope_fused
+        if rows is not None:
+            return self._last_rows(q_THd, k_THd, v_THd, positions_T, attn, rows)
         if fused is not None:
             cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
             if self.decode_in_one_call and attn.max_query_len <= 1:
@@ -152,3 +162,22 @@ class Attention(nn.Module):
             o_THd = self._attend(q_THd, k_THd, v_THd, k_cache, v_cache, attn, positions_T, self.scale,
                                  self.sliding_window)
         return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))
+
+    def _last_rows(self, q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
+                   attn, rows: LastRows) -> torch.Tensor:
+        """Every row's K/V rotated and written, then only rows.keep_B attended (one query a sequence) -> [B, D]."""
+        k_cache, v_cache = self.kv_cache
+        fused = self._rope_fused
+        if fused is not None:
+            cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
+            q_THd = fused.rope_store_kv(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
+                                        attn.slot_mapping_T, **self._fused_norm_args())
+            attend = fused.attend
+        else:
+            q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
+            store_kv(k_THd, v_THd, k_cache, v_cache, attn.slot_mapping_T)
+            attend = self._attend.attend
+        q_BHd = q_THd.index_select(0, rows.keep_B)
+        o_BHd = attend_cached(attend, q_BHd, k_cache, v_cache, rows.attn, rows.attn.positions_T, self.scale,
+                              self.sliding_window)
+        return self.o_proj(o_BHd.reshape(q_BHd.shape[0], self.q_size))

@@ -31,6 +31,7 @@ class AttentionMetadata:
 class ForwardContext:
     attn: Optional[AttentionMetadata]
     valid_T: Optional[torch.Tensor] = None  # bool: False for padding rows of a CUDA-graph batch (None: all valid)
+    last_rows: bool = False  # the last layer computes each sequence's last row only (moe_infer/layers/last_rows.py)
     at_end: Dict[int, Callable[[], None]] = field(default_factory=dict)  # `at_forward_end`, by owner id
 
 
@@ -38,10 +39,10 @@ _CONTEXT: Optional[ForwardContext] = None
 
 
 @contextmanager
-def forward_context(attn: Optional[AttentionMetadata],
-                    valid_T: Optional[torch.Tensor] = None) -> Iterator[ForwardContext]:
+def forward_context(attn: Optional[AttentionMetadata], valid_T: Optional[torch.Tensor] = None,
+                    last_rows: bool = False) -> Iterator[ForwardContext]:
     global _CONTEXT
-    ctx = ForwardContext(attn=attn, valid_T=valid_T)
+    ctx = ForwardContext(attn=attn, valid_T=valid_T, last_rows=last_rows)
     prev, _CONTEXT = _CONTEXT, ctx
     try:
         yield ctx
@@ -60,9 +61,27 @@ def at_forward_end(owner: object, fn: Callable[[], None]) -> bool:
     return True
 
 
+@contextmanager
+def fewer_rows(attn: AttentionMetadata, valid: Optional[torch.Tensor]) -> Iterator[None]:
+    """Inside a forward, for a part that runs fewer rows (the last layer's MLP, moe_infer/layers/last_rows.py):
+    their metadata (what a row's sequence and position are) and padding mask in place of the step's."""
+    ctx = get_forward_context()
+    prev = ctx.attn, ctx.valid_T
+    ctx.attn, ctx.valid_T = attn, valid
+    try:
+        yield
+    finally:
+        ctx.attn, ctx.valid_T = prev
+
+
 def valid_tokens() -> Optional[torch.Tensor]:
     """The padding mask of the running forward, None when every row is a real token (or no context)."""
     return _CONTEXT.valid_T if _CONTEXT is not None else None
+
+
+def current_forward_context() -> Optional[ForwardContext]:
+    """The running forward's context, None outside a forward."""
+    return _CONTEXT
 
 
 def get_forward_context() -> ForwardContext:

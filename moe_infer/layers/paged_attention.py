@@ -232,6 +232,7 @@ def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
         store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
         return attend_cached(attend, q_THd, k_cache_NbSHd, v_cache_NbSHd, attn, positions_T, scale, sliding_window)
 
+    backend.attend = attend  # the attend-only part: for queries of fewer rows than the K/V written
     return backend
 
 

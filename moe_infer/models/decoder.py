@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from moe_infer.layers.attention import Attention
+from moe_infer.layers.forward_context import current_forward_context, fewer_rows
+from moe_infer.layers.last_rows import LastRows, last_rows
 from moe_infer.layers.mlp import DenseMLP
 from moe_infer.layers.moe import MoEBackends, MoELayer
 from moe_infer.layers.norm import RMSNorm
@@ -50,17 +52,23 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype, shard.tp)
 
-    def forward(self, h_TD: torch.Tensor, positions_T: torch.Tensor,
-                delta_TD: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h_TD: torch.Tensor, positions_T: torch.Tensor, delta_TD: Optional[torch.Tensor] = None,
+                rows: Optional[LastRows] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output): the caller adds the output, fused into the next
-        norm (h_TD + delta_TD is the stream this layer reads; delta_TD None: h_TD is)."""
+        norm (h_TD + delta_TD is the stream this layer reads; delta_TD None: h_TD is). With rows (the last
+        layer, moe_infer/layers/last_rows.py): every row's K/V written, both outputs of rows.keep_B only [B, D]."""
         if delta_TD is None:
             x_TD = self.input_layernorm(h_TD)
         else:
             h_TD, x_TD = self.input_layernorm.add_forward(h_TD, delta_TD)
-        attn_TD = self.self_attn(x_TD, positions_T)
+        attn_TD = self.self_attn(x_TD, positions_T, rows)
+        if rows is not None:
+            h_TD = h_TD.index_select(0, rows.keep_B)
         h_TD, x_TD = self.post_attention_layernorm.add_forward(h_TD, attn_TD)
-        return h_TD, self.mlp(x_TD)
+        if rows is None:
+            return h_TD, self.mlp(x_TD)
+        with fewer_rows(rows.attn, rows.valid_B):
+            return h_TD, self.mlp(x_TD)
 
 
 class MissingLayer(nn.Module):
@@ -104,6 +112,24 @@ class MoEModel(nn.Module):
         h_TD, delta_TD = self.forward_head(input_ids_T, positions_T, hidden_TD, num_layers=0)
         return self.forward_tail(h_TD, delta_TD, positions_T, first_layer=0)
 
+    def can_run_last_rows(self) -> bool:
+        """Whether this rank can run its last layer on each sequence's last row only: it holds the model's
+        last layer (the last pipeline stage) and that layer's attention backend has an attend-only part."""
+        last = self.local_layers[-1] if len(self.local_layers) else None
+        return (self.shard.is_last_stage and last == self.arch.num_layers - 1
+                and self.layers[last].self_attn.supports_last_rows)
+
+    def _last_rows(self) -> Optional[LastRows]:
+        """The last layer's rows when the forward context asks for them and the step has a sequence of more
+        than one row (decode steps: None, every row is a last row)."""
+        ctx = current_forward_context()
+        if ctx is None or not ctx.last_rows or ctx.attn is None or ctx.attn.max_query_len <= 1:
+            return None
+        if not self.can_run_last_rows():
+            raise RuntimeError("forward_context(last_rows=True) on a model part that cannot run it "
+                               "(check can_run_last_rows first)")
+        return last_rows(ctx.attn, ctx.valid_T)
+
     @torch.no_grad()
     def forward_head(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
                      hidden_TD: Optional[torch.Tensor] = None, num_layers: int = 1):
@@ -130,9 +156,12 @@ class MoEModel(nn.Module):
     def forward_tail(self, h_TD: torch.Tensor, delta_TD: Optional[torch.Tensor], positions_T: torch.Tensor,
                      first_layer: int = 1) -> torch.Tensor:
         """The rest of `forward` after `forward_head(..., num_layers=first_layer)`: this stage's layers from
-        first_layer on, then the final norm (last stage) -> hidden states [T, D]."""
-        for i in self.local_layers[first_layer:]:
-            h_TD, delta_TD = self.layers[i](h_TD, positions_T, delta_TD)
+        first_layer on, then the final norm (last stage) -> hidden states [T, D]; [B, D], each sequence's last
+        row, where the forward context asks for `last_rows` (moe_infer/layers/last_rows.py)."""
+        layers = self.local_layers[first_layer:]
+        rows = self._last_rows() if layers else None
+        for i in layers:
+            h_TD, delta_TD = self.layers[i](h_TD, positions_T, delta_TD, rows if i == layers[-1] else None)
         if delta_TD is None:
             return h_TD if self.norm is None else self.norm(h_TD)
         if self.norm is None:
