@@ -152,7 +152,9 @@ def test_engine_steps_select_warmed_variants_cpu(monkeypatch):
     runner = llm.engine.runner
     recorder = LaunchKeys(monkeypatch)
     recorder.where = "warm-up"
-    warmup_kernels(runner.model, *warmup_plan(runner), runner.max_model_len, runner.block_size, runner.device)
+    counts, decodes, last_row_shapes = warmup_plan(runner)
+    warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device,
+                   runner.last_rows, last_row_shapes)
     warmed = dict(recorder.keys)
     launched = {key[0] for key in warmed}
     assert {"routing_gate_kernel", "gate_up_kernel", "down_kernel", "align_scatter_kernel", "tile_scatter_kernel",

@@ -126,26 +126,32 @@ def padding_step(lengths: Sequence[int], block_size: int, device: torch.device, 
 
 @torch.inference_mode()
 def warmup_kernels(model, token_counts: Sequence[int], decode_shapes: Sequence[Tuple[int, int]], max_model_len: int,
-                   block_size: int, device: torch.device) -> float:
+                   block_size: int, device: torch.device, last_rows: bool = False,
+                   last_row_shapes: Sequence[Tuple[int, int]] = ()) -> float:
     """One eager forward per token count (sequences of at most max_model_len tokens), then a decode of B
-    one-token sequences over L keys per (B, L) of decode_shapes. Returns the seconds it took."""
+    one-token sequences over L keys per (B, L) of decode_shapes. With last_rows (the runner's: a prompt step's last
+    layer runs each sequence's last row, attended as a decode, moe_infer/layers/last_rows.py), every forward runs
+    so, and a step of B two-token sequences over L keys per (B, L) of last_row_shapes warms that decode attention.
+    Returns the seconds it took."""
     start = time.perf_counter()
     steps = [([max_model_len] * (T // max_model_len) + ([T % max_model_len] if T % max_model_len else []), 0)
              for T in token_counts]
     steps += [([1] * B, L) for B, L in decode_shapes]
+    steps += [([2] * B, L) for B, L in (last_row_shapes if last_rows else ())]
     for lengths, max_seq_len in steps:
         input_ids_T, meta, valid_T = padding_step(lengths, block_size, device, max_seq_len)
-        with forward_context(meta, valid_T=valid_T), graph_kernels():  # what the CUDA graphs' forwards select
+        with forward_context(meta, valid_T=valid_T, last_rows=last_rows), graph_kernels():  # as the graphs select
             model(input_ids_T, meta.positions_T)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]]]:
-    """(token counts, decode shapes) a ModelRunner's warm-up runs: steps of up to max_num_batched_tokens tokens
-    (and the decode batches its CUDA graphs pad to); decodes of up to max_num_seqs sequences over contexts up to the
-    widest block table."""
+def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """(token counts, decode shapes, last-row shapes) a ModelRunner's warm-up runs: steps of up to
+    max_num_batched_tokens tokens (and the decode batches its CUDA graphs pad to); decodes of up to max_num_seqs
+    sequences over contexts up to the widest block table; where the runner prunes its last layer, the decodes that
+    layer attends as, up to the prefill graphs' padded sequence count (max_num_seqs + 1 to a power of two)."""
     from moe_infer.experts.reference import EXPERT_BACKENDS
 
     cfg = runner.cfg
@@ -155,8 +161,10 @@ def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]]]:
     max_context = -(-runner.max_model_len // runner.block_size) * runner.block_size
     key_bytes = runner.arch.head_dim * torch.finfo(runner.dtype).bits // 8
     variant_of = decode_variant_of(runner.model.num_kv_heads, key_bytes, runner.device)
+    last_row_batch = 1 << cfg.scheduler.max_num_seqs.bit_length()  # next_pow2(max_num_seqs + 1): ExtendGraphs' Bp
     return (warmup_token_counts(max_tokens, runner.arch.top_k, config_of),
-            warmup_decode_shapes(cfg.scheduler.max_num_seqs, max_context, variant_of))
+            warmup_decode_shapes(cfg.scheduler.max_num_seqs, max_context, variant_of),
+            warmup_decode_shapes(last_row_batch, max_context, variant_of) if runner.last_rows else [])
 
 
 def warm_up_runner(runner) -> Optional[float]:
@@ -165,8 +173,9 @@ def warm_up_runner(runner) -> Optional[float]:
     if why_not:
         logger.info("no start-up warm-up of the Triton kernels: %s", why_not)
         return None
-    counts, decodes = warmup_plan(runner)
-    seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device)
-    logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), %d decodes (batch, "
-                "context) for the attention's tiles", seconds, len(counts), counts[-1], len(decodes))
+    counts, decodes, last_rows = warmup_plan(runner)
+    seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device,
+                             runner.last_rows, last_rows)
+    logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), %d + %d decodes (batch, "
+                "context) for the attention's tiles", seconds, len(counts), counts[-1], len(decodes), len(last_rows))
     return seconds
