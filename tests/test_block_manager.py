@@ -135,3 +135,23 @@ def test_disabled_prefix_caching():
 def test_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 16)
+
+
+def test_a_reused_block_forgets_its_old_prefix():
+    """A freed, hashed block taken by a new sequence holds that sequence's K/V from then on: the old prefix must no
+    longer be found there, and the block must take the new sequence's hash once computed."""
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a = seq(range(10, 18))  # both blocks, full
+    admit(bm, a)
+    compute_all(bm, a)
+    old = list(a.block_table)
+    bm.free(a)
+    assert bm.find_cached_prefix(seq(range(10, 19))) == old  # still cached while free
+    b = seq(range(50, 58))  # evicts and reuses both
+    assert admit(bm, b) == []
+    assert sorted(b.block_table) == sorted(old)
+    compute_all(bm, b)
+    assert bm.find_cached_prefix(seq(range(10, 19))) == []  # a's prefix is gone
+    assert bm.find_cached_prefix(seq(range(50, 59))) == b.block_table  # b's is found
+    assert all(bm.hash_to_id[h] == i for h, i in zip(b.block_hashes, b.block_table))
+    assert len(bm.hash_to_id) == 2  # a's entries were dropped at eviction

