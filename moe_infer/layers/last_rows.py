@@ -11,7 +11,8 @@ returns [B, D]. The saving is one layer's work on T - B rows: about 1/L of a pre
 Turned on per forward by the caller (`forward_context(..., last_rows=True)`, the model runner on one rank;
 `model.prune_last_layer`). Off where rows are coupled or every row is recorded: capacity policies other than
 dropless (whether a row is dropped depends on the other rows), the routing trace. The last layer's expert-load
-statistics then count its computed rows only.
+statistics then count its computed rows only. A feature that reads the output at other rows (prompt logprobs, not
+supported yet) would have to turn it off for its steps.
 
 Legend: T tokens of the step, B sequences (one row each), H query heads, d head_dim.
 """
