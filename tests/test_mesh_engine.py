@@ -46,10 +46,12 @@ def checkpoints(tmp_path_factory):
 
 
 def single_rank(path):
+    """(tokens, preemptions, rows each MoE layer counted) of the single-rank engine."""
     if path not in _REFS:
         llm = LLM(model=path, **ENGINE)
         outs = generate(llm)
-        _REFS[path] = ([o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_preemptions)
+        _REFS[path] = ([o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_preemptions,
+                       [sum(row["routed"]) for row in llm.get_expert_load()])
     return _REFS[path]
 
 
@@ -67,15 +69,19 @@ def test_mesh_greedy_equals_single_rank(world, checkpoints, tmp_path):
     for r in results:
         c = r["case"]
         name = f"{c['family']} tp={c['tp']} pp={c['pp']} ep={c['ep']}"
-        tokens, preemptions = single_rank(c["checkpoint"])
+        tokens, preemptions, rows = single_rank(c["checkpoint"])
         assert preemptions > 0  # the reference itself preempts
         assert r["tokens"] == tokens, name
         assert r["finish"] == ["length"] * len(tokens), name
         assert r["chunked"] > 0 and r["preemptions"] > 0, name
         if c["pp"] == 1:  # the same schedule as one rank
             assert r["preemptions"] == preemptions, name
+            # the same rows through every MoE layer; the last one runs a prompt step's last rows only
+            # (model.prune_last_layer, on the mesh's last stage as on one rank)
+            assert [sum(row["routed"]) for row in r["load"]] == rows, name
         # the driver reports every layer's expert load, the other stages' included
         assert all(sum(row["routed"]) > 0 for row in r["load"]), name
+        assert sum(r["load"][-1]["routed"]) < sum(r["load"][0]["routed"]), name  # the last layer pruned
 
 
 def _free_port() -> int:

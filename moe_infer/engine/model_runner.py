@@ -320,7 +320,7 @@ class ModelRunner:
             self.stats.reset()
         inputs = decode_inputs(msg.flat, message_sizes(msg), self.block_size)
         self._before_forward(inputs)
-        with forward_context(inputs.meta):
+        with forward_context(inputs.meta, last_rows=self.last_rows):  # the last stage's: every rank of it alike
             return self.model(inputs.input_ids_T, inputs.meta.positions_T, hidden_TD), inputs
 
     @torch.inference_mode()

@@ -8,8 +8,8 @@ a sequence, attended as a decode step attends (one query over the sequence's cac
 returns [B, D]. The saving is one layer's work on T - B rows: about 1/L of a prefill's forward for L layers
 (llama.cpp does the same with its output ids). Decode steps (one row a sequence) are left alone.
 
-Turned on per forward by the caller (`forward_context(..., last_rows=True)`, the model runner on one rank;
-`model.prune_last_layer`). Off where rows are coupled or every row is recorded: capacity policies other than
+Turned on per forward by the caller (`forward_context(..., last_rows=True)`: the model runner, on one rank and on
+every rank of a mesh's last pipeline stage alike; `model.prune_last_layer`). Off where rows are coupled or every row is recorded: capacity policies other than
 dropless (whether a row is dropped depends on the other rows), the routing trace. The last layer's expert-load
 statistics then count its computed rows only. A feature that reads the output at other rows (prompt logprobs, not
 supported yet) would have to turn it off for its steps.
