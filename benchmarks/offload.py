@@ -127,7 +127,8 @@ def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
                 "prefetch_evicted_needed", "gb_prefetch_wasted")}}
 
 
-def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
+def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device, stream_chunk: int = 0) -> list:
+    """The runs of one shape in one engine; stream_chunk: offload.stream_chunk (0: the engine's default)."""
     cfg_dir = tempfile.mkdtemp(prefix=f"offload_bench_{name}_")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -135,7 +136,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     t0 = time.perf_counter()
     llm = LLM(model=cfg_dir, load_format="dummy", dtype="bfloat16", device=str(device), offload="cpu",
               gpu_expert_budget_gb=budget_gb, num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16,
-              max_num_batched_tokens=512, enable_prefix_caching=False)
+              max_num_batched_tokens=512, enable_prefix_caching=False, stream_chunk=stream_chunk or None)
     setup_s = time.perf_counter() - t0
     info = llm.get_offload_stats()
     print(f"[{name}] {info['plan']}\n[{name}] {info['cost']}  (set up in {setup_s:.0f} s)", flush=True)
@@ -164,6 +165,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
                 r["gpu_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GiB
             r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
                      layer_graphs=graphs and layer_graphs is not None,
+                     stream_chunk=llm.engine.runner.offload.plan.stream_chunk,
                      budget_gb=budget_gb, setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
                      bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1),
@@ -175,7 +177,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
                   f"{r['shared_share']:.2f}, scale {r['cpu_scale']:.2f}), step {r['step_ms']:.0f} ms vs bound "
-                  f"{r['bound_step_ms']:.0f} ms", flush=True)
+                  f"{r['bound_step_ms']:.0f} ms (stream chunk {r['stream_chunk']})", flush=True)
     llm.shutdown()
     del llm, moe
     gc.collect()
@@ -240,6 +242,9 @@ def main() -> int:
     ap.add_argument("--layer-graphs", default="on",
                     help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
                          "(each run repeated per value, in that order)")
+    ap.add_argument("--stream-chunks", default="0",
+                    help="offload.stream_chunk of each engine (comma list: one engine per value and shape, in that "
+                         "order; 0: the engine's default)")
     ap.add_argument("--reserve-gb", type=float, default=2.5,
                     help="Mixtral: GiB of the --gpu-gb left for activations, graphs and workspaces (the rest of what "
                          "the non-expert weights leave is the expert budget)")
@@ -249,6 +254,9 @@ def main() -> int:
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
     args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
+    args.stream_chunks = [int(v) for v in args.stream_chunks.split(",")]
+    if any(c < 0 for c in args.stream_chunks):
+        ap.error("--stream-chunks: each value must be >= 0 (0: the engine's default)")
     for miss in args.miss_policies:
         OffloadConfig(store="cpu", miss_policy=miss)
     args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]
@@ -300,8 +308,15 @@ def main() -> int:
         print(f"NVMe ({n['reader']}): {n['read_gbps']:.2f} GB/s vs dd {n['dd_gbps']:.2f} GB/s ({n['of_disk']:.0%})",
               flush=True)
 
-    parts = [("mixtral", lambda: result["runs"].extend(bench_shape("mixtral", mix, mix_budget, limits, args, traces, device))),
-             ("qwen3", lambda: result["runs"].extend(bench_shape("qwen3", qwen, qwen_budget, limits, args, None, device))),
+    def shape_part(name, cfg, budget, traces_):
+        def run():
+            for chunk in args.stream_chunks:
+                result["runs"].extend(bench_shape(name, cfg, budget, limits, args, traces_, device, chunk))
+                gc.collect()
+        return run
+
+    parts = [("mixtral", shape_part("mixtral", mix, mix_budget, traces)),
+             ("qwen3", shape_part("qwen3", qwen, qwen_budget, None)),
              ("accelerate", accelerate_part), ("nvme", nvme_part)]
     for name, fn in parts:  # one failing part is recorded and the others still run: this is a one-shot GPU run
         if name not in args.parts:

@@ -80,13 +80,13 @@ def use_policies(llm, rule: str, miss: str) -> None:
 
 def print_table(result: dict) -> None:
     acc = result.get("accelerate", {}).get("extrapolated_tok_s")
-    print(f"\n{'shape':8} {'layers':>6} {'routing':7} {'streams':>7} {'prefetch':8} {'misses':6} {'graphs':6} {'tok/s':>7} {'hit':>5} "
+    print(f"\n{'shape':8} {'layers':>6} {'routing':7} {'streams':>7} {'prefetch':8} {'misses':6} {'graphs':6} {'chunk':>5} {'tok/s':>7} {'hit':>5} "
           f"{'pregate':>7} {'GB':>6} {'wasted':>6} {'GB/s':>6} {'of H2D':>6} {'CPU':>5} {'step/bound':>10} {'x accel':>8}")
     for r in result["runs"]:
         over = f"{r['step_over_bound']:.2f}" if r["step_over_bound"] else "-"
         vs = f"{r['tok_s'] / acc:.0f}" if acc and r["shape"] == "mixtral" and r["streams"] == 1 else "-"
         print(f"{r['shape']:8} {r['layers']:>6} {r['routing']:7} {r['streams']:>7} {r['prefetch_rule']:8} "
-              f"{r.get('miss_policy', 'auto'):6} {'on' if r.get('layer_graphs') else 'off':6} "
+              f"{r.get('miss_policy', 'auto'):6} {'on' if r.get('layer_graphs') else 'off':6} {r.get('stream_chunk', '-'):>5} "
               f"{r['tok_s']:>7.2f} {r['hit_rate']:>5.2f} {r['prefetch_token_recall']:>7.2f} {r['gb_h2d']:>6.1f} "
               f"{r['gb_prefetch_wasted']:>6.1f} {r['h2d_gbps']:>6.1f} {r['h2d_of_limit']:>6.2f} {r['cpu_share']:>5.2f} "
               f"{over:>10} {vs:>8}")

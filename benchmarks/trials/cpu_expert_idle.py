@@ -7,9 +7,11 @@ expert's weights come cold from memory, after the host spent milliseconds launch
 have gone to sleep. For the Qwen3-30B-A3B shape (9.4 MB an expert) the engine measured up to 20-28x the start-up
 figure (docs/offload.md). This times `moe_infer.offload.compute.swiglu` per call, median over the calls, for:
   the same expert back to back (the start-up way); a different expert each call (cold weights); and each with an
-  idle gap (time.sleep) before the call.
+  idle gap before the call: the main thread asleep (time.sleep), or with --busy busy in Python (as the engine's
+  main thread is, launching GPU work, while the intra-op threads wait). Run it under OMP_WAIT_POLICY=PASSIVE / ACTIVE
+  to see what the threads' sleeping costs.
 
-    python benchmarks/trials/cpu_expert_idle.py [--shape qwen3|mixtral] [--rows 2] [--experts 64] [--gaps 0,2,20]
+    python benchmarks/trials/cpu_expert_idle.py [--shape qwen3|mixtral] [--rows 2] [--experts 64] [--gaps 0,2,20] [--busy]
 """
 import argparse
 import os
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64, help="distinct experts cycled through (their bytes exceed the caches)")
     ap.add_argument("--gaps", default="0,2,20", help="idle ms before each call")
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--busy", action="store_true", help="the main thread spins in Python through each gap")
     args = ap.parse_args()
     D, F = SHAPES[args.shape]
     torch.manual_seed(0)
@@ -41,14 +44,23 @@ def main() -> None:
     x = torch.randn(args.rows, D).to(torch.bfloat16)
     mb = (w13[0].numel() + w2[0].numel()) * 2 / 1e6
     print(f"{args.shape}: {mb:.1f} MB an expert, {args.rows} rows, {torch.get_num_threads()} intra-op threads, "
-          f"{args.experts} experts")
+          f"{args.experts} experts, gaps {'busy' if args.busy else 'asleep'}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+
+    def idle(gap_s: float) -> None:
+        if not args.busy:
+            time.sleep(gap_s)
+            return
+        end = time.perf_counter() + gap_s
+        while time.perf_counter() < end:
+            pass
 
     def run(gap_s: float, cycle: bool) -> float:
         times = []
         for i in range(args.calls):
             e = i % args.experts if cycle else 0
             if gap_s:
-                time.sleep(gap_s)
+                idle(gap_s)
             t = time.perf_counter()
             swiglu(x, w13[e], w2[e])
             times.append(time.perf_counter() - t)
