@@ -24,7 +24,8 @@ default; the first run with graphs on at a batch size also captures them). Basel
 transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
 extrapolated to the model's layers), and the NVMe
 tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
-benchmarks/results/offload_<device>.json (or under --out / $OUT).
+benchmarks/results/offload_<device>.json (or under --out / $OUT). The host's threads spin between layers
+(OMP_WAIT_POLICY=ACTIVE, as the engine's server core runs them) unless the environment sets a policy.
 """
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ import tempfile
 import time
 import traceback
 
-import torch
+# The host's expert threads stay awake between layers (moe_infer/offload/host_threads.py: the engine's server
+# core gets the same) unless the caller chose a policy: OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's
+# default (a short spin, then sleep; libgomp prints that the empty value is invalid and keeps its default), the
+# other side of an A/B. libgomp reads it when torch loads, so it is set before the import; the JSON records it.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -272,7 +279,8 @@ def main() -> int:
     shp = shapes(args.smoke)
     mix, qwen = shp["mixtral"], shp["qwen3"]
     result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "smoke": args.smoke, "gpu_gb": args.gpu_gb}
+              "torch": torch.__version__, "smoke": args.smoke, "gpu_gb": args.gpu_gb,
+              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"] or "libgomp default (set empty)"}
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(args.gpu_gb * GiB / torch.cuda.get_device_properties(0).total_memory)
     limits = link_and_cpu_limits(mix.hidden_size, mix.intermediate_size, torch.bfloat16, device)

@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(400)
 def test_offload_benchmark_smoke(tmp_path):
     pytest.importorskip("accelerate")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload.py"), "--smoke", "--out",
                            str(tmp_path), "--nvme-path", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=380)
@@ -32,6 +33,7 @@ def test_offload_benchmark_smoke(tmp_path):
     assert trace_1["prefetch_token_recall"] > 0.3  # the tiny model's pre-gate, replayed
     for r in result["runs"]:  # the prefetch counters reached the JSON and add up
         assert r["prefetch_wasted"] <= r["prefetched"] and r["gb_prefetch_wasted"] <= r["gb_h2d"]
+    assert result["omp_wait_policy"] == "ACTIVE"  # set before torch loads where the caller set none
     assert result["accelerate"]["s_per_token"] > 0
     assert result["nvme"]["read_gbps"] > 0 and result["nvme"]["dd_gbps"] > 0
     assert "shape" in proc.stdout and "wrote" in proc.stdout  # the table and the JSON path are printed

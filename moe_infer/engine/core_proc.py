@@ -48,6 +48,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from moe_infer.engine.output_delta import DeltaEncoder
 from moe_infer.engine.prompt_limits import PromptLimits
+from moe_infer.offload import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         for sender in senders:
             sender.send(("start_failed", f"{type(err).__name__}: {err}"))
         return
-    if engine.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if needs_cores_left(engine.device.type, os.environ):
         leave_cores_to_the_servers(len(clients))
     for sender in senders:
         sender.send(("ready", CoreInfo(os.getpid(), engine.max_model_len, engine.limits)))
@@ -127,14 +128,22 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         engine.parallel.shutdown()
 
 
+def needs_cores_left(device_type: str, environ) -> bool:
+    """Whether the engine's intra-op threads would spin against the server processes' cores: a CPU engine, or
+    a GPU engine whose offload host threads spin (OMP_WAIT_POLICY=ACTIVE, offload/host_threads.py); never
+    when the user chose the thread count (OMP_NUM_THREADS)."""
+    return "OMP_NUM_THREADS" not in environ and (device_type == "cpu" or host_threads.spins(environ))
+
+
 def leave_cores_to_the_servers(num_servers: int) -> None:
-    """An engine on the CPU: torch's intra-op threads take every core by default, and each server process
-    needs one too. Oversubscribed OpenMP threads spin against them and steps slow down many times over (the
-    soak test on 2 cores: 12 s of load took 31 s to over 120 s to serve, against 12.3 s with one thread)."""
+    """An engine on the CPU (or spinning offload host threads): torch's intra-op threads take every core by
+    default, and each server process needs one too. Oversubscribed OpenMP threads spin against them and steps
+    slow down many times over (the soak test on 2 cores: 12 s of load took 31 s to over 120 s to serve, against
+    12.3 s with one thread)."""
     import torch
 
     threads = max(1, torch.get_num_threads() - num_servers)
-    logger.info("CPU engine: %d intra-op threads, %d core(s) left to the server (set OMP_NUM_THREADS to choose)",
+    logger.info("engine core: %d intra-op threads, %d core(s) left to the server (set OMP_NUM_THREADS to choose)",
                 threads, num_servers)
     torch.set_num_threads(threads)
 

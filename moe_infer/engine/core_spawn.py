@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import List, NamedTuple, Optional
 
 from moe_infer.engine.core_proc import CoreInfo, run_engine_core
+from moe_infer.offload import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,13 @@ class CoreEndpoint(NamedTuple):
     results: Connection  # core -> client (read end)
 
 
+def core_device_type(cfg) -> str:
+    """'cuda' or 'cpu': where the core's engine will run (model.device, auto: CUDA where there is one)."""
+    import torch
+
+    return host_threads.device_type_of(cfg.model.device, torch.cuda.is_available())
+
+
 class CoreProcess:
     def __init__(self, cfg, model_path: str, num_clients: int = 1) -> None:
         if num_clients < 1:
@@ -45,7 +53,11 @@ class CoreProcess:
             self.endpoints.append(CoreEndpoint(cmd_write, res_read))
         self.proc = ctx.Process(target=run_engine_core, name="moe-infer-engine-core",
                                 args=(cfg, model_path, core_ends, logging.getLogger().getEffectiveLevel()))
-        self.proc.start()
+        with host_threads.spawn_env(cfg.offload, core_device_type(cfg)) as added:  # read when the core loads torch
+            self.proc.start()
+        if added:
+            logger.info("engine core started with %s: the host computes expert misses (docs/offload.md)",
+                        " ".join(f"{k}={v}" for k, v in added.items()))
         for cmd_read, res_write in core_ends:
             cmd_read.close()
             res_write.close()  # the core holds the only write ends: its exit is an EOF for every client

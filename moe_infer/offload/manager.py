@@ -15,6 +15,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from moe_infer.offload import host_threads
 from moe_infer.offload.copier import Copier, Event
 from moe_infer.offload.cost import CostModel
 from moe_infer.offload.host import HostRegion
@@ -202,6 +203,9 @@ class OffloadManager:
         self.copier.pending.clear()  # the measurement's copies are done (it synchronized)
         logger.info("%s", self.plan.describe())
         logger.info("%s", self.cost.describe(self.shape.nbytes))
+        note = host_threads.start_up_note(self.cfg, self.device.type)
+        if note:
+            logger.warning("%s", note)
 
     def _measure(self) -> CostModel:
         store, buf, probe = self.stores[0], self.buffers[0], OffloadStats()
@@ -224,6 +228,7 @@ class OffloadManager:
         for s in self.stats:
             total.add(s)
         return {"plan": self.plan.describe(), "reader": getattr(getattr(self, "reader", None), "name", None),
+                "host_threads": host_threads.describe(),
                 "cost": self.cost.describe(self.shape.nbytes) if self.cost else None,
                 "prefetch_calibration": self.prefetcher.calibration.describe(),
                 "total": total.summary(), "layers": [s.summary() for s in self.stats]}

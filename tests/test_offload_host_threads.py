@@ -1,0 +1,85 @@
+"""The offload host threads' wait policy (moe_infer/offload/host_threads.py): which engines want OpenMP threads
+that stay awake between layers, that the processes the engine starts get OMP_WAIT_POLICY=ACTIVE (a user's own
+policy kept, the parent's environment restored), and that a server's engine core with spinning threads leaves
+cores to the API server processes."""
+from __future__ import annotations
+
+import multiprocessing.context
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moe_infer.config import EngineConfig, ModelConfig, OffloadConfig
+from moe_infer.engine import core_spawn
+from moe_infer.engine.core_proc import needs_cores_left
+from moe_infer.offload import host_threads
+
+pytestmark = pytest.mark.timeout(120)
+VAR = "OMP_WAIT_POLICY"
+
+
+def test_which_engines_want_awake_host_threads():
+    cpu = OffloadConfig(store="cpu")
+    assert host_threads.child_env(cpu, "cuda", {}) == {VAR: "ACTIVE"}
+    for miss in ("auto", "cpu", "share"):
+        assert host_threads.child_env(OffloadConfig(store="cpu", miss_policy=miss), "cuda", {}) == {VAR: "ACTIVE"}
+    assert host_threads.child_env(cpu, "cuda", {VAR: "PASSIVE"}) == {}  # the user's choice stands
+    assert host_threads.child_env(OffloadConfig(store="cpu", miss_policy="wait"), "cuda", {}) == {}  # no host misses
+    assert host_threads.child_env(OffloadConfig(), "cuda", {}) == {}  # resident
+    assert host_threads.child_env(OffloadConfig(store="nvme", nvme_path="/tmp"), "cuda", {}) == {}
+    assert host_threads.child_env(cpu, "cpu", {}) == {}  # a CPU engine: the host computes everything
+
+
+def test_device_type_of_a_model_device_setting():
+    assert host_threads.device_type_of("auto", True) == "cuda"
+    assert host_threads.device_type_of("auto", False) == "cpu"
+    assert host_threads.device_type_of("cuda:1", False) == "cuda"
+    assert host_threads.device_type_of("cpu", True) == "cpu"
+
+
+def test_start_up_note_only_where_threads_sleep():
+    cpu = OffloadConfig(store="cpu")
+    note = host_threads.start_up_note(cpu, "cuda", {})
+    assert note is not None and f"{VAR}=ACTIVE" in note and f"{VAR}=unset" in note
+    assert VAR + "=PASSIVE" in host_threads.start_up_note(cpu, "cuda", {VAR: "PASSIVE"})
+    assert host_threads.start_up_note(cpu, "cuda", {VAR: "active"}) is None
+    assert host_threads.start_up_note(cpu, "cpu", {}) is None
+    assert host_threads.start_up_note(OffloadConfig(), "cuda", {}) is None
+
+
+def _child_policy() -> str:
+    out = subprocess.run([sys.executable, "-c", f"import os; print(os.environ.get('{VAR}', 'unset'))"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip()
+
+
+def test_spawn_env_reaches_the_child_and_leaves_the_parent_as_it_was(monkeypatch):
+    monkeypatch.delenv(VAR, raising=False)
+    with host_threads.spawn_env(OffloadConfig(store="cpu"), "cuda") as added:
+        assert added == {VAR: "ACTIVE"} and _child_policy() == "ACTIVE"
+    assert VAR not in os.environ and _child_policy() == "unset"
+    monkeypatch.setenv(VAR, "PASSIVE")
+    with host_threads.spawn_env(OffloadConfig(store="cpu"), "cuda") as added:
+        assert added == {} and _child_policy() == "PASSIVE"
+    assert os.environ[VAR] == "PASSIVE"
+
+
+@pytest.mark.parametrize("store,expected", [("cpu", "ACTIVE"), ("resident", None)])
+def test_the_server_core_starts_with_the_policy(monkeypatch, store, expected):
+    """CoreProcess (the server's engine core): the environment its process is started with, captured at start()."""
+    monkeypatch.delenv(VAR, raising=False)
+    seen = []
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", lambda self: seen.append(os.environ.get(VAR)))
+    cfg = EngineConfig(model=ModelConfig(device="cuda"), offload=OffloadConfig(store=store))
+    core_spawn.CoreProcess(cfg, "unused", num_clients=1)
+    assert seen == [expected] and VAR not in os.environ
+
+
+def test_an_engine_core_with_spinning_threads_leaves_cores_to_the_servers():
+    assert needs_cores_left("cuda", {VAR: "ACTIVE"})
+    assert not needs_cores_left("cuda", {})
+    assert not needs_cores_left("cuda", {VAR: "PASSIVE"})
+    assert needs_cores_left("cpu", {})
+    assert not needs_cores_left("cuda", {VAR: "ACTIVE", "OMP_NUM_THREADS": "8"})  # the user chose
