@@ -7,9 +7,9 @@ after a parallel region (OMP_WAIT_POLICY unset) before they sleep in the kernel;
 experts then start by waking them. With OMP_WAIT_POLICY=ACTIVE they spin until the next parallel
 region. Measured on an H200 host (16 cores, measurement notes in docs/offload.md): one Mixtral expert
 at one row after 20 ms of the main thread busy in Python took 5.3-6.4 ms with the policy unset and
-3.1 ms with ACTIVE; `benchmarks/offload.py` (unset, ACTIVE, unset in one call) ran the Mixtral
-shape's four runs 9-36 % faster with ACTIVE than the mean of the two unset runs, Qwen3's 16 streams
-4 % faster and Qwen3's one stream (99 % hits, no host misses) 8 % slower.
+3.1 ms with ACTIVE. In `benchmarks/offload.py` (two calls) ACTIVE was ahead in 9 of 10 runs, by
+4-36 % (all 32 Mixtral layers at 24 GB: one traced stream 4.29 -> 4.57 tok/s, 16 streams 20.9 ->
+24.0), and 8 % behind in one (Qwen3, one stream, no miss sent to the host).
 
 libgomp reads the variable once, when torch loads it, so an engine cannot change it in its own
 process. The engine sets it for the processes it starts (the server's engine core) where the host
