@@ -67,7 +67,7 @@ def run(job: JobConfig):
             t = offload["total"]
             print(f"offload: hit rate {t['hit_rate']:.2f}, misses copied {t['copied']} / streamed {t['streamed']} / "
                   f"on the CPU {t['cpu']}, {t['gb_h2d']:.2f} GB to the GPU, pre-gate recall per token "
-                  f"{t['prefetch_token_recall']:.2f}")
+                  f"{t['prefetch_token_recall']:.2f}, host threads {offload['host_threads']}")
         if job.trace_out:
             trace = llm.save_routing_trace(job.trace_out, prompts=prompts)
             print(f"routing trace: {trace.num_tokens} tokens x {trace.num_layers} MoE layers -> {job.trace_out}")

@@ -52,6 +52,15 @@ def test_main_job_exits_non_zero_when_a_request_fails():
     assert "too long: max_model_len is 8" in proc.stdout and "1 of 1 requests failed" in proc.stderr
 
 
+@pytest.mark.timeout(180)
+def test_main_job_prints_the_offload_summary_with_the_host_threads():
+    code = "import sys\nfrom moe_infer.launch import main\nsys.argv = ['moe-infer'] + sys.argv[1:]\nmain()"
+    proc = _python(code, "offload=cpu", "sampling.max_tokens=4", "show_progress=false", "show_expert_load=false")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("offload: hit rate"))
+    assert line.endswith(f"host threads OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"), line
+
+
 @pytest.mark.timeout(120)
 def test_triton_backends_are_refused_on_cpu_at_start(monkeypatch):
     from moe_infer.config import EngineConfig, ExpertsConfig, RoutingConfig
