@@ -40,7 +40,7 @@ import tempfile
 import time
 import traceback
 
-# The host's expert threads stay awake between layers (moe_infer/offload/host_threads.py: the engine's server
+# The host's expert threads stay awake between layers (moe_infer/host_threads.py: the engine's server
 # core gets the same) unless the caller chose a policy: OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's
 # default (a short spin, then sleep; libgomp prints that the empty value is invalid and keeps its default), the
 # other side of an A/B. libgomp reads it when torch loads, so it is set before the import; the JSON records it.

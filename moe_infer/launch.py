@@ -16,6 +16,7 @@ from typing import List
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from moe_infer import host_threads
 from moe_infer.launch_config import JobConfig
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # package data: ships with `pip install .`
@@ -33,8 +34,21 @@ def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:
     return "\n".join(lines)
 
 
+def before_torch(job: JobConfig) -> dict:
+    """What must be in the environment before torch loads (moe_infer/host_threads.py: the offload host threads'
+    wait policy); what it added. Nothing once torch is loaded (a caller's process that imported it first)."""
+    if "torch" in sys.modules:
+        return {}
+    cfg = job.engine_config()
+    device_type = host_threads.device_type_of(cfg.model.device, host_threads.cuda_present())
+    added = host_threads.wanted_env(cfg.offload, device_type)
+    os.environ.update(added)
+    return added
+
+
 def run(job: JobConfig):
     """The job: generate (the outputs), or a load-balance lab task (what the task returns)."""
+    before_torch(job)
     if job.task != "generate":  # moe_infer/experiments
         from moe_infer.experiments import run_task
 

@@ -52,13 +52,35 @@ def test_main_job_exits_non_zero_when_a_request_fails():
     assert "too long: max_model_len is 8" in proc.stdout and "1 of 1 requests failed" in proc.stderr
 
 
+@pytest.mark.timeout(60)
+def test_the_launcher_composes_its_job_before_torch_loads():
+    """The offload host threads' wait policy must be in the environment before torch loads (libgomp reads it
+    then): `import moe_infer` and the launcher's configuration import no torch."""
+    proc = _python("import sys\nimport moe_infer, moe_infer.launch\nassert 'torch' not in sys.modules, "
+                   "[m for m in sys.modules if m.startswith('moe_infer')]\nfrom moe_infer import LLM\n"
+                   "assert 'torch' in sys.modules and LLM.__name__ == 'LLM'")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.timeout(180)
-def test_main_job_prints_the_offload_summary_with_the_host_threads():
-    code = "import sys\nfrom moe_infer.launch import main\nsys.argv = ['moe-infer'] + sys.argv[1:]\nmain()"
+@pytest.mark.parametrize("cuda_present,policy", [(True, "ACTIVE"), (False, "unset")])
+def test_main_job_sets_the_host_threads_policy_before_torch(cuda_present, policy):
+    """offload=cpu where the launcher expects a GPU (model.device=auto, the driver's node faked present here):
+    the main job starts with OMP_WAIT_POLICY=ACTIVE, and its offload summary line says so; without a GPU,
+    unset. The engine itself runs on the CPU either way (torch finds no CUDA)."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from moe_infer import host_threads
+        from moe_infer.launch import main
+        host_threads.cuda_present = lambda *a: {cuda_present}
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        sys.argv = ["moe-infer"] + sys.argv[1:]
+        main()
+    """)
     proc = _python(code, "offload=cpu", "sampling.max_tokens=4", "show_progress=false", "show_expert_load=false")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("offload: hit rate"))
-    assert line.endswith(f"host threads OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"), line
+    assert line.endswith(f"host threads OMP_WAIT_POLICY={policy}"), line
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The offload host threads' wait policy (moe_infer/offload/host_threads.py): which engines want OpenMP threads
+"""The offload host threads' wait policy (moe_infer/host_threads.py): which engines want OpenMP threads
 that stay awake between layers, that the processes the engine starts get OMP_WAIT_POLICY=ACTIVE (a user's own
 policy kept, the parent's environment restored), and that a server's engine core with spinning threads leaves
 cores to the API server processes."""
@@ -14,7 +14,7 @@ import pytest
 from moe_infer.config import EngineConfig, ModelConfig, OffloadConfig
 from moe_infer.engine import core_spawn
 from moe_infer.engine.core_proc import needs_cores_left
-from moe_infer.offload import host_threads
+from moe_infer import host_threads
 
 pytestmark = pytest.mark.timeout(120)
 VAR = "OMP_WAIT_POLICY"
@@ -22,14 +22,14 @@ VAR = "OMP_WAIT_POLICY"
 
 def test_which_engines_want_awake_host_threads():
     cpu = OffloadConfig(store="cpu")
-    assert host_threads.child_env(cpu, "cuda", {}) == {VAR: "ACTIVE"}
+    assert host_threads.wanted_env(cpu, "cuda", {}) == {VAR: "ACTIVE"}
     for miss in ("auto", "cpu", "share"):
-        assert host_threads.child_env(OffloadConfig(store="cpu", miss_policy=miss), "cuda", {}) == {VAR: "ACTIVE"}
-    assert host_threads.child_env(cpu, "cuda", {VAR: "PASSIVE"}) == {}  # the user's choice stands
-    assert host_threads.child_env(OffloadConfig(store="cpu", miss_policy="wait"), "cuda", {}) == {}  # no host misses
-    assert host_threads.child_env(OffloadConfig(), "cuda", {}) == {}  # resident
-    assert host_threads.child_env(OffloadConfig(store="nvme", nvme_path="/tmp"), "cuda", {}) == {}
-    assert host_threads.child_env(cpu, "cpu", {}) == {}  # a CPU engine: the host computes everything
+        assert host_threads.wanted_env(OffloadConfig(store="cpu", miss_policy=miss), "cuda", {}) == {VAR: "ACTIVE"}
+    assert host_threads.wanted_env(cpu, "cuda", {VAR: "PASSIVE"}) == {}  # the user's choice stands
+    assert host_threads.wanted_env(OffloadConfig(store="cpu", miss_policy="wait"), "cuda", {}) == {}  # no host misses
+    assert host_threads.wanted_env(OffloadConfig(), "cuda", {}) == {}  # resident
+    assert host_threads.wanted_env(OffloadConfig(store="nvme", nvme_path="/tmp"), "cuda", {}) == {}
+    assert host_threads.wanted_env(cpu, "cpu", {}) == {}  # a CPU engine: the host computes everything
 
 
 def test_device_type_of_a_model_device_setting():
@@ -37,6 +37,16 @@ def test_device_type_of_a_model_device_setting():
     assert host_threads.device_type_of("auto", False) == "cpu"
     assert host_threads.device_type_of("cuda:1", False) == "cuda"
     assert host_threads.device_type_of("cpu", True) == "cpu"
+
+
+def test_cuda_present_without_torch(monkeypatch):
+    monkeypatch.setattr(host_threads.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert host_threads.cuda_present({})
+    assert host_threads.cuda_present({"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert not host_threads.cuda_present({"CUDA_VISIBLE_DEVICES": ""})
+    assert not host_threads.cuda_present({"CUDA_VISIBLE_DEVICES": "-1"})
+    monkeypatch.setattr(host_threads.os.path, "exists", lambda path: False)
+    assert not host_threads.cuda_present({})
 
 
 def test_start_up_note_only_where_threads_sleep():

@@ -48,7 +48,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from moe_infer.engine.output_delta import DeltaEncoder
 from moe_infer.engine.prompt_limits import PromptLimits
-from moe_infer.offload import host_threads
+from moe_infer import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
 
 def needs_cores_left(device_type: str, environ) -> bool:
     """Whether the engine's intra-op threads would spin against the server processes' cores: a CPU engine, or
-    a GPU engine whose offload host threads spin (OMP_WAIT_POLICY=ACTIVE, offload/host_threads.py); never
+    a GPU engine whose offload host threads spin (OMP_WAIT_POLICY=ACTIVE, moe_infer/host_threads.py); never
     when the user chose the thread count (OMP_NUM_THREADS)."""
     return "OMP_NUM_THREADS" not in environ and (device_type == "cpu" or host_threads.spins(environ))
 

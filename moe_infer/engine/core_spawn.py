@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import List, NamedTuple, Optional
 
 from moe_infer.engine.core_proc import CoreInfo, run_engine_core
-from moe_infer.offload import host_threads
+from moe_infer import host_threads
 
 logger = logging.getLogger(__name__)
 

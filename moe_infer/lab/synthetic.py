@@ -20,12 +20,14 @@ Legend: L layers, E experts, K top-k, T tokens of a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from moe_infer.registry import Registry
-from moe_infer.routing.trace import RoutingTrace
+
+if TYPE_CHECKING:  # imported where a trace is built: the launcher composes SyntheticSpec before torch loads
+    from moe_infer.routing.trace import RoutingTrace
 
 # (spec, rng, step, rank_LE, state dict) -> p_LE for that step
 PatternFn = Callable[["SyntheticSpec", np.random.Generator, int, np.ndarray, dict], np.ndarray]
@@ -100,6 +102,8 @@ def _drifting(spec, rng, step, rank_LE, state) -> np.ndarray:
 
 def generate(spec: SyntheticSpec) -> RoutingTrace:
     """A trace of spec.num_steps steps of spec.tokens_per_step tokens (reproducible from spec.seed)."""
+    from moe_infer.routing.trace import RoutingTrace
+
     rng = np.random.default_rng(spec.seed)
     L, E, K, T = spec.num_layers, spec.num_experts, spec.top_k, spec.tokens_per_step
     rank_LE = np.argsort(rng.random((L, E)), axis=1).argsort(axis=1)  # each layer's random expert ranking

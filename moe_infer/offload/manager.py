@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from moe_infer.offload import host_threads
+from moe_infer import host_threads
 from moe_infer.offload.copier import Copier, Event
 from moe_infer.offload.cost import CostModel
 from moe_infer.offload.host import HostRegion

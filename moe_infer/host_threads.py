@@ -12,9 +12,11 @@ at one row after 20 ms of the main thread busy in Python took 5.3-6.4 ms with th
 24.0), and 8 % behind in one (Qwen3, one stream, no miss sent to the host).
 
 libgomp reads the variable once, when torch loads it, so an engine cannot change it in its own
-process. The engine sets it for the processes it starts (the server's engine core) where the host
-computes misses on a GPU engine and the user chose no policy; an engine started in a process where
-it is not ACTIVE says so once at start-up. Spinning threads hold their cores (a server's engine core
+process. Where the host computes misses on a GPU engine and the user chose no policy, it is set
+before torch loads: by the main job's launcher (`import moe_infer` does not load torch; the
+launcher composes its configuration first) and for the processes the engine starts (the server's
+engine core). An engine started otherwise (`LLM(...)` in a process that has loaded torch) with
+threads that sleep says so once at start-up. Spinning threads hold their cores (a server's engine core
 then leaves one core to each API server process). Only the `cpu` store: the `nvme` store's reader
 threads need cores of their own, and spinning next to them is unmeasured.
 """
@@ -43,9 +45,18 @@ def spins(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(POLICY_VAR, "").strip().upper() == "ACTIVE"
 
 
-def child_env(offload_cfg, device_type: str, environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
-    """What the environment of a process about to start this engine gains: ACTIVE where the host computes
-    misses and the user set no policy (a policy the user set is kept)."""
+def cuda_present(environ: Mapping[str, str] = os.environ) -> bool:
+    """A guess without torch (for model.device=auto before torch loads) whether this process will see a CUDA
+    device: the NVIDIA driver's control node exists and CUDA_VISIBLE_DEVICES does not hide every device."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl")
+
+
+def wanted_env(offload_cfg, device_type: str, environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
+    """What the environment of a process about to load torch for this engine gains: ACTIVE where the host
+    computes misses and the user set no policy (a policy the user set is kept)."""
     if host_computes_misses(offload_cfg, device_type) and POLICY_VAR not in environ:
         return {POLICY_VAR: "ACTIVE"}
     return {}
@@ -53,9 +64,9 @@ def child_env(offload_cfg, device_type: str, environ: Mapping[str, str] = os.env
 
 @contextmanager
 def spawn_env(offload_cfg, device_type: str) -> Iterator[Dict[str, str]]:
-    """os.environ with child_env(...) added while a child process starts (a spawned child copies it then);
+    """os.environ with wanted_env(...) added while a child process starts (a spawned child copies it then);
     restored after, so the parent and its later children keep their own."""
-    added = child_env(offload_cfg, device_type)
+    added = wanted_env(offload_cfg, device_type)
     os.environ.update(added)
     try:
         yield added
