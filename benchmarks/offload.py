@@ -25,7 +25,7 @@ transformers + accelerate device_map offload (4 layers, at the same GPU memory p
 extrapolated to the model's layers), and the NVMe
 tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
 benchmarks/results/offload_<device>.json (or under --out / $OUT). The host's threads spin between layers
-(OMP_WAIT_POLICY=ACTIVE, as the engine's server core runs them) unless the environment sets a policy.
+(OMP_WAIT_POLICY=ACTIVE, as the main job and the server core run them) unless the environment sets a policy.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ import tempfile
 import time
 import traceback
 
-# The host's expert threads stay awake between layers (moe_infer/host_threads.py: the engine's server
-# core gets the same) unless the caller chose a policy: OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's
+# The host's expert threads stay awake between layers (moe_infer/host_threads.py: the main job and the server
+# core get the same) unless the caller chose a policy: OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's
 # default (a short spin, then sleep; libgomp prints that the empty value is invalid and keeps its default), the
 # other side of an A/B. libgomp reads it when torch loads, so it is set before the import; the JSON records it.
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
