@@ -231,7 +231,7 @@ def _check_steps(data, E, K, slots, miss, policy, stream_fraction, steps, rule, 
     m.cost = CostModel(m.shape.nbytes / 6.5e-3, ((1, cpu_ms * 1e-3), (64, 4 * cpu_ms * 1e-3)))
     m.prefetcher.costs = lambda: (1.0, link_s)  # an idle or a half-busy link, not the wall clock
     m.copier.clock = lambda: 0.0  # the link's backlog as the test sets it, not as the wall clock drains it
-    m.note_host_gap = lambda now: None  # no credit for the host's own time (the backlog alone decides)
+    m.note_host_gap = lambda *_: None  # no credit for the host's own time (the backlog alone decides)
     ids = st.lists(st.integers(-1, E - 1), min_size=K, max_size=K)
     weights = st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K)
     for _ in range(steps):

@@ -3,6 +3,8 @@ backlog from the copies themselves, the host's lead and gap, the CPU scale, and 
 (`split_misses`, and `plan_misses` with shared experts)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -146,6 +148,23 @@ def test_host_gap_is_the_averaged_host_time_between_layer_steps():
     m.run_end_s = 2.0
     m.note_host_gap(9.0)  # a long pause (between requests) counts as the cap, 50 ms
     assert m.host_gap_s == pytest.approx(0.9 * 0.0004 + 0.1 * 0.05)
+
+
+def test_host_gap_leaves_out_the_time_between_two_forwards():
+    """The gap before the first MoE layer of a forward holds the end of the last forward (the head,
+    sampling, scheduling): not the host's time between two layer steps, so not averaged."""
+    m, stores, routers = _stores(3, 4, 2, 1, miss_policy="auto", prefetch=False)
+    x_TD = torch.randn(1, D)
+    gaps = []
+    for layer in (0, 1, 2, 0, 1):
+        ids_TK = torch.tensor([[layer, layer + 1]])
+        before = m.host_gap_s
+        stores[layer].fetch(x_TD, ids_TK).run(x_TD, ids_TK, torch.ones(1, 2),
+                                              _checking_compute(stores[layer], ids_TK, set()))
+        gaps.append(m.host_gap_s != before)
+        time.sleep(0.01)  # the host's own time after each layer step
+    assert gaps == [False, True, True, False, True]
+    assert 0.01 * 0.1 < m.host_gap_s < 0.05
 
 
 def test_cpu_cost_follows_what_the_engine_measures():

@@ -55,7 +55,7 @@ def _h100_costs(llm) -> None:
     m.cost.observe_cpu = lambda *a, **k: None  # keep the figures: this machine's host is not that one
     m.copier.busy_share = lambda: 0.0  # an idle link, as the modelled copies are not timed by this machine's
     m.copier.seconds_until_idle = lambda: 0.0  # wall clock: prefetches run, misses are shared
-    m.note_host_gap = lambda now: None  # and no credit for this host's launch time, which is not the H100's
+    m.note_host_gap = lambda *_: None  # and no credit for this host's launch time, which is not the H100's
     m.note_host_lead = lambda lead_s: None  # nor a late start of its expert compute
 
 

@@ -118,5 +118,5 @@ class FetchedExperts:
             if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
                 m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0, shares=self.cpu_shares)
         store.last_compute = m.copier.mark()
-        m.run_end_s = time.perf_counter()
+        m.run_end_s, m.run_end_pos = time.perf_counter(), store.pos
         return out_TD

@@ -54,6 +54,7 @@ class OffloadManager:
         # layers): the link copies under it, the host's expert compute does not (split.py's credit)
         self.host_gap_s = 0.0
         self.run_end_s: Optional[float] = None
+        self.run_end_pos: Optional[int] = None  # the layer whose step ended at run_end_s
         # the host's own work between a layer step's plan and the start of its expert compute (launching
         # the device's experts and copies): the host's misses start that much after the link's (split.py)
         self.host_lead_s = 0.0
@@ -80,12 +81,15 @@ class OffloadManager:
     def next_store(self, store):
         return self.stores[store.pos + 1] if store.pos + 1 < len(self.stores) else None
 
-    def note_host_gap(self, now: float, weight: float = 0.1, cap_s: float = 0.05) -> None:
-        """A layer step is about to sync: the host time since the previous layer step ended, averaged."""
-        if self.run_end_s is not None:
+    def note_host_gap(self, now: float, pos: Optional[int] = None, weight: float = 0.1, cap_s: float = 0.05) -> None:
+        """Layer `pos`'s step is about to sync: the host time since the previous layer step ended, averaged.
+        A step of an earlier or the same layer began a new forward: its gap holds the end of the last one
+        (the head, sampling, scheduling), not the launches between two layers, and is not averaged."""
+        new_forward = pos is not None and self.run_end_pos is not None and pos <= self.run_end_pos
+        if self.run_end_s is not None and not new_forward:
             gap = min(max(now - self.run_end_s, 0.0), cap_s)
             self.host_gap_s += weight * (gap - self.host_gap_s)
-        self.run_end_s = None
+        self.run_end_s = self.run_end_pos = None
 
     def note_host_lead(self, lead_s: float, weight: float = 0.1, cap_s: float = 0.05) -> None:
         """A layer step's host expert compute starts `lead_s` after its plan: averaged into host_lead_s."""

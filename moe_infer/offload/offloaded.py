@@ -103,7 +103,7 @@ class OffloadedExpertStore(nn.Module):
         if nxt is not None:
             pred_TK, pred_weights_TK = nxt.predict(x_TD)
             parts += [pred_TK.reshape(-1).float(), pred_weights_TK.reshape(-1).float()]
-        m.note_host_gap(time.perf_counter())
+        m.note_host_gap(time.perf_counter(), self.pos)
         host = torch.cat(parts).cpu().numpy()  # the layer step's one host sync; the rest is host arithmetic
         ids_N = host[:N].astype(np.int64)
         rows_all = np.bincount(ids_N[ids_N >= 0], minlength=self.num_experts)  # rows per logical expert
