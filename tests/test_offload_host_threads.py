@@ -93,3 +93,37 @@ def test_an_engine_core_with_spinning_threads_leaves_cores_to_the_servers():
     assert not needs_cores_left("cuda", {VAR: "PASSIVE"})
     assert needs_cores_left("cpu", {})
     assert not needs_cores_left("cuda", {VAR: "ACTIVE", "OMP_NUM_THREADS": "8"})  # the user chose
+
+
+def test_the_engine_core_leaves_cores_before_the_engine_starts(monkeypatch):
+    """run_engine_core sets the thread count before the engine is built: the offload cost model runs the host's
+    experts at start-up, and a libgomp pool made smaller after that keeps its extra threads, which spin on (a core
+    each) under OMP_WAIT_POLICY=ACTIVE, so a count set after the build leaves no core to the servers."""
+    import signal
+
+    import torch
+    from multiprocessing import Pipe
+
+    from moe_infer.engine import core_proc, llm_engine
+
+    monkeypatch.setenv(VAR, "ACTIVE")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the core's own handlers: not in the test process
+    before = torch.get_num_threads()
+    seen = []
+
+    class Engine:
+        def __init__(self, *a, **k):
+            seen.append(torch.get_num_threads())
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Engine)
+    commands, results = [Pipe(duplex=False) for _ in range(2)], [Pipe(duplex=False) for _ in range(2)]
+    clients = [(cmd_r, res_w) for (cmd_r, _), (_, res_w) in zip(commands, results)]  # two API servers
+    try:
+        torch.set_num_threads(4)
+        core_proc.run_engine_core(EngineConfig(model=ModelConfig(device="cpu")), "unused", clients, 30)
+        assert seen == [2]
+        assert results[0][0].recv() == ("start_failed", "RuntimeError: stop here")
+    finally:
+        torch.set_num_threads(before)

@@ -103,6 +103,12 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         widen_pipe(results)
         senders.append(DirectSender(results))
     try:
+        import torch
+
+        # before the engine's first parallel region (the offload cost model times the host's experts at start-up):
+        # a pool made smaller later keeps its extra threads, which spin on under OMP_WAIT_POLICY=ACTIVE
+        if needs_cores_left(host_threads.device_type_of(cfg.model.device, torch.cuda.is_available()), os.environ):
+            leave_cores_to_the_servers(len(clients))
         from moe_infer.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(cfg, model_path, detokenize=False)  # the server's process detokenizes
@@ -111,8 +117,6 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         for sender in senders:
             sender.send(("start_failed", f"{type(err).__name__}: {err}"))
         return
-    if needs_cores_left(engine.device.type, os.environ):
-        leave_cores_to_the_servers(len(clients))
     for sender in senders:
         sender.send(("ready", CoreInfo(os.getpid(), engine.max_model_len, engine.limits)))
     message = None
@@ -139,7 +143,8 @@ def leave_cores_to_the_servers(num_servers: int) -> None:
     """An engine on the CPU (or spinning offload host threads): torch's intra-op threads take every core by
     default, and each server process needs one too. Oversubscribed OpenMP threads spin against them and steps
     slow down many times over (the soak test on 2 cores: 12 s of load took 31 s to over 120 s to serve, against
-    12.3 s with one thread)."""
+    12.3 s with one thread). Call it before the process's first parallel region: libgomp keeps the threads of a
+    larger pool it already made, and under OMP_WAIT_POLICY=ACTIVE they spin on (a core each) even when idle."""
     import torch
 
     threads = max(1, torch.get_num_threads() - num_servers)
