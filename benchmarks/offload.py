@@ -255,9 +255,16 @@ def main() -> int:
     ap.add_argument("--reserve-gb", type=float, default=2.5,
                     help="Mixtral: GiB of the --gpu-gb left for activations, graphs and workspaces (the rest of what "
                          "the non-expert weights leave is the expert budget)")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch's intra-op threads for the host's experts, set before any of them runs (a pool made "
+                         "smaller later keeps its threads spinning under ACTIVE); 0: torch's default (every core)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
+    if args.torch_threads < 0:
+        ap.error("--torch-threads: must be >= 0 (0: torch's default)")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
     args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
@@ -280,13 +287,15 @@ def main() -> int:
     mix, qwen = shp["mixtral"], shp["qwen3"]
     result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "smoke": args.smoke, "gpu_gb": args.gpu_gb,
-              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"] or "libgomp default (set empty)"}
+              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"] or "libgomp default (set empty)",
+              "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(args.gpu_gb * GiB / torch.cuda.get_device_properties(0).total_memory)
     limits = link_and_cpu_limits(mix.hidden_size, mix.intermediate_size, torch.bfloat16, device)
     result["limits"] = limits
     print(f"limits: pinned H2D {limits['h2d_gbps']:.1f} GB/s for one {limits['expert_mb']:.0f} MB expert; CPU "
-          f"{limits['cpu_ms_1row']:.2f} ms (1 row) / {limits['cpu_ms_8rows']:.2f} ms (8 rows) per expert", flush=True)
+          f"{limits['cpu_ms_1row']:.2f} ms (1 row) / {limits['cpu_ms_8rows']:.2f} ms (8 rows) per expert on "
+          f"{torch.get_num_threads()} threads", flush=True)
     traces = record_tiny_traces(16, 64 if args.smoke else 128, device)
     if not args.smoke:  # as many layers as host memory can pin, keeping room for the baseline and the OS
         mix.num_hidden_layers = args.mixtral_layers or max(1, min(32, host_layers(mix, 24.0)))

@@ -17,10 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_offload_benchmark_smoke(tmp_path):
     pytest.importorskip("accelerate")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload.py"), "--smoke", "--out",
-                           str(tmp_path), "--nvme-path", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=380)
+                           str(tmp_path), "--nvme-path", str(tmp_path), "--torch-threads", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "offload_smoke_cpu.json").read_text())
     runs = sorted((r["shape"], r["routing"], r["streams"], r["prefetch_rule"]) for r in result["runs"])
@@ -34,6 +35,7 @@ def test_offload_benchmark_smoke(tmp_path):
     for r in result["runs"]:  # the prefetch counters reached the JSON and add up
         assert r["prefetch_wasted"] <= r["prefetched"] and r["gb_prefetch_wasted"] <= r["gb_h2d"]
     assert result["omp_wait_policy"] == "ACTIVE"  # set before torch loads where the caller set none
+    assert result["torch_threads"] == 1  # --torch-threads, before the host's first expert (one thread: small shapes)
     assert result["accelerate"]["s_per_token"] > 0
     assert result["nvme"]["read_gbps"] > 0 and result["nvme"]["dd_gbps"] > 0
     assert "shape" in proc.stdout and "wrote" in proc.stdout  # the table and the JSON path are printed
