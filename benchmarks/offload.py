@@ -257,7 +257,7 @@ def main() -> int:
                          "the non-expert weights leave is the expert budget)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch's intra-op threads for the host's experts, set before any of them runs (a pool made "
-                         "smaller later keeps its threads spinning under ACTIVE); 0: torch's default (every core)")
+                         "smaller later may keep its threads spinning under ACTIVE); 0: as the environment says")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()

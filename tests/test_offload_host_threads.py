@@ -97,8 +97,9 @@ def test_an_engine_core_with_spinning_threads_leaves_cores_to_the_servers():
 
 def test_the_engine_core_leaves_cores_before_the_engine_starts(monkeypatch):
     """run_engine_core sets the thread count before the engine is built: the offload cost model runs the host's
-    experts at start-up, and a libgomp pool made smaller after that keeps its extra threads, which spin on (a core
-    each) under OMP_WAIT_POLICY=ACTIVE, so a count set after the build leaves no core to the servers."""
+    experts at start-up, and a libgomp pool made smaller after that may keep its extra threads spinning (a core
+    each) under OMP_WAIT_POLICY=ACTIVE (a pool of 2 made 1 did here), so a count set after the build may leave no
+    core to the servers."""
     import signal
 
     import torch

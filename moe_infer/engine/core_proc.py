@@ -106,7 +106,7 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         import torch
 
         # before the engine's first parallel region (the offload cost model times the host's experts at start-up):
-        # a pool made smaller later keeps its extra threads, which spin on under OMP_WAIT_POLICY=ACTIVE
+        # a pool made smaller later may keep its extra threads spinning under OMP_WAIT_POLICY=ACTIVE
         if needs_cores_left(host_threads.device_type_of(cfg.model.device, torch.cuda.is_available()), os.environ):
             leave_cores_to_the_servers(len(clients))
         from moe_infer.engine.llm_engine import LLMEngine
@@ -143,8 +143,9 @@ def leave_cores_to_the_servers(num_servers: int) -> None:
     """An engine on the CPU (or spinning offload host threads): torch's intra-op threads take every core by
     default, and each server process needs one too. Oversubscribed OpenMP threads spin against them and steps
     slow down many times over (the soak test on 2 cores: 12 s of load took 31 s to over 120 s to serve, against
-    12.3 s with one thread). Call it before the process's first parallel region: libgomp keeps the threads of a
-    larger pool it already made, and under OMP_WAIT_POLICY=ACTIVE they spin on (a core each) even when idle."""
+    12.3 s with one thread). Call it before the process's first parallel region: a libgomp pool made smaller
+    after one may keep its extra threads spinning under OMP_WAIT_POLICY=ACTIVE (benchmarks/trials/omp_pool_shrink.py:
+    a pool of 2 made 1 did, torch 2.13 on 2 cores; a pool of 16 made 15 did not, torch 2.11 on an H200 host)."""
     import torch
 
     threads = max(1, torch.get_num_threads() - num_servers)
