@@ -101,9 +101,8 @@ def start_up_note(offload_cfg, device_type: str, environ: Mapping[str, str] = os
     if not host_computes_misses(offload_cfg, device_type) or spins(environ):
         return None
     return (f"offload: the host computes expert misses with torch's OpenMP threads, which sleep between layers "
-            f"here ({describe(environ)}); start the process with {POLICY_VAR}=ACTIVE {THREADS_VAR}="
-            f"{max(1, host_cores() - 1)} to keep them awake and a core for the main thread (libgomp reads both when "
-            "torch loads, so the engine cannot set them in this process; docs/offload.md, 'Host threads')")
+            f"here ({describe(environ)}); start the process with {POLICY_VAR}=ACTIVE to keep them awake (libgomp reads "
+            "it when torch loads, so the engine cannot set it in this process; docs/offload.md, 'Host threads')")
 
 
 def describe(environ: Mapping[str, str] = os.environ) -> str:
