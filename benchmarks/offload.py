@@ -14,18 +14,19 @@ is left after the other weights, the KV cache and a margin. Measured, per shape:
   prediction are realistic); 1 and 16 streams.
   Qwen3-30B-A3B (E=128, K=8, D=2048, F=768, 48 layers) at --qwen-budget-gb, own router.
 For each: decode tok/s, hit rate, pre-gate accuracy, GB moved, achieved H2D GB/s against the pinned
-limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the
-measured link + CPU rates; the single-stream runs once per prefetch rule of --prefetch-rules (the
-configured default `saving` first, then `all`, the rule before it), with the GB its wrong
-prefetches moved, every run once per miss policy of --miss-policies (`auto,share`: each miss
-whole on the link or the host, against misses shared between the two) and once per value of
---layer-graphs (`off,on`: every layer eager, or its attention part replayed as a CUDA graph, the
-default; the first run with graphs on at a batch size also captures them). Baselines in the same run:
-transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
-extrapolated to the model's layers), and the NVMe
-tier's reader against the disk's own sequential read (dd, O_DIRECT). Prints a table, writes
-benchmarks/results/offload_<device>.json (or under --out / $OUT). The host's threads spin between layers
-(OMP_WAIT_POLICY=ACTIVE, as the main job and the server core run them) unless the environment sets a policy.
+limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the measured
+link + CPU rates (the CPU rate of the limits, timed once on a Mixtral expert: Mixtral only; and the rate
+timed right after each run on one of the shape's own experts, "after"); the single-stream runs once per
+prefetch rule of --prefetch-rules (the configured default `saving` first, then `all`, the rule before
+it), with the GB its wrong prefetches moved, every run once per miss policy of --miss-policies
+(`auto,share`: each miss whole on the link or the host, against misses shared between the two) and once
+per value of --layer-graphs (`off,on`: every layer eager, or its attention part replayed as a CUDA
+graph, the default; the first run with graphs on at a batch size also captures them). Baselines in the
+same run: transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
+extrapolated to the model's layers), and the NVMe tier's reader against the disk's own sequential read
+(dd, O_DIRECT). Prints a table, writes benchmarks/results/offload_<device>.json (or under --out / $OUT).
+The host's threads spin between layers (OMP_WAIT_POLICY=ACTIVE, as the main job and the server core run
+them) unless the environment sets a policy.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps,  # noqa: E402
+from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps, host_expert_ms,  # noqa: E402
                            link_and_cpu_limits, print_table, record_tiny_traces, sync, use_policies)
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
@@ -165,9 +166,16 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             llm.engine.runner.layer_graphs = layer_graphs if graphs else None
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
-            cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
-            bound_s = moved / (link_bps + cpu_bps)
+            rows_ = 8 if streams > 1 else 1
+            # the bound at the CPU rate of the limits above (timed once, on a Mixtral expert: the Mixtral shape's)
+            # and at the rate timed right after this run on one of this shape's own experts in the host tier
+            # (the host's speed moved by up to 2x between processes on one machine: docs/offload.md)
+            cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
+            bound_s = moved / (link_bps + cpu_bps) if name == "mixtral" else None
+            store0 = llm.engine.runner.offload.stores[0]
+            r["cpu_ms_after_run"] = host_expert_ms(store0.w13_E2FD[0], store0.w2_EDF[0], rows_)
+            bound_after_s = moved / (link_bps + expert_bytes(cfg) / (r["cpu_ms_after_run"] / 1e3))
             if device.type == "cuda":  # how much of the process's GPU limit the run came to hold
                 r["gpu_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GiB
             r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
@@ -175,16 +183,21 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
                      stream_chunk=llm.engine.runner.offload.plan.stream_chunk,
                      budget_gb=budget_gb, setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
-                     bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1),
-                     step_over_bound=r["seconds"] / bound_s if bound_s else None)
+                     bound_step_ms=1e3 * bound_s / max(r["decode_steps"], 1) if bound_s else None,
+                     step_over_bound=r["seconds"] / bound_s if bound_s else None,
+                     bound_step_ms_after_run=1e3 * bound_after_s / max(r["decode_steps"], 1),
+                     step_over_bound_after_run=r["seconds"] / bound_after_s if bound_after_s else None)
             rows.append(r)
+            bound_txt = f"{r['bound_step_ms']:.0f} ms" if r["bound_step_ms"] else "-"
             print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}, layer graphs "
                   f"{'on' if r['layer_graphs'] else 'off'}: {r['tok_s']:.2f} tok/s, "
                   f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
                   f"{r['shared_share']:.2f}, scale {r['cpu_scale']:.2f}), step {r['step_ms']:.0f} ms vs bound "
-                  f"{r['bound_step_ms']:.0f} ms (stream chunk {r['stream_chunk']})", flush=True)
+                  f"{bound_txt} ({r['bound_step_ms_after_run']:.0f} ms at the host's "
+                  f"{r['cpu_ms_after_run']:.2f} ms an expert timed after the run) (stream chunk {r['stream_chunk']})",
+                  flush=True)
     llm.shutdown()
     del llm, moe
     gc.collect()

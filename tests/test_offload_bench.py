@@ -30,6 +30,10 @@ def test_offload_benchmark_smoke(tmp_path):
                            for streams, rule in [(1, "saving"), (1, "all"), (16, "saving")]])
     for r in result["runs"]:
         assert r["tok_s"] > 0 and r["needed"] > 0 and 0 <= r["hit_rate"] <= 1
+        # the bound at the host's rate timed after the run on the shape's own expert; the limits' rate (a
+        # Mixtral expert's) only for the Mixtral shape
+        assert r["cpu_ms_after_run"] > 0 and r["step_over_bound_after_run"] > 0
+        assert (r["step_over_bound"] is None) == (r["shape"] != "mixtral")
     trace_1 = next(r for r in result["runs"] if r["routing"] == "trace" and r["streams"] == 1)
     assert trace_1["prefetch_token_recall"] > 0.3  # the tiny model's pre-gate, replayed
     for r in result["runs"]:  # the prefetch counters reached the JSON and add up
