@@ -167,15 +167,18 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
-            rows_ = 8 if streams > 1 else 1
             # the bound at the CPU rate of the limits above (timed once, on a Mixtral expert: the Mixtral shape's)
             # and at the rate timed right after this run on one of this shape's own experts in the host tier
             # (the host's speed moved by up to 2x between processes on one machine: docs/offload.md)
-            cpu_bps = expert_bytes(cfg) / (limits["cpu_ms_8rows" if streams > 1 else "cpu_ms_1row"] / 1e3)
-            bound_s = moved / (link_bps + cpu_bps) if name == "mixtral" else None
+            n_rows, key = (8, "cpu_ms_8rows") if streams > 1 else (1, "cpu_ms_1row")
             store0 = llm.engine.runner.offload.stores[0]
-            r["cpu_ms_after_run"] = host_expert_ms(store0.w13_E2FD[0], store0.w2_EDF[0], rows_)
-            bound_after_s = moved / (link_bps + expert_bytes(cfg) / (r["cpu_ms_after_run"] / 1e3))
+            r["cpu_ms_after_run"] = host_expert_ms(store0.w13_E2FD[0], store0.w2_EDF[0], n_rows)
+
+            def bound(cpu_ms: float) -> float:
+                return moved / (link_bps + expert_bytes(cfg) / (cpu_ms / 1e3))
+
+            bound_s = bound(limits[key]) if name == "mixtral" else None
+            bound_after_s = bound(r["cpu_ms_after_run"])
             if device.type == "cuda":  # how much of the process's GPU limit the run came to hold
                 r["gpu_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GiB
             r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,

@@ -103,11 +103,9 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         widen_pipe(results)
         senders.append(DirectSender(results))
     try:
-        import torch
-
         # before the engine's first parallel region (the offload cost model times the host's experts at start-up):
         # a pool made smaller later may keep its extra threads spinning under OMP_WAIT_POLICY=ACTIVE
-        if needs_cores_left(host_threads.device_type_of(cfg.model.device, torch.cuda.is_available()), os.environ):
+        if needs_cores_left(core_device_type(cfg), os.environ):
             leave_cores_to_the_servers(len(clients))
         from moe_infer.engine.llm_engine import LLMEngine
 
@@ -130,6 +128,13 @@ def run_engine_core(cfg, model_path: str, clients: Sequence[Tuple[Connection, Co
         for client in core.live:  # those that did not leave ("stopped" went to each as it left)
             senders[client].send(("stopped", message))
         engine.parallel.shutdown()
+
+
+def core_device_type(cfg) -> str:
+    """'cuda' or 'cpu': where the core's engine will run (model.device, auto: CUDA where there is one)."""
+    import torch
+
+    return host_threads.device_type_of(cfg.model.device, torch.cuda.is_available())
 
 
 def needs_cores_left(device_type: str, environ) -> bool:

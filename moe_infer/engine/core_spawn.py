@@ -16,7 +16,7 @@ import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import List, NamedTuple, Optional
 
-from moe_infer.engine.core_proc import CoreInfo, run_engine_core
+from moe_infer.engine.core_proc import CoreInfo, core_device_type, run_engine_core
 from moe_infer import host_threads
 
 logger = logging.getLogger(__name__)
@@ -31,13 +31,6 @@ class CoreEndpoint(NamedTuple):
 
     commands: Connection  # client -> core (write end)
     results: Connection  # core -> client (read end)
-
-
-def core_device_type(cfg) -> str:
-    """'cuda' or 'cpu': where the core's engine will run (model.device, auto: CUDA where there is one)."""
-    import torch
-
-    return host_threads.device_type_of(cfg.model.device, torch.cuda.is_available())
 
 
 class CoreProcess:
