@@ -27,6 +27,7 @@ import triton
 from moe_infer.kernels.expert_gemv import expert_gemv, use_expert_gemv
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, get_config
 from moe_infer.kernels.fused_moe_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moe_infer.kernels.fused_moe_persistent import down_persistent_kernel, gate_up_persistent_kernel
 from moe_infer.kernels.fused_moe_schedule import (  # noqa: F401  (re-exported)
     MAX_INLINE_ROWS, SCHEDULE_BACKENDS, BlockSchedule, block_schedule, use_pdl,
 )
@@ -71,6 +72,15 @@ def _descriptor(t2d: torch.Tensor, block_shape):
     return TensorDescriptor.from_tensor(t2d, list(block_shape))
 
 
+def _num_programs(cfg: GemmConfig, sched: BlockSchedule, num_tiles: int, device: torch.device) -> int:
+    """Programs of a persistent GEMM (cfg.persistent, not with the inline schedule): one per SM, at most one
+    per tile; 0 for the one-program-per-tile kernels."""
+    if not cfg.persistent or sched.is_inline:
+        return 0
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(num_sms, num_tiles))
+
+
 def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig) -> torch.Tensor:
     """act_PF[p] = silu(x_SD[r // row_div] @ w1.T) * (x_SD[r // row_div] @ w3.T), r = sorted_P[p]."""
     _check(x_SD.dim() == 2, f"x must be 2-D, got {tuple(x_SD.shape)}")
@@ -84,6 +94,18 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     grid = (num_tiles_m * triton.cdiv(F, cfg.block_n),)
     use_tma = _can_use_tma(cfg, w13_E2FD)
     w13 = _descriptor(w13_E2FD.view(E * F2, D), (cfg.block_n, cfg.block_k)) if use_tma else w13_E2FD
+    num_programs = _num_programs(cfg, sched, grid[0], x_SD.device)
+    if num_programs:
+        gate_up_persistent_kernel[(num_programs,)](
+            x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
+            sched.num_rows, row_div, D, F,
+            x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
+            BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(x_SD),
+            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(x_SD),
+        )
+        return act_PF
     gate_up_kernel[grid](
         x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
         sched.num_rows, row_div, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
@@ -131,6 +153,18 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
     if use_tma:
         act = _descriptor(act_PF, (sched.block_m, cfg.block_k))
         w2 = _descriptor(w2_EDF.view(E * D, F), (cfg.block_n, cfg.block_k))
+    num_programs = _num_programs(cfg, sched, grid[0], act_PF.device) if tail is None else 0
+    if num_programs:
+        down_persistent_kernel[(num_programs,)](
+            act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
+            sched.num_rows, D, F,
+            act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
+            BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
+            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(act_PF),
+        )
+        return y_ND
     down_kernel[grid](
         act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
         *((tail.out_TD, tail.ids_TK, tail.counts_TC) if tail is not None else (y_ND,) * 3),

@@ -32,6 +32,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_tma: bool = False  # weights (and the down GEMM's rows) through TMA descriptors where aligned
+    persistent: bool = False  # one program per SM loops over the tiles (fused_moe_persistent.py; not inline)
+    flatten: bool = True  # persistent only: the tile and K loops software-pipelined as one
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):

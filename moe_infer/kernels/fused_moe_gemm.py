@@ -22,13 +22,13 @@ from moe_infer.kernels.pdl import pdl_enter
 
 
 @triton.jit
-def _tile_ids(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+def tile_of(tile, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile `tile`: groups of GROUP_M row tiles, column-major inside a group."""
     group = GROUP_M * num_tiles_n
-    first_m = (pid // group) * GROUP_M
+    first_m = (tile // group) * GROUP_M
     size_m = min(num_tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m = first_m + (tile % group) % size_m
+    pid_n = (tile % group) // size_m
     return pid_m, pid_n
 
 
@@ -45,7 +45,7 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
     USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K].
     """
     pdl_enter(USE_PDL)
-    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
     if pid_m * BLOCK_M >= num_padded:
@@ -107,7 +107,7 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
     without a local row and count_ptr [T, cdiv(D, BLOCK_N)] zeros.
     """
     pdl_enter(USE_PDL)
-    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
     if pid_m * BLOCK_M >= num_padded:
