@@ -25,8 +25,8 @@ graph, the default; the first run with graphs on at a batch size also captures t
 same run: transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
 extrapolated to the model's layers), and the NVMe tier's reader against the disk's own sequential read
 (dd, O_DIRECT). Prints a table, writes benchmarks/results/offload_<device>.json (or under --out / $OUT).
-The host's threads spin between layers (OMP_WAIT_POLICY=ACTIVE, as the main job and the server core run
-them) unless the environment sets a policy.
+The host's threads spin between layers (OMP_WAIT_POLICY=ACTIVE, on one core fewer than the host has, as the
+main job and the server core run them) unless the environment sets a policy.
 """
 from __future__ import annotations
 
@@ -41,16 +41,20 @@ import tempfile
 import time
 import traceback
 
-# The host's expert threads stay awake between layers (moe_infer/host_threads.py: the main job and the server
-# core get the same) unless the caller chose a policy: OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's
-# default (a short spin, then sleep; libgomp prints that the empty value is invalid and keeps its default), the
-# other side of an A/B. libgomp reads it when torch loads, so it is set before the import; the JSON records it.
-os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_infer import host_threads  # noqa: E402  (torch-free)
+
+# The host's expert threads stay awake between layers in a pool that leaves the main thread a core
+# (moe_infer/host_threads.py: the main job and the server core get the same) unless the caller chose a policy:
+# OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's default (a short spin, then sleep; libgomp prints that the
+# empty value is invalid and keeps its default), the other side of an A/B; OMP_NUM_THREADS (or --torch-threads)
+# sets the pool. libgomp reads both when torch loads, so they are set before the import; the JSON records them.
+if host_threads.POLICY_VAR not in os.environ:
+    os.environ[host_threads.POLICY_VAR] = "ACTIVE"
+    os.environ.setdefault(host_threads.THREADS_VAR, str(max(1, host_threads.host_cores() - 1)))
+
+import torch  # noqa: E402
 
 from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps, host_expert_ms,  # noqa: E402
                            link_and_cpu_limits, print_table, record_tiny_traces, sync, use_policies)

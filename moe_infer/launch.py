@@ -36,7 +36,7 @@ def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:
 
 def before_torch(job: JobConfig) -> dict:
     """What must be in the environment before torch loads (moe_infer/host_threads.py: the offload host threads'
-    wait policy); what it added. Nothing once torch is loaded (a caller's process that imported it first)."""
+    wait policy and pool size); what it added. Nothing once torch is loaded (a caller's process that imported it first)."""
     if "torch" in sys.modules:
         return {}
     cfg = job.engine_config()

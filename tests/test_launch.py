@@ -63,17 +63,20 @@ def test_the_launcher_composes_its_job_before_torch_loads():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("cuda_present,policy", [(True, "ACTIVE"), (False, "unset")])
+@pytest.mark.parametrize("cuda_present,policy", [(True, "ACTIVE OMP_NUM_THREADS=1"), (False, "unset")])
 def test_main_job_sets_the_host_threads_policy_before_torch(cuda_present, policy):
     """offload=cpu where the launcher expects a GPU (model.device=auto, the driver's node faked present here):
-    the main job starts with OMP_WAIT_POLICY=ACTIVE, and its offload summary line says so; without a GPU,
-    unset. The engine itself runs on the CPU either way (torch finds no CUDA)."""
+    the main job starts with OMP_WAIT_POLICY=ACTIVE and a pool that leaves the main thread a core (2 cores
+    faked: 1 thread), and its offload summary line says so; without a GPU, neither. The engine itself runs on
+    the CPU either way (torch finds no CUDA)."""
     code = textwrap.dedent(f"""
         import os, sys
         from moe_infer import host_threads
         from moe_infer.launch import main
         host_threads.cuda_present = lambda *a: {cuda_present}
+        host_threads.host_cores = lambda: 2
         os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ.pop("OMP_NUM_THREADS", None)
         sys.argv = ["moe-infer"] + sys.argv[1:]
         main()
     """)

@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_offload_benchmark_smoke(tmp_path):
     pytest.importorskip("accelerate")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env.pop("OMP_NUM_THREADS", None)
-    env.update(PYTHONPATH=ROOT)
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="2")  # the caller's pool, which --torch-threads overrides
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload.py"), "--smoke", "--out",
                            str(tmp_path), "--nvme-path", str(tmp_path), "--torch-threads", "1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=380)

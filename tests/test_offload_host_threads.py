@@ -18,13 +18,20 @@ from moe_infer import host_threads
 
 pytestmark = pytest.mark.timeout(120)
 VAR = "OMP_WAIT_POLICY"
+THREADS = "OMP_NUM_THREADS"
 
 
-def test_which_engines_want_awake_host_threads():
+def test_which_engines_want_awake_host_threads(monkeypatch):
+    monkeypatch.setattr(host_threads, "host_cores", lambda: 16)
     cpu = OffloadConfig(store="cpu")
-    assert host_threads.wanted_env(cpu, "cuda", {}) == {VAR: "ACTIVE"}
+    active = {VAR: "ACTIVE", THREADS: "15"}  # the pool leaves the main thread a core
+    assert host_threads.wanted_env(cpu, "cuda", {}) == active
     for miss in ("auto", "cpu", "share"):
-        assert host_threads.wanted_env(OffloadConfig(store="cpu", miss_policy=miss), "cuda", {}) == {VAR: "ACTIVE"}
+        assert host_threads.wanted_env(OffloadConfig(store="cpu", miss_policy=miss), "cuda", {}) == active
+    assert host_threads.wanted_env(cpu, "cuda", {}, reserved_cores=2) == {VAR: "ACTIVE", THREADS: "13"}  # 2 servers
+    assert host_threads.wanted_env(cpu, "cuda", {THREADS: "8"}) == {VAR: "ACTIVE"}  # the user's count stands
+    monkeypatch.setattr(host_threads, "host_cores", lambda: 2)
+    assert host_threads.wanted_env(cpu, "cuda", {}, reserved_cores=3) == {VAR: "ACTIVE", THREADS: "1"}
     assert host_threads.wanted_env(cpu, "cuda", {VAR: "PASSIVE"}) == {}  # the user's choice stands
     assert host_threads.wanted_env(OffloadConfig(store="cpu", miss_policy="wait"), "cuda", {}) == {}  # no host misses
     assert host_threads.wanted_env(OffloadConfig(), "cuda", {}) == {}  # resident
@@ -52,39 +59,45 @@ def test_cuda_present_without_torch(monkeypatch):
 def test_start_up_note_only_where_threads_sleep():
     cpu = OffloadConfig(store="cpu")
     note = host_threads.start_up_note(cpu, "cuda", {})
-    assert note is not None and f"{VAR}=ACTIVE" in note and f"{VAR}=unset" in note
+    assert note is not None and f"{VAR}=ACTIVE {THREADS}=" in note and f"{VAR}=unset" in note
     assert VAR + "=PASSIVE" in host_threads.start_up_note(cpu, "cuda", {VAR: "PASSIVE"})
     assert host_threads.start_up_note(cpu, "cuda", {VAR: "active"}) is None
     assert host_threads.start_up_note(cpu, "cpu", {}) is None
     assert host_threads.start_up_note(OffloadConfig(), "cuda", {}) is None
 
 
-def _child_policy() -> str:
-    out = subprocess.run([sys.executable, "-c", f"import os; print(os.environ.get('{VAR}', 'unset'))"],
+def _child_policy(var: str = VAR) -> str:
+    out = subprocess.run([sys.executable, "-c", f"import os; print(os.environ.get('{var}', 'unset'))"],
                          capture_output=True, text=True, timeout=60)
     return out.stdout.strip()
 
 
 def test_spawn_env_reaches_the_child_and_leaves_the_parent_as_it_was(monkeypatch):
     monkeypatch.delenv(VAR, raising=False)
-    with host_threads.spawn_env(OffloadConfig(store="cpu"), "cuda") as added:
-        assert added == {VAR: "ACTIVE"} and _child_policy() == "ACTIVE"
-    assert VAR not in os.environ and _child_policy() == "unset"
+    monkeypatch.delenv(THREADS, raising=False)
+    monkeypatch.setattr(host_threads, "host_cores", lambda: 8)
+    with host_threads.spawn_env(OffloadConfig(store="cpu"), "cuda", reserved_cores=1) as added:
+        assert added == {VAR: "ACTIVE", THREADS: "6"} and _child_policy() == "ACTIVE" and _child_policy(THREADS) == "6"
+    assert VAR not in os.environ and THREADS not in os.environ and _child_policy() == "unset"
     monkeypatch.setenv(VAR, "PASSIVE")
     with host_threads.spawn_env(OffloadConfig(store="cpu"), "cuda") as added:
         assert added == {} and _child_policy() == "PASSIVE"
     assert os.environ[VAR] == "PASSIVE"
 
 
-@pytest.mark.parametrize("store,expected", [("cpu", "ACTIVE"), ("resident", None)])
+@pytest.mark.parametrize("store,expected", [("cpu", ("ACTIVE", "13")), ("resident", (None, None))])
 def test_the_server_core_starts_with_the_policy(monkeypatch, store, expected):
-    """CoreProcess (the server's engine core): the environment its process is started with, captured at start()."""
+    """CoreProcess (the server's engine core): the environment its process is started with, captured at start():
+    with the policy a pool that leaves a core to the main thread and one to each of the 2 API servers."""
     monkeypatch.delenv(VAR, raising=False)
+    monkeypatch.delenv(THREADS, raising=False)
+    monkeypatch.setattr(host_threads, "host_cores", lambda: 16)
     seen = []
-    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", lambda self: seen.append(os.environ.get(VAR)))
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start",
+                        lambda self: seen.append((os.environ.get(VAR), os.environ.get(THREADS))))
     cfg = EngineConfig(model=ModelConfig(device="cuda"), offload=OffloadConfig(store=store))
-    core_spawn.CoreProcess(cfg, "unused", num_clients=1)
-    assert seen == [expected] and VAR not in os.environ
+    core_spawn.CoreProcess(cfg, "unused", num_clients=2)
+    assert seen == [expected] and VAR not in os.environ and THREADS not in os.environ
 
 
 def test_an_engine_core_with_spinning_threads_leaves_cores_to_the_servers():

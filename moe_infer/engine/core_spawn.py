@@ -46,7 +46,8 @@ class CoreProcess:
             self.endpoints.append(CoreEndpoint(cmd_write, res_read))
         self.proc = ctx.Process(target=run_engine_core, name="moe-infer-engine-core",
                                 args=(cfg, model_path, core_ends, logging.getLogger().getEffectiveLevel()))
-        with host_threads.spawn_env(cfg.offload, core_device_type(cfg)) as added:  # read when the core loads torch
+        # read when the core loads torch; its pool leaves a core to each API server process
+        with host_threads.spawn_env(cfg.offload, core_device_type(cfg), reserved_cores=num_clients) as added:
             self.proc.start()
         if added:
             logger.info("engine core started with %s: the host computes expert misses (docs/offload.md)",
