@@ -81,6 +81,13 @@ def _num_programs(cfg: GemmConfig, sched: BlockSchedule, num_tiles: int, device:
     return max(1, min(num_sms, num_tiles))
 
 
+def _tile_meta(sched: BlockSchedule, cfg: GemmConfig, use_tma: bool, t: torch.Tensor) -> dict:
+    """The launch keywords both GEMM kernels share, persistent or not: tiles, dtypes, warps, stages, PDL."""
+    return dict(BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(t),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(t))
+
+
 def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig) -> torch.Tensor:
     """act_PF[p] = silu(x_SD[r // row_div] @ w1.T) * (x_SD[r // row_div] @ w3.T), r = sorted_P[p]."""
     _check(x_SD.dim() == 2, f"x must be 2-D, got {tuple(x_SD.shape)}")
@@ -100,19 +107,14 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
             x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
             sched.num_rows, row_div, D, F,
             x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
-            BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(x_SD),
-            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(x_SD),
+            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten, **_tile_meta(sched, cfg, use_tma, x_SD),
         )
         return act_PF
     gate_up_kernel[grid](
         x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
         sched.num_rows, row_div, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
-        BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(x_SD),
-        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(x_SD),
+        **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, x_SD),
     )
     return act_PF
 
@@ -159,10 +161,7 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
             act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
             sched.num_rows, D, F,
             act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
-            BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
-            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(act_PF),
+            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten, **_tile_meta(sched, cfg, use_tma, act_PF),
         )
         return y_ND
     down_kernel[grid](
@@ -171,10 +170,8 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
         sched.num_rows, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
         tail.out_TD.stride(0) if tail is not None else 0,
-        BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IS_FP32_DOT=_is_interpreter(), USE_TMA=use_tma, DOT_PRECISION=_dot_precision(act_PF),
         COMBINE_TAIL=tail is not None, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        **sched.kernel_args(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(act_PF),
+        **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, act_PF),
     )
     return y_ND
 
