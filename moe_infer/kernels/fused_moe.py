@@ -100,21 +100,25 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
     num_tiles_m = triton.cdiv(p_max, sched.block_m)
     grid = (num_tiles_m * triton.cdiv(F, cfg.block_n),)
     use_tma = _can_use_tma(cfg, w13_E2FD)
-    w13 = _descriptor(w13_E2FD.view(E * F2, D), (cfg.block_n, cfg.block_k)) if use_tma else w13_E2FD
+    one_dot = use_tma and cfg.one_dot
+    if one_dot:  # gate and up tiles of one expert in one box: [1, 2, BLOCK_N, BLOCK_K] over [E, 2, F, D]
+        w13 = _descriptor(w13_E2FD.view(E, 2, F, D), (1, 2, cfg.block_n, cfg.block_k))
+    else:
+        w13 = _descriptor(w13_E2FD.view(E * F2, D), (cfg.block_n, cfg.block_k)) if use_tma else w13_E2FD
     num_programs = _num_programs(cfg, sched, grid[0], x_SD.device)
     if num_programs:
         gate_up_persistent_kernel[(num_programs,)](
             x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
             sched.num_rows, row_div, D, F,
             x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
-            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten, **_tile_meta(sched, cfg, use_tma, x_SD),
+            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten, ONE_DOT=one_dot, **_tile_meta(sched, cfg, use_tma, x_SD),
         )
         return act_PF
     gate_up_kernel[grid](
         x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
         sched.num_rows, row_div, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
-        **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, x_SD),
+        ONE_DOT=one_dot, **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, x_SD),
     )
     return act_PF
 

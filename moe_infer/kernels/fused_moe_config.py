@@ -34,6 +34,7 @@ class GemmConfig:
     use_tma: bool = False  # weights (and the down GEMM's rows) through TMA descriptors where aligned
     persistent: bool = False  # one program per SM loops over the tiles (fused_moe_persistent.py; not inline)
     flatten: bool = True  # persistent only: the tile and K loops software-pipelined as one
+    one_dot: bool = False  # gate_up with use_tma: its gate and up tiles in one load and one dot (gate_up_one_dot)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):

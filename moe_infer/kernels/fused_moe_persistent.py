@@ -18,7 +18,7 @@ P padded slots, B tiles.
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.fused_moe_gemm import tile_of
+from moe_infer.kernels.fused_moe_gemm import gate_up_one_dot, tile_of
 from moe_infer.kernels.pdl import pdl_enter
 
 
@@ -28,10 +28,11 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                              USE_PDL: tl.constexpr, GATHERED: tl.constexpr = False):
+                              USE_PDL: tl.constexpr, GATHERED: tl.constexpr = False, ONE_DOT: tl.constexpr = False):
     """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T) for every live tile (see gate_up_kernel).
 
-    USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K].
+    USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K];
+    ONE_DOT (with USE_TMA): over w13 viewed [E, 2, F, D] (`gate_up_one_dot`).
     """
     pdl_enter(USE_PDL)
     num_tiles_m = tl.load(num_padded_ptr) // BLOCK_M  # every expert's rows are padded to BLOCK_M
@@ -48,29 +49,33 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
         is_n = offs_n < F
         if not GATHERED:
             a_ptrs = x_ptr + (rows // ROW_DIV).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, num_k):
-            k_left = D - k * BLOCK_K
-            if GATHERED:  # x_ptr: a tensor descriptor over the rows already in slot order, x_PD [P, D]
-                a = x_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
-            else:
-                a = tl.load(a_ptrs + k * BLOCK_K, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            if USE_TMA:  # columns past F read the next rows; they land in masked-out outputs
-                g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
-                g = w13_ptr.load([g_row, k * BLOCK_K]).T
-                u = w13_ptr.load([g_row + F, k * BLOCK_K]).T
-            else:
-                w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
-                w_base = w13_ptr + e * stride_we + (k * BLOCK_K + offs_k)[:, None] * stride_wk
-                g = tl.load(w_base + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
-                u = tl.load(w_base + (offs_n + F)[None, :] * stride_wn, mask=w_mask, other=0.0)
-            if IS_FP32_DOT:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        if ONE_DOT:
+            acc_g, acc_u = gate_up_one_dot(a_ptrs, is_row, w13_ptr, e, pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           IS_FP32_DOT, DOT_PRECISION)
+        else:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(0, num_k):
+                k_left = D - k * BLOCK_K
+                if GATHERED:  # x_ptr: a tensor descriptor over the rows already in slot order, x_PD [P, D]
+                    a = x_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+                else:
+                    a = tl.load(a_ptrs + k * BLOCK_K, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                if USE_TMA:  # columns past F read the next rows; they land in masked-out outputs
+                    g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
+                    g = w13_ptr.load([g_row, k * BLOCK_K]).T
+                    u = w13_ptr.load([g_row + F, k * BLOCK_K]).T
+                else:
+                    w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
+                    w_base = w13_ptr + e * stride_we + (k * BLOCK_K + offs_k)[:, None] * stride_wk
+                    g = tl.load(w_base + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
+                    u = tl.load(w_base + (offs_n + F)[None, :] * stride_wn, mask=w_mask, other=0.0)
+                if IS_FP32_DOT:
+                    a = a.to(tl.float32)
+                    g = g.to(tl.float32)
+                    u = u.to(tl.float32)
+                acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
