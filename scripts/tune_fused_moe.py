@@ -4,9 +4,10 @@
 For each token count: for each BLOCK_M that suits the rows per expert, time every gate_up and every
 down candidate on the real schedule (triton.testing.do_bench, median), keep the best of each, and
 keep the BLOCK_M whose two GEMMs sum to the least time. With --persistent, every candidate of BLOCK_M
->= 64 is also tried as a persistent GEMM (fused_moe_persistent.py), flattened or not.
+>= 64 is also tried as a persistent GEMM (fused_moe_persistent.py), flattened or not; with --one-dot, every
+gate_up candidate also as one dot through TMA (GemmConfig.one_dot).
 
-    python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,...] [--tokens 1,8,...] [--out-dir DIR] [--persistent]
+    python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,...] [--tokens 1,8,...] [--out-dir DIR] [--persistent] [--one-dot]
 """
 from __future__ import annotations
 
@@ -63,29 +64,31 @@ def _bench(fn) -> float:
         return float("inf")
 
 
-def candidates(cands, block_m, persistent: bool):
+def candidates(cands, block_m, persistent: bool, one_dot: bool = False):
     """GemmConfigs of the (block_n, block_k, num_warps, num_stages[, use_tma]) tuples; with persistent (BLOCK_M
-    >= 64 only: prefill) each also as a persistent GEMM with and without the flattened loop."""
+    >= 64 only: prefill) each also as a persistent GEMM with and without the flattened loop; with one_dot
+    (gate_up) each also through TMA as one dot."""
     group_m = 1 if block_m <= 32 else 8
     for c in cands:
-        cfg = GemmConfig(c[0], c[1], group_m, *c[2:])
-        yield cfg
-        if persistent and block_m >= 64:
-            for flatten in (False, True):
-                yield dataclasses.replace(cfg, persistent=True, flatten=flatten)
+        base = GemmConfig(c[0], c[1], group_m, *c[2:])
+        for cfg in [base] + ([dataclasses.replace(base, use_tma=True, one_dot=True)] if one_dot else []):
+            yield cfg
+            if persistent and block_m >= 64:
+                for flatten in (False, True):
+                    yield dataclasses.replace(cfg, persistent=True, flatten=flatten)
 
 
-def _best(fn_of_cfg, cands, block_m, persistent=False):
-    timed = [(_bench(lambda c=c: fn_of_cfg(c)), c) for c in candidates(cands, block_m, persistent)]
+def _best(fn_of_cfg, cands, block_m, persistent=False, one_dot=False):
+    timed = [(_bench(lambda c=c: fn_of_cfg(c)), c) for c in candidates(cands, block_m, persistent, one_dot)]
     return min(timed, key=lambda tc: tc[0])
 
 
-def tune_point(T, E, K, D, F, w13, w2, persistent=False):
+def tune_point(T, E, K, D, F, w13, w2, persistent=False, one_dot=False):
     x_TD, ids_TK, w_TK = make_inputs(T, E, K, D)
     best = None
     for block_m in block_m_candidates(T * K / E):
         sched = block_schedule(ids_TK.reshape(-1), E, 0, block_m)
-        t_gu, cfg_gu = _best(lambda c: gate_up(x_TD, w13, sched, K, c), GATE_UP[block_m], block_m, persistent)
+        t_gu, cfg_gu = _best(lambda c: gate_up(x_TD, w13, sched, K, c), GATE_UP[block_m], block_m, persistent, one_dot)
         act_PF = gate_up(x_TD, w13, sched, K, cfg_gu)
         weights_N = w_TK.reshape(-1)
         t_dn, cfg_dn = _best(lambda c: down(act_PF, w2, weights_N, sched, c), DOWN[block_m], block_m, persistent)
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--out-dir", default=CONFIG_DIR)
     parser.add_argument("--persistent", action="store_true", help="also try persistent GEMMs at BLOCK_M >= 64")
+    parser.add_argument("--one-dot", action="store_true", help="also try gate_up as one dot (GemmConfig.one_dot)")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     for name in args.shapes.split(","):
@@ -108,7 +112,7 @@ def main() -> None:
         w13, w2 = make_weights(E, D, F)
         table, t0 = {}, time.time()
         for T in map(int, args.tokens.split(",")):
-            total_us, cfg = tune_point(T, E, K, D, F, w13, w2, args.persistent)
+            total_us, cfg = tune_point(T, E, K, D, F, w13, w2, args.persistent, args.one_dot)
             table[str(T)] = cfg.to_dict()
             print(f"{name} T={T}: {total_us:.1f} us with {cfg}", flush=True)
         path = os.path.join(args.out_dir, config_file_name(E, F, D, "bf16", device_name()))
