@@ -7,7 +7,8 @@ keep the BLOCK_M whose two GEMMs sum to the least time. With --persistent, every
 >= 64 is also tried as a persistent GEMM (fused_moe_persistent.py), flattened or not; with --one-dot, every
 gate_up candidate also as one dot through TMA (GemmConfig.one_dot).
 
-    python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,...] [--tokens 1,8,...] [--out-dir DIR] [--persistent] [--one-dot]
+    python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,64:8:2048:1024,...] [--tokens 1,8,...] [--out-dir DIR]
+                                     [--persistent] [--one-dot]
 """
 from __future__ import annotations
 
@@ -98,17 +99,29 @@ def tune_point(T, E, K, D, F, w13, w2, persistent=False, one_dot=False):
     return best
 
 
+def parse_shape(name: str):
+    """(E, K, D, F) of a named shape (MODEL_SHAPES) or of "E:K:D:F" (local experts, top-k, hidden, expert
+    intermediate) for another model; a clear error otherwise."""
+    if name in MODEL_SHAPES:
+        return MODEL_SHAPES[name]
+    parts = name.split(":")
+    if len(parts) == 4 and all(p.isdigit() and int(p) > 0 for p in parts):
+        return tuple(int(p) for p in parts)
+    raise SystemExit(f"--shapes: {name!r} is neither one of {sorted(MODEL_SHAPES)} nor E:K:D:F (e.g. 64:8:2048:1024)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES),
+                        help="comma list of named shapes or E:K:D:F (local experts, top-k, hidden, intermediate)")
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--out-dir", default=CONFIG_DIR)
     parser.add_argument("--persistent", action="store_true", help="also try persistent GEMMs at BLOCK_M >= 64")
     parser.add_argument("--one-dot", action="store_true", help="also try gate_up as one dot (GemmConfig.one_dot)")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    for name in args.shapes.split(","):
-        E, K, D, F = MODEL_SHAPES[name]
+    shapes = [(name, parse_shape(name)) for name in args.shapes.split(",")]  # a typo fails before any tuning
+    for name, (E, K, D, F) in shapes:
         w13, w2 = make_weights(E, D, F)
         table, t0 = {}, time.time()
         for T in map(int, args.tokens.split(",")):
