@@ -43,3 +43,24 @@ def test_offload_benchmark_smoke(tmp_path):
     assert result["nvme"]["read_gbps"] > 0 and result["nvme"]["dd_gbps"] > 0
     assert "shape" in proc.stdout and "wrote" in proc.stdout  # the table and the JSON path are printed
     assert [p.name for p in tmp_path.iterdir()] == ["offload_smoke_cpu.json"]  # NVMe files cleaned up
+
+
+def test_host_expert_time_leaves_out_the_warm_up(monkeypatch):
+    """The limits' CPU figure (the bound's host rate) is timed after warm_s of the same work: a host whose first
+    calls run slow (cores waking from idle) is not read as slow, which would loosen the bound."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import offload_parts
+
+    calls = []
+
+    def swiglu(x, w13, w2):  # the first six calls slow, then fast
+        calls.append(None)
+        time.sleep(0.02 if len(calls) <= 6 else 0.001)
+
+    monkeypatch.setattr(offload_parts, "swiglu", swiglu)
+    ms = offload_parts.host_expert_ms(torch.zeros(8, 4), torch.zeros(4, 4), 1, repeats=4, warm_s=0.15)
+    assert ms < 10 and len(calls) > 10
