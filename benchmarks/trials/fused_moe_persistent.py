@@ -9,22 +9,21 @@ median. Every variant is checked against the tuned path's bits. Prints a table, 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up  # noqa: E402
 from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
-    MODEL_SHAPES, graph_time_us, make_inputs, make_weights, replays_for, roofline_us,
+    MODEL_SHAPES, graph_time_us, make_inputs, replays_for, roofline_us,
 )
-from moe_infer.kernels.fused_moe_config import device_name, get_config  # noqa: E402
+from moe_infer.kernels.fused_moe_config import get_config  # noqa: E402
+from prefill_points import prefill_parser, run_points  # noqa: E402
 
 
 SWEEP = False  # --sweep: more persistent variants (stages, TMA, GROUP_M, BLOCK_N)
@@ -136,29 +135,12 @@ def bench_point(name, T, w13, w2):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
-    parser.add_argument("--tokens", default="2048,8192")
-    parser.add_argument("--out", default=None)
+    parser = prefill_parser(__doc__)
     parser.add_argument("--sweep", action="store_true", help="more persistent variants, and gathered rows by TMA")
     args = parser.parse_args()
     global SWEEP
     SWEEP = args.sweep
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "trials",
-                                   f"fused_moe_persistent_{device_name()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    rows = []
-    for name in args.shapes.split(","):
-        E, K, D, F_ = MODEL_SHAPES[name]
-        w13, w2 = make_weights(E, D, F_)
-        for T in map(int, args.tokens.split(",")):
-            rows.append(bench_point(name, T, w13, w2))
-            with open(out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "triton": triton.__version__, "timing": "CUDA-graph replay, median, bf16", "points": rows}, f, indent=1)
-        del w13, w2
-        torch.cuda.empty_cache()
-    print(f"wrote {out}")
+    run_points(args, "fused_moe_persistent", bench_point)
 
 
 if __name__ == "__main__":

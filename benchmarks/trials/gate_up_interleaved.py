@@ -13,13 +13,12 @@ points (T >= 2048). CUDA-graph replay medians; the act rows are checked against 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -27,8 +26,9 @@ import triton.language as tl  # noqa: E402
 
 from moe_infer.kernels.fused_moe import block_schedule, gate_up  # noqa: E402
 from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, graph_time_us, make_inputs, make_weights  # noqa: E402
-from moe_infer.kernels.fused_moe_config import device_name, get_config  # noqa: E402
+from moe_infer.kernels.fused_moe_config import get_config  # noqa: E402
 from moe_infer.kernels.fused_moe_gemm import tile_of  # noqa: E402
+from prefill_points import prefill_parser, run_points  # noqa: E402
 
 
 @triton.jit
@@ -108,26 +108,14 @@ def bench_point(name, T, w13, w13i):
     return row
 
 
+def interleaved_weights(E, D, F):
+    """(w13, a copy with its rows interleaved: gate 0, up 0, gate 1, up 1, ...)."""
+    w13, _ = make_weights(E, D, F)
+    return w13, torch.stack([w13[:, :F], w13[:, F:]], dim=2).reshape(E, 2 * F, D)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
-    parser.add_argument("--tokens", default="2048,8192")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "trials",
-                                   f"gate_up_interleaved_{device_name()}.json")
-    rows = []
-    for name in args.shapes.split(","):
-        E, K, D, F_ = MODEL_SHAPES[name]
-        w13, _ = make_weights(E, D, F_)
-        w13i = torch.stack([w13[:, :F_], w13[:, F_:]], dim=2).reshape(E, 2 * F_, D)  # rows g0 u0 g1 u1 ...
-        for T in map(int, args.tokens.split(",")):
-            rows.append(bench_point(name, T, w13, w13i))
-            with open(out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "points": rows}, f, indent=1)
-        del w13, w13i
-        torch.cuda.empty_cache()
-    print(f"wrote {out}")
+    run_points(prefill_parser(__doc__).parse_args(), "gate_up_interleaved", bench_point, interleaved_weights)
 
 
 if __name__ == "__main__":

@@ -9,20 +9,19 @@ weights through TMA as one dot ("one_dot"), and that with a persistent, not flat
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from moe_infer.kernels.fused_moe import fused_experts  # noqa: E402
-from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, graph_time_us, make_inputs, make_weights, roofline_us  # noqa: E402
-from moe_infer.kernels.fused_moe_config import device_name, get_config  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, graph_time_us, make_inputs, roofline_us  # noqa: E402
+from moe_infer.kernels.fused_moe_config import get_config  # noqa: E402
+from prefill_points import prefill_parser, run_points  # noqa: E402
 
 
 def configs(cfg):
@@ -51,24 +50,7 @@ def bench_point(name, T, w13, w2):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
-    parser.add_argument("--tokens", default="2048,8192")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "trials",
-                                   f"gate_up_one_dot_{device_name()}.json")
-    rows = []
-    for name in args.shapes.split(","):
-        E, K, D, F_ = MODEL_SHAPES[name]
-        w13, w2 = make_weights(E, D, F_)
-        for T in map(int, args.tokens.split(",")):
-            rows.append(bench_point(name, T, w13, w2))
-            with open(out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "points": rows}, f, indent=1)
-        del w13, w2
-        torch.cuda.empty_cache()
-    print(f"wrote {out}")
+    run_points(prefill_parser(__doc__).parse_args(), "gate_up_one_dot", bench_point)
 
 
 if __name__ == "__main__":
