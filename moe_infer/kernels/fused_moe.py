@@ -31,6 +31,7 @@ from moe_infer.kernels.fused_moe_persistent import down_persistent_kernel, gate_
 from moe_infer.kernels.fused_moe_schedule import (  # noqa: F401  (re-exported)
     MAX_INLINE_ROWS, SCHEDULE_BACKENDS, BlockSchedule, block_schedule, use_pdl,
 )
+from moe_infer.kernels.sm_count import num_sms
 from moe_infer.registry import Registry
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,8 +78,7 @@ def _num_programs(cfg: GemmConfig, sched: BlockSchedule, num_tiles: int, device:
     per tile; 0 for the one-program-per-tile kernels."""
     if not cfg.persistent or sched.is_inline:
         return 0
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(num_sms, num_tiles))
+    return max(1, min(num_sms(device) if device.type == "cuda" else 4, num_tiles))
 
 
 def _tile_meta(sched: BlockSchedule, cfg: GemmConfig, use_tma: bool, t: torch.Tensor) -> dict:

@@ -16,7 +16,6 @@ G = H / Hkv, d head_dim, Nb cache blocks, S block size.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
@@ -24,6 +23,7 @@ import triton
 
 from moe_infer.kernels.paged_attention_kernels import paged_attention_kernel, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import use_pdl
+from moe_infer.kernels.sm_count import num_sms as _num_sms
 
 # Decode tiles (`num_splits`, `decode_block_n`), measured on an H100 with Qwen3-30B-A3B heads as the time per call
 # in a graph of 20 calls in a row, as a decode step's graph runs them under PDL
@@ -43,11 +43,6 @@ PDL_ENV = "MOE_ATTN_PDL"  # "0" launches both kernels without programmatic depen
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
-
-
-@lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def num_splits(batch_kv_programs: int, max_seq_len: int, max_query_len: int, num_sms: int) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -26,6 +25,7 @@ import triton
 
 from moe_infer.kernels.pdl import use_pdl
 from moe_infer.kernels.skinny_gemm_kernels import skinny_gemm_kernel
+from moe_infer.kernels.sm_count import num_sms
 
 MAX_ROWS = 4  # rows are a loop over the weight tile in registers: past a few, cuBLAS's tensor cores win
 PDL_ENV = "MOE_SKINNY_PDL"  # "0" launches without programmatic dependent launch (A/B runs)
@@ -60,9 +60,8 @@ def is_faster_than_cublas(M: int, N: int) -> bool:
     return M == 1 or (M <= MAX_ROWS and N <= 1024)
 
 
-@lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return num_sms(device) if device.type == "cuda" else 132
 
 
 def _check(cond: bool, msg: str) -> None:
