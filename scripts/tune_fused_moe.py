@@ -7,8 +7,17 @@ keep the BLOCK_M whose two GEMMs sum to the least time. With --persistent, every
 >= 64 is also tried as a persistent GEMM (fused_moe_persistent.py), flattened or not; with --one-dot, every
 gate_up candidate also as one dot through TMA (GemmConfig.one_dot).
 
+--refine searches less: from the config in use at each token count (the committed file's, else the
+heuristic), each GEMM with its tiles unchanged and the options toggled (gate_up: one dot or two, one
+program a tile or persistent, flattened or not; down: the last two), the fastest of each GEMM alone; the
+result replaces the config only if the whole path (CUDA-graph replay) is faster by --min-gain in each of
+two rounds timed A B A B (a timing of one config moves by 5-8 % on an H200, so one round decides nothing).
+Minutes instead of an hour: what a short session on a newly lent GPU has time for.
+
+An existing file for the shape and device keeps its other token counts (--replace: write only those tuned).
+
     python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,64:8:2048:1024,...] [--tokens 1,8,...] [--out-dir DIR]
-                                     [--persistent] [--one-dot]
+                                     [--persistent] [--one-dot] [--refine [--min-gain 0.02]] [--replace]
 """
 from __future__ import annotations
 
@@ -24,10 +33,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from moe_infer.kernels.fused_moe import block_schedule, down, gate_up  # noqa: E402
-from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, TOKEN_COUNTS, make_inputs, make_weights  # noqa: E402
+from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
+    MODEL_SHAPES, TOKEN_COUNTS, graph_time_us, make_inputs, make_weights,
+)
 from moe_infer.kernels.fused_moe_config import (  # noqa: E402
-    CONFIG_DIR, FusedMoEConfig, GemmConfig, config_file_name, device_name,
+    CONFIG_DIR, FusedMoEConfig, GemmConfig, config_file_name, device_name, get_config, load_configs,
 )
 
 # (block_n, block_k, num_warps, num_stages[, use_tma]) per BLOCK_M; gate_up holds two accumulators.
@@ -99,6 +110,69 @@ def tune_point(T, E, K, D, F, w13, w2, persistent=False, one_dot=False):
     return best
 
 
+def option_variants(cfg: GemmConfig, block_m: int, is_gate_up: bool):
+    """cfg with its tiles kept and the options toggled: one dot or two (gate_up), one program a tile or
+    persistent (BLOCK_M >= 64, as `candidates`), flattened or not; cfg itself first, no duplicates
+    (`flatten` means nothing without `persistent`)."""
+    def same(a: GemmConfig, b: GemmConfig) -> bool:
+        return dataclasses.replace(a, flatten=a.flatten or not a.persistent) == \
+            dataclasses.replace(b, flatten=b.flatten or not b.persistent)
+
+    dots = [dataclasses.replace(cfg, one_dot=False), dataclasses.replace(cfg, use_tma=True, one_dot=True)] \
+        if is_gate_up else [cfg]
+    out = [cfg]
+    for base in dots:
+        modes = [dataclasses.replace(base, persistent=False)]
+        if block_m >= 64:
+            modes += [dataclasses.replace(base, persistent=True, flatten=f) for f in (False, True)]
+        out += [m for m in modes if not any(same(m, o) for o in out)]
+    return out
+
+
+def keep_refined(base_us, new_us, min_gain: float) -> bool:
+    """The refined config replaces the base only if it is faster by min_gain in every round."""
+    return len(base_us) == len(new_us) > 0 and all(n <= b * (1.0 - min_gain) for b, n in zip(base_us, new_us))
+
+
+def refine_point(T, E, K, D, F, w13, w2, min_gain: float, rounds: int = 2):
+    """(base config, refined config, base whole-path us per round, refined us per round, kept?)."""
+    base = get_config(T, E, F, D, K, "bf16")
+    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D)
+    weights_N = w_TK.reshape(-1)
+    sched = block_schedule(ids_TK.reshape(-1), E, 0, base.block_m, backend=base.schedule)
+    t_gu, cfg_gu = min(((_bench(lambda c=c: gate_up(x_TD, w13, sched, K, c)), c)
+                        for c in option_variants(base.gate_up, base.block_m, True)), key=lambda tc: tc[0])
+    act_PF = gate_up(x_TD, w13, sched, K, cfg_gu)
+    t_dn, cfg_dn = min(((_bench(lambda c=c: down(act_PF, w2, weights_N, sched, c)), c)
+                        for c in option_variants(base.down, base.block_m, False)), key=lambda tc: tc[0])
+    new = dataclasses.replace(base, gate_up=cfg_gu, down=cfg_dn)
+    base_us, new_us = [], []
+    if new != base:
+        for _ in range(rounds):
+            for cfg, times in ((base, base_us), (new, new_us)):
+                times.append(graph_time_us(lambda c=cfg: fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, c), 20))
+    kept = new != base and keep_refined(base_us, new_us, min_gain)
+    print(f"  T={T}: gate_up {t_gu:.1f} us {cfg_gu}, down {t_dn:.1f} us {cfg_dn}; whole path base "
+          f"{[round(t, 1) for t in base_us]} refined {[round(t, 1) for t in new_us]} us: "
+          f"{'kept' if kept else 'base kept' if new != base else 'no change'}", flush=True)
+    return base, new, base_us, new_us, kept
+
+
+def write_table(path: str, table: dict, replace: bool) -> dict:
+    """Write the tuned entries; an existing file keeps its other token counts unless replace."""
+    merged = {}
+    if not replace and os.path.exists(path):
+        with open(path) as f:
+            merged = json.load(f)
+    merged.update(table)
+    merged = {key: merged[key] for key in sorted(merged, key=int)}
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
+        f.write("\n")
+    load_configs.cache_clear()  # a later get_config in this process reads the new file
+    return merged
+
+
 def parse_shape(name: str):
     """(E, K, D, F) of a named shape (MODEL_SHAPES) or of "E:K:D:F" (local experts, top-k, hidden, expert
     intermediate) for another model; a clear error otherwise."""
@@ -118,6 +192,10 @@ def main() -> None:
     parser.add_argument("--out-dir", default=CONFIG_DIR)
     parser.add_argument("--persistent", action="store_true", help="also try persistent GEMMs at BLOCK_M >= 64")
     parser.add_argument("--one-dot", action="store_true", help="also try gate_up as one dot (GemmConfig.one_dot)")
+    parser.add_argument("--refine", action="store_true",
+                        help="from the config in use, toggle only the options (one dot, persistent, flatten)")
+    parser.add_argument("--min-gain", type=float, default=0.02, help="--refine: the whole path's gain in each round")
+    parser.add_argument("--replace", action="store_true", help="write only the token counts tuned now")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     shapes = [(name, parse_shape(name)) for name in args.shapes.split(",")]  # a typo fails before any tuning
@@ -125,13 +203,18 @@ def main() -> None:
         w13, w2 = make_weights(E, D, F)
         table, t0 = {}, time.time()
         for T in map(int, args.tokens.split(",")):
+            if args.refine:
+                base, new, _, _, kept = refine_point(T, E, K, D, F, w13, w2, args.min_gain)
+                table[str(T)] = (new if kept else base).to_dict()
+                print(f"{name} T={T}: {'refined' if kept else 'unchanged'}", flush=True)
+                continue
             total_us, cfg = tune_point(T, E, K, D, F, w13, w2, args.persistent, args.one_dot)
             table[str(T)] = cfg.to_dict()
             print(f"{name} T={T}: {total_us:.1f} us with {cfg}", flush=True)
         path = os.path.join(args.out_dir, config_file_name(E, F, D, "bf16", device_name()))
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
-        print(f"wrote {path} ({time.time() - t0:.0f} s)", flush=True)
+        merged = write_table(path, table, args.replace)
+        print(f"wrote {path}: {len(table)} entries tuned, {len(merged) - len(table)} kept ({time.time() - t0:.0f} s)",
+              flush=True)
         del w13, w2
         torch.cuda.empty_cache()
 

@@ -34,3 +34,57 @@ def test_candidates_of_the_options():
     assert {(c.persistent, c.flatten) for c in both} == {(False, True), (True, False), (True, True)}
     decode = list(tuner.candidates(tuner.GATE_UP[16], 16, persistent=True))  # decode tiles: never persistent
     assert not any(c.persistent for c in decode)
+
+
+def test_refine_toggles_only_the_options():
+    """--refine: the config in use first, then its tiles with one dot or two (gate_up), one program a tile or
+    persistent, flattened or not (BLOCK_M >= 64 only); flatten without persistent is not a new variant."""
+    from moe_infer.kernels.fused_moe_config import GemmConfig
+
+    tuner = _tuner()
+    base = GemmConfig(128, 64, 8, 8, 3, use_tma=False, persistent=True, flatten=False)
+    gate_up = tuner.option_variants(base, 128, is_gate_up=True)
+    assert gate_up[0] == base and len(gate_up) == 6
+    assert all((c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages) == (128, 64, 8, 8, 3) for c in gate_up)
+    assert {(c.one_dot, c.persistent, c.flatten if c.persistent else None) for c in gate_up} == {
+        (d, p, f) for d in (False, True) for p, f in ((False, None), (True, False), (True, True))}
+    assert all(c.use_tma for c in gate_up if c.one_dot)
+    down = tuner.option_variants(GemmConfig(256, 64, 8, 8, 4, use_tma=True), 128, is_gate_up=False)
+    assert len(down) == 3 and not any(c.one_dot for c in down)
+    assert len(tuner.option_variants(GemmConfig(64, 128), 16, is_gate_up=True)) == 2  # decode: never persistent
+    assert len(tuner.option_variants(GemmConfig(64, 128), 16, is_gate_up=False)) == 1
+
+
+def test_refined_config_needs_every_round():
+    tuner = _tuner()
+    assert tuner.keep_refined([100.0, 104.0], [95.0, 99.0], 0.02)
+    assert not tuner.keep_refined([100.0, 104.0], [95.0, 103.0], 0.02)  # one round within the spread
+    assert not tuner.keep_refined([100.0, 100.0], [99.0, 99.0], 0.02)  # faster, not by the margin
+    assert not tuner.keep_refined([], [], 0.02)
+
+
+def test_a_partial_tuning_keeps_the_other_token_counts(tmp_path, monkeypatch):
+    """Tuning some token counts into an existing file keeps its other entries (a file of only 2048 and 8192
+    would serve decode with a prefill tile); --replace writes only what was tuned."""
+    import json
+    import sys
+
+    from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, config_file_name
+
+    tuner = _tuner()
+    old = FusedMoEConfig(16, GemmConfig(64, 128), GemmConfig(64, 128)).to_dict()
+    new = FusedMoEConfig(128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 4)).to_dict()
+    path = tmp_path / config_file_name(8, 64, 32, "bf16", "cpu")
+    path.write_text(json.dumps({"1": old, "2048": old}))
+    monkeypatch.setattr(tuner, "make_weights", lambda E, D, F: (None, None))
+    monkeypatch.setattr(tuner, "device_name", lambda: "cpu")
+    monkeypatch.setattr(tuner.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(tuner, "tune_point", lambda T, *a: (1.0, FusedMoEConfig.from_dict(new)))
+    argv = ["tune_fused_moe.py", "--shapes", "8:2:32:64", "--tokens", "2048,8192", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    tuner.main()
+    table = json.loads(path.read_text())
+    assert list(table) == ["1", "2048", "8192"] and table["1"] == old and table["2048"] == table["8192"] == new
+    monkeypatch.setattr(sys, "argv", argv + ["--replace"])
+    tuner.main()
+    assert list(json.loads(path.read_text())) == ["2048", "8192"]
