@@ -27,6 +27,7 @@ from moe_infer.kernels.fused_moe import block_schedule, gate_up  # noqa: E402
 from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, graph_time_us, make_inputs, replays_for, roofline_us  # noqa: E402
 from moe_infer.kernels.fused_moe_config import get_config  # noqa: E402
 from moe_infer.kernels.fused_moe_gemm import tile_of  # noqa: E402
+from fused_moe_persistent import _gather as gather_rows  # noqa: E402  (x_PD: each padded slot's row)
 from prefill_points import prefill_parser, run_points  # noqa: E402
 
 
@@ -50,12 +51,6 @@ def gathered_one_dot_kernel(x_desc, w13_desc, act_ptr, expert_ptr, num_padded_pt
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=(offs_n < F)[None, :])
-
-
-def gather_rows(x_TD, sched, K):
-    """x_PD: the row of each padded slot (a pad slot, or a slot past num_padded, gets a zero row)."""
-    x_ext = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
-    return x_ext.index_select(0, torch.clamp(sched.sorted_P.long(), 0, sched.num_rows) // K)
 
 
 def gathered_gate_up(x_TD, w13, sched, K, cfg, mode, stages):
