@@ -128,6 +128,7 @@ def main() -> None:
             key, _, value = item.partition("=")
             engines[f"ours_{key}_{value}"] = LLM(**kw, **{key: parse_value(value)})
         result = dict(benchmark="engine_roofline", device=e2e.device_label(device), torch=torch.__version__,
+                      git_commit=os.environ.get("GIT_COMMIT"),  # the device checkout has no git metadata
                       transformers=__import__("transformers").__version__, dtype=str(dtype),
                       model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
                       attention={k: llm.engine.runner.model.layers[0].self_attn.backend for k, llm in engines.items()},

@@ -306,7 +306,8 @@ def main() -> int:
     shp = shapes(args.smoke)
     mix, qwen = shp["mixtral"], shp["qwen3"]
     result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "smoke": args.smoke, "gpu_gb": args.gpu_gb,
+              "torch": torch.__version__, "git_commit": os.environ.get("GIT_COMMIT"), "smoke": args.smoke,
+              "gpu_gb": args.gpu_gb,
               "omp_wait_policy": os.environ["OMP_WAIT_POLICY"] or "libgomp default (set empty)",
               "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
