@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from moe_infer.kernels import fused_moe_config  # noqa: E402
 from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up  # noqa: E402
 from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
     MODEL_SHAPES, TOKEN_COUNTS, graph_time_us, make_inputs, make_weights,
@@ -169,7 +170,7 @@ def write_table(path: str, table: dict, replace: bool) -> dict:
     with open(path, "w") as f:
         json.dump(merged, f, indent=1)
         f.write("\n")
-    load_configs.cache_clear()  # a later get_config in this process reads the new file
+    fused_moe_config.load_configs.cache_clear()  # a later get_config in this process reads the new file
     return merged
 
 
@@ -212,6 +213,9 @@ def main() -> None:
             table[str(T)] = cfg.to_dict()
             print(f"{name} T={T}: {total_us:.1f} us with {cfg}", flush=True)
         path = os.path.join(args.out_dir, config_file_name(E, F, D, "bf16", device_name()))
+        if args.refine and not args.replace and not os.path.exists(path):  # --out-dir elsewhere: the whole table
+            committed = load_configs(E, F, D, "bf16", device_name()) or {}
+            table = {**{str(key): cfg.to_dict() for key, cfg in committed.items()}, **table}
         merged = write_table(path, table, args.replace)
         print(f"wrote {path}: {len(table)} entries tuned, {len(merged) - len(table)} kept ({time.time() - t0:.0f} s)",
               flush=True)

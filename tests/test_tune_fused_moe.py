@@ -88,3 +88,26 @@ def test_a_partial_tuning_keeps_the_other_token_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv + ["--replace"])
     tuner.main()
     assert list(json.loads(path.read_text())) == ["2048", "8192"]
+
+
+def test_refine_into_another_folder_writes_the_whole_table(tmp_path, monkeypatch):
+    """--refine with --out-dir where no file exists yet: the committed table's other token counts come along,
+    so the file can replace the committed one as it is."""
+    import json
+    import sys
+
+    from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, config_file_name
+
+    tuner = _tuner()
+    old = FusedMoEConfig(16, GemmConfig(64, 128), GemmConfig(64, 128))
+    new = FusedMoEConfig(128, GemmConfig(128, 64, 8, 8, 3, use_tma=True, one_dot=True), GemmConfig(256, 64, 8, 8, 4))
+    monkeypatch.setattr(tuner, "make_weights", lambda E, D, F: (None, None))
+    monkeypatch.setattr(tuner, "device_name", lambda: "cpu")
+    monkeypatch.setattr(tuner.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(tuner, "load_configs", lambda *a: {1: old, 2048: old})
+    monkeypatch.setattr(tuner, "refine_point", lambda T, *a: (old, new, [2.0, 2.0], [1.0, 1.0], True))
+    monkeypatch.setattr(sys, "argv", ["tune_fused_moe.py", "--refine", "--shapes", "8:2:32:64", "--tokens", "2048",
+                                      "--out-dir", str(tmp_path)])
+    tuner.main()
+    table = json.loads((tmp_path / config_file_name(8, 64, 32, "bf16", "cpu")).read_text())
+    assert list(table) == ["1", "2048"] and table["1"] == old.to_dict() and table["2048"] == new.to_dict()
