@@ -174,6 +174,14 @@ def write_table(path: str, table: dict, replace: bool) -> dict:
     return merged
 
 
+def parse_tokens(text: str):
+    """--tokens: positive token counts, comma separated; a clear error otherwise."""
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"--tokens: {text!r} must be positive token counts separated by commas, e.g. 2048,8192")
+    return [int(p) for p in parts]
+
+
 def parse_shape(name: str):
     """(E, K, D, F) of a named shape (MODEL_SHAPES) or of "E:K:D:F" (local experts, top-k, hidden, expert
     intermediate) for another model; a clear error otherwise."""
@@ -198,12 +206,15 @@ def main() -> None:
     parser.add_argument("--min-gain", type=float, default=0.02, help="--refine: the whole path's gain in each round")
     parser.add_argument("--replace", action="store_true", help="write only the token counts tuned now")
     args = parser.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
+    if not 0.0 <= args.min_gain < 1.0:
+        raise SystemExit(f"--min-gain: {args.min_gain} must be a fraction in [0, 1), e.g. 0.02 for 2 %")
+    tokens = parse_tokens(args.tokens)
     shapes = [(name, parse_shape(name)) for name in args.shapes.split(",")]  # a typo fails before any tuning
+    os.makedirs(args.out_dir, exist_ok=True)
     for name, (E, K, D, F) in shapes:
         w13, w2 = make_weights(E, D, F)
         table, t0 = {}, time.time()
-        for T in map(int, args.tokens.split(",")):
+        for T in tokens:
             if args.refine:
                 base, new, _, _, kept = refine_point(T, E, K, D, F, w13, w2, args.min_gain)
                 table[str(T)] = (new if kept else base).to_dict()

@@ -23,6 +23,19 @@ def test_shapes_by_name_or_numbers_and_a_clear_error():
             tuner.parse_shape(bad)
 
 
+def test_bad_token_counts_and_gain_are_named(monkeypatch):
+    import sys
+
+    tuner = _tuner()
+    assert tuner.parse_tokens("2048,8192") == [2048, 8192]
+    for bad in ("2048,abc", "0", "2048,", "-1"):
+        with pytest.raises(SystemExit, match="--tokens"):
+            tuner.parse_tokens(bad)
+    monkeypatch.setattr(sys, "argv", ["tune_fused_moe.py", "--refine", "--min-gain", "2"])
+    with pytest.raises(SystemExit, match="--min-gain"):
+        tuner.main()
+
+
 def test_candidates_of_the_options():
     tuner = _tuner()
     cands = tuner.GATE_UP[128]
