@@ -21,7 +21,8 @@ prefetch rule of --prefetch-rules (the configured default `saving` first, then `
 it), with the GB its wrong prefetches moved, every run once per miss policy of --miss-policies
 (`auto,share`: each miss whole on the link or the host, against misses shared between the two) and once
 per value of --layer-graphs (`off,on`: every layer eager, or its attention part replayed as a CUDA
-graph, the default; the first run with graphs on at a batch size also captures them). Baselines in the
+graph, the default; the first run with graphs on at a batch size also captures them) and of
+--expert-graphs (`off,on`: offload.expert_graphs, a layer step's device experts as CUDA graphs; off by default). Baselines in the
 same run: transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
 extrapolated to the model's layers), and the NVMe tier's reader against the disk's own sequential read
 (dd, O_DIRECT). Prints a table, writes benchmarks/results/offload_<device>.json (or under --out / $OUT).
@@ -61,6 +62,7 @@ from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
 from moe_infer.config import OffloadConfig  # noqa: E402
+from moe_infer.offload.expert_graphs import ExpertGraphs  # noqa: E402
 from moe_infer.offload.prefetch import PREFETCH_RULES  # noqa: E402
 
 GiB = 1 << 30
@@ -161,13 +163,17 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             TraceReplay(traces, E, K, device).install(moe)
         runs = [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]
         layer_graphs = llm.engine.runner.layer_graphs
-        for (streams, rule), miss, graphs in [(run, miss, g) for run in runs for miss in args.miss_policies
-                                              for g in args.layer_graphs]:
+        offload = llm.engine.runner.offload
+        expert_graphs = ExpertGraphs(offload.device, capture=device.type == "cuda") if any(args.expert_graphs) else None
+        for (streams, rule), miss, graphs, eg in [(run, miss, g, eg) for run in runs for miss in args.miss_policies
+                                                  for g in args.layer_graphs for eg in args.expert_graphs]:
             if time.perf_counter() > args.deadline:
                 print(f"[{name}] time budget spent: {routing} x {streams} skipped", flush=True)
                 continue
             use_policies(llm, rule, miss)
             llm.engine.runner.layer_graphs = layer_graphs if graphs else None
+            offload.expert_graphs = expert_graphs if eg else None
+            replays_before = expert_graphs.replays if expert_graphs is not None else 0
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
             moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
@@ -186,7 +192,8 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             if device.type == "cuda":  # how much of the process's GPU limit the run came to hold
                 r["gpu_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GiB
             r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
-                     layer_graphs=graphs and layer_graphs is not None,
+                     layer_graphs=graphs and layer_graphs is not None, expert_graphs=eg,
+                     expert_graph_replays=(expert_graphs.replays if expert_graphs is not None else 0) - replays_before,
                      stream_chunk=llm.engine.runner.offload.plan.stream_chunk,
                      budget_gb=budget_gb, setup_s=setup_s,
                      h2d_gbps=r["gb_h2d"] / r["seconds"], h2d_of_limit=r["gb_h2d"] * 1e9 / r["seconds"] / link_bps,
@@ -197,7 +204,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             rows.append(r)
             bound_txt = f"{r['bound_step_ms']:.0f} ms" if r["bound_step_ms"] else "-"
             print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}, layer graphs "
-                  f"{'on' if r['layer_graphs'] else 'off'}: {r['tok_s']:.2f} tok/s, "
+                  f"{'on' if r['layer_graphs'] else 'off'}, expert graphs {'on' if eg else 'off'}: {r['tok_s']:.2f} tok/s, "
                   f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
@@ -269,6 +276,9 @@ def main() -> int:
     ap.add_argument("--layer-graphs", default="on",
                     help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
                          "(each run repeated per value, in that order)")
+    ap.add_argument("--expert-graphs", default="off",
+                    help="offload.expert_graphs (a layer step's device experts as CUDA graphs): off, on, or off,on "
+                         "(each run repeated per value, in that order)")
     ap.add_argument("--stream-chunks", default="0",
                     help="offload.stream_chunk of each engine (comma list: one engine per value and shape, in that "
                          "order; 0: the engine's default)")
@@ -288,6 +298,9 @@ def main() -> int:
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
     args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
+    if any(v not in ("on", "off") for v in args.expert_graphs.split(",")):
+        ap.error(f"--expert-graphs: on, off, or off,on; got {args.expert_graphs!r}")
+    args.expert_graphs = [v == "on" for v in args.expert_graphs.split(",")]
     args.stream_chunks = [int(v) for v in args.stream_chunks.split(",")]
     if any(c < 0 for c in args.stream_chunks):
         ap.error("--stream-chunks: each value must be >= 0 (0: the engine's default)")

@@ -98,7 +98,7 @@ def print_table(result: dict) -> None:
             over += f" ({r['step_over_bound_after_run']:.2f})"
         vs = f"{r['tok_s'] / acc:.0f}" if acc and r["shape"] == "mixtral" and r["streams"] == 1 else "-"
         print(f"{r['shape']:8} {r['layers']:>6} {r['routing']:7} {r['streams']:>7} {r['prefetch_rule']:8} "
-              f"{r.get('miss_policy', 'auto'):6} {'on' if r.get('layer_graphs') else 'off':6} {r.get('stream_chunk', '-'):>5} "
+              f"{r.get('miss_policy', 'auto'):6} {('on' if r.get('layer_graphs') else 'off') + ('+eg' if r.get('expert_graphs') else ''):6} {r.get('stream_chunk', '-'):>5} "
               f"{r['tok_s']:>7.2f} {r['hit_rate']:>5.2f} {r['prefetch_token_recall']:>7.2f} {r['gb_h2d']:>6.1f} "
               f"{r['gb_prefetch_wasted']:>6.1f} {r['h2d_gbps']:>6.1f} {r['h2d_of_limit']:>6.2f} {r['cpu_share']:>5.2f} "
               f"{over:>18} {vs:>8}")

@@ -64,3 +64,23 @@ def test_host_expert_time_leaves_out_the_warm_up(monkeypatch):
     monkeypatch.setattr(offload_parts, "swiglu", swiglu)
     ms = offload_parts.host_expert_ms(torch.zeros(8, 4), torch.zeros(4, 4), 1, repeats=4, warm_s=0.15)
     assert ms < 10 and len(calls) > 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_offload_benchmark_expert_graphs_off_and_on(tmp_path):
+    """--expert-graphs off,on: each run twice, the device experts through the graphs' static buffers in the second
+    (on CPU the same path runs eagerly), the replays counted per run."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload.py"), "--smoke", "--out",
+                           str(tmp_path), "--torch-threads", "1", "--parts", "mixtral", "--prefetch-rules", "saving",
+                           "--expert-graphs", "off,on"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "offload_smoke_cpu.json").read_text())["runs"]
+    assert [(r["routing"], r["streams"], r["expert_graphs"]) for r in runs] == [
+        (routing, streams, eg) for routing in ("router", "trace") for streams in (1, 16) for eg in (False, True)]
+    assert all((r["expert_graph_replays"] > 0) == r["expert_graphs"] for r in runs)
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "offload.py"), "--smoke", "--expert-graphs",
+                          "yes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--expert-graphs" in bad.stderr

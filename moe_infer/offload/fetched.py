@@ -93,8 +93,9 @@ class FetchedExperts:
              ) -> torch.Tensor:
         store, m = self.store, self.store.manager
         m.copier.wait(self.waits)  # the GPU waits for the copies it needs; the host does not
+        run = m.expert_graphs or (lambda fn, *args: fn(*args))  # offload.expert_graphs: replayed as CUDA graphs
         if slot_ids_TK is not None:
-            out_TD = compute(x_TD, slot_ids_TK, weights_TK, self.w13_S2FD, self.w2_SDF)
+            out_TD = run(compute, x_TD, slot_ids_TK, weights_TK, self.w13_S2FD, self.w2_SDF)
         else:
             out_TD = torch.zeros_like(x_TD)
         store.last_compute = m.copier.mark()
@@ -103,7 +104,7 @@ class FetchedExperts:
             buf = m.buffers[i % 2]
             m.copier.wait([m.copy_experts(store, [(e, buf.w13_C2FD[j], buf.w2_CDF[j]) for j, e in enumerate(chunk)],
                                           [buf.last_use], st)])
-            out_TD = out_TD + compute(x_TD, chunk_ids[i], weights_TK, buf.w13_C2FD, buf.w2_CDF)
+            out_TD = out_TD + run(compute, x_TD, chunk_ids[i], weights_TK, buf.w13_C2FD, buf.w2_CDF)
             buf.last_use = m.copier.mark()
         if self.nxt is not None:  # the GPU has its work queued: the link turns to the next layer
             self.nxt.prefetch(self.next_scores)

@@ -18,6 +18,7 @@ import torch
 from moe_infer import host_threads
 from moe_infer.offload.copier import Copier, Event
 from moe_infer.offload.cost import CostModel
+from moe_infer.offload.expert_graphs import ExpertGraphs
 from moe_infer.offload.host import HostRegion
 from moe_infer.offload.nvme import NvmeFiles, make_reader, record_views
 from moe_infer.offload.plan import OffloadPlan
@@ -60,6 +61,8 @@ class OffloadManager:
         self.host_lead_s = 0.0
         self.prefetcher = Prefetcher(cfg, self)
         self.pin = cfg.pin_memory and self.device.type == "cuda"
+        # the device experts of a layer step as CUDA graphs (offload/expert_graphs.py); None: launched eagerly
+        self.expert_graphs = ExpertGraphs(self.device) if cfg.expert_graphs and self.device.type == "cuda" else None
         self.nvme: Optional[NvmeFiles] = None
         if plan.store == "nvme":
             self.nvme = NvmeFiles(plan.nvme_dir, self.shape)
