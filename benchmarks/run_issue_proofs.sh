@@ -9,12 +9,14 @@
 #                                                 # targets, transformers in the same run) and benchmarks/attention.py
 #   bash benchmarks/run_issue_proofs.sh offload   # ~7 min: benchmarks/offload.py (issue 20: both shapes,
 #                                                 # accelerate, NVMe)
+#   bash benchmarks/run_issue_proofs.sh offload_ab  # ~8 min: the Mixtral shape with offload.expert_graphs
+#                                                 # off, then on, in one process (not yet measured)
 #
 # Run the parts back to back (the machine stays warm between calls). The device checkout has no git metadata:
 # pass GIT_COMMIT=<the tree's commit> so the logs name it. The tuned files come back as tuned_configs.tgz; unpack
 # it into the repository root (tar xzf) to commit them.
 set -u
-part=${1:?"usage: run_issue_proofs.sh kernels|engine|offload"}
+part=${1:?"usage: run_issue_proofs.sh kernels|engine|offload|offload_ab"}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/issue_proofs}
 mkdir -p "$OUT"
@@ -45,8 +47,12 @@ case "$part" in
   offload)
     step offload 560 python3 benchmarks/offload.py --out "$OUT"
     ;;
+  offload_ab)
+    step offload_ab 560 python3 benchmarks/offload.py --parts mixtral --prefetch-rules saving --expert-graphs off,on \
+      --time-budget 420 --out "$OUT"
+    ;;
   *)
-    echo "unknown part $part: kernels, engine or offload" >&2
+    echo "unknown part $part: kernels, engine, offload or offload_ab" >&2
     exit 2
     ;;
 esac
