@@ -84,3 +84,6 @@ def test_expert_graphs_on_cuda_equal_resident():
     assert graphs.disabled is None and graphs.replays > 0 and any(e.graph is not None for e in graphs.entries.values())
     assert llm.get_offload_stats()["total"]["streamed"] > 0
     llm.shutdown()
+    eager = LLM(**kw, offload="cpu", slots_per_layer=3, expert_graphs=True, enforce_eager=True)
+    assert eager.engine.runner.offload.expert_graphs is None  # model.enforce_eager: no CUDA graph of any kind
+    eager.shutdown()

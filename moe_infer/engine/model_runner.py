@@ -95,6 +95,9 @@ class ModelRunner:
         self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
         self.graphs = self._decode_graphs()
         self.layer_graphs = self._layer_graphs()
+        if self.offload is not None and self.offload.expert_graphs is not None and cfg.model.enforce_eager:
+            logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
+            self.offload.expert_graphs = None
         self.extend_graphs = self._extend_graphs()
         self.rebalancer = None
         if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
