@@ -8,20 +8,8 @@ import torch
 
 from moe_infer import LLM, SamplingParams
 from moe_infer.offload.expert_graphs import ExpertGraphs
+from test_moe_layer import _naive_moe as _naive_experts  # a loop over rows and ids (-1: none), the reference
 from test_offload_engine import TINY_PROMPTS, tiny_resident_tokens  # noqa: F401  (a module fixture)
-
-
-def _naive_experts(x_TD, ids_TK, weights_TK, w13_S2FD, w2_SDF):
-    """A loop over rows and their ids (id -1: nothing), SwiGLU experts: the reference."""
-    F = w2_SDF.shape[2]
-    out_TD = torch.zeros_like(x_TD)
-    for t in range(x_TD.shape[0]):
-        for k in range(ids_TK.shape[1]):
-            s = int(ids_TK[t, k])
-            if s >= 0:
-                h = w13_S2FD[s] @ x_TD[t]
-                out_TD[t] += weights_TK[t, k] * (w2_SDF[s] @ (torch.nn.functional.silu(h[:F]) * h[F:]))
-    return out_TD
 
 
 @pytest.mark.timeout(60)
