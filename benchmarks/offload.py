@@ -22,7 +22,7 @@ it), with the GB its wrong prefetches moved, every run once per miss policy of -
 (`auto,share`: each miss whole on the link or the host, against misses shared between the two) and once
 per value of --layer-graphs (`off,on`: every layer eager, or its attention part replayed as a CUDA
 graph, the default; the first run with graphs on at a batch size also captures them) and of
---expert-graphs (`off,on`: offload.expert_graphs, a layer step's device experts as CUDA graphs; off by default). Baselines in the
+--expert-graphs (`off,on`: offload.expert_graphs, a layer step's device experts as CUDA graphs; on by default, as in the engine). Baselines in the
 same run: transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
 extrapolated to the model's layers), and the NVMe tier's reader against the disk's own sequential read
 (dd, O_DIRECT). Prints a table, writes benchmarks/results/offload_<device>.json (or under --out / $OUT).
@@ -276,7 +276,7 @@ def main() -> int:
     ap.add_argument("--layer-graphs", default="on",
                     help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
                          "(each run repeated per value, in that order)")
-    ap.add_argument("--expert-graphs", default="off",
+    ap.add_argument("--expert-graphs", default="on",
                     help="offload.expert_graphs (a layer step's device experts as CUDA graphs): off, on, or off,on "
                          "(each run repeated per value, in that order)")
     ap.add_argument("--stream-chunks", default="0",

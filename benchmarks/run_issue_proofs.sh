@@ -7,10 +7,10 @@
 #                                                 # then benchmarks/fused_moe.py with them
 #   bash benchmarks/run_issue_proofs.sh engine    # ~5 min: benchmarks/engine_roofline.py (issue 17's engine
 #                                                 # targets, transformers in the same run) and benchmarks/attention.py
-#   bash benchmarks/run_issue_proofs.sh offload   # ~7 min: benchmarks/offload.py (issue 20: both shapes,
+#   bash benchmarks/run_issue_proofs.sh offload   # ~4-7 min: benchmarks/offload.py (issue 20: both shapes,
 #                                                 # accelerate, NVMe)
-#   bash benchmarks/run_issue_proofs.sh offload_ab  # ~8 min: the Mixtral shape with offload.expert_graphs
-#                                                 # off, then on, in one process (not yet measured)
+#   bash benchmarks/run_issue_proofs.sh offload_ab  # ~3-4 min: the Mixtral shape with offload.expert_graphs
+#                                                 # off, then on, in one process (measured at 9ca4577: on by default since)
 #
 # Run the parts back to back (the machine stays warm between calls). The device checkout has no git metadata:
 # pass GIT_COMMIT=<the tree's commit> so the logs name it. The tuned files come back as tuned_configs.tgz; unpack
