@@ -9,7 +9,8 @@ gate_up candidate also as one dot through TMA (GemmConfig.one_dot).
 
 --refine searches less: from the config in use at each token count (the committed file's, else the
 heuristic), each GEMM with its tiles unchanged and the options toggled (gate_up: one dot or two, one
-program a tile or persistent, flattened or not; down: the last two), the fastest of each GEMM alone; the
+program a tile or persistent, flattened or not; down: the last two, and a persistent flattened TMA tile of 8 warps
+also warp-specialised, GemmConfig.warp_specialize), the fastest of each GEMM alone; the
 result replaces the config only if the whole path (CUDA-graph replay) is faster by --min-gain in each of
 two rounds timed A B A B (a timing of one config moves by 5-8 % on an H200, so one round decides nothing).
 Minutes instead of an hour: what a short session on a newly lent GPU has time for.
@@ -113,19 +114,23 @@ def tune_point(T, E, K, D, F, w13, w2, persistent=False, one_dot=False):
 
 def option_variants(cfg: GemmConfig, block_m: int, is_gate_up: bool):
     """cfg with its tiles kept and the options toggled: one dot or two (gate_up), one program a tile or
-    persistent (BLOCK_M >= 64, as `candidates`), flattened or not; cfg itself first, no duplicates
-    (`flatten` means nothing without `persistent`)."""
+    persistent (BLOCK_M >= 64, as `candidates`), flattened or not, warp-specialised or not (down, where
+    GemmConfig allows it); cfg itself first, no duplicates (`flatten` means nothing without `persistent`)."""
     def same(a: GemmConfig, b: GemmConfig) -> bool:
         return dataclasses.replace(a, flatten=a.flatten or not a.persistent) == \
             dataclasses.replace(b, flatten=b.flatten or not b.persistent)
 
-    dots = [dataclasses.replace(cfg, one_dot=False), dataclasses.replace(cfg, use_tma=True, one_dot=True)] \
-        if is_gate_up else [cfg]
+    plain = dataclasses.replace(cfg, warp_specialize=False)
+    dots = [dataclasses.replace(plain, one_dot=False), dataclasses.replace(plain, use_tma=True, one_dot=True)] \
+        if is_gate_up else [plain]
     out = [cfg]
     for base in dots:
         modes = [dataclasses.replace(base, persistent=False)]
         if block_m >= 64:
             modes += [dataclasses.replace(base, persistent=True, flatten=f) for f in (False, True)]
+        if not is_gate_up:
+            modes += [dataclasses.replace(m, warp_specialize=True) for m in modes
+                      if m.persistent and m.flatten and m.use_tma and m.num_warps == 8]
         out += [m for m in modes if not any(same(m, o) for o in out)]
     return out
 

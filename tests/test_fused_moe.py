@@ -199,18 +199,15 @@ def test_tile_variants_on_gpu(block_m, use_tma):
     assert _rel_err(out, fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2)) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 4096])
-def test_cuda_graph_capture(T):
-    E, K, D, F = 64, 8, 2048, 1024
-    w13, w2 = _weights(E, D, F, torch.bfloat16)
-    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    ids_TK, w_TK = _routing(T, E, K)
-    fused_experts(x_TD, ids_TK, w_TK, w13, w2)  # compile outside the capture
+def assert_replays_on_new_routing(x_TD, ids_TK, w_TK, w13, w2, config=None, replays=3):
+    """fused_experts (all experts local) captured in a CUDA graph, then replayed on fresh tokens and routing
+    (the schedule is rebuilt on the device): every replay against the reference."""
+    (T, K), E = ids_TK.shape, w13.shape[0]
+    fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, config)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_TD = fused_experts(x_TD, ids_TK, w_TK, w13, w2)
-    for seed in range(3):  # fresh routing every replay: the schedule is rebuilt on the device
+        out_TD = fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, config)
+    for seed in range(replays):
         torch.manual_seed(seed)
         x_TD.copy_(torch.randn_like(x_TD))
         new_ids, new_w = _routing(T, E, K)
@@ -218,6 +215,16 @@ def test_cuda_graph_capture(T):
         w_TK.copy_(new_w)
         graph.replay()
         assert _rel_err(out_TD, fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4096])
+def test_cuda_graph_capture(T):
+    E, K, D, F = 64, 8, 2048, 1024
+    w13, w2 = _weights(E, D, F, torch.bfloat16)
+    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids_TK, w_TK = _routing(T, E, K)
+    assert_replays_on_new_routing(x_TD, ids_TK, w_TK, w13, w2)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import torch
 from moe_infer.kernels.fused_moe import block_schedule, fused_experts
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig
 from moe_infer.kernels.fused_moe_ref import fused_experts_ref
-from test_fused_moe import DEV, _rel_err, _routing, _weights
+from test_fused_moe import DEV, _rel_err, _routing, _weights, assert_replays_on_new_routing
 
 
 def _olmoe_inputs_on_gpu(T: int, seed: int):
@@ -82,13 +82,44 @@ def test_gate_up_as_one_dot_gives_the_same_bits(persistent, monkeypatch):
     assert one_dot_args == [False, True, True]
 
 
+def test_warp_specialize_is_checked_and_reaches_the_down_kernel_only_with_tma(monkeypatch):
+    """GemmConfig.warp_specialize: only a persistent, flattened TMA down GEMM of 8 warps takes it (a clear error
+    otherwise, and for gate_up), and the kernel gets it only where the tensors take TMA (on the interpreter the
+    flag changes nothing; the GPU test below checks the bits)."""
+    import moe_infer.kernels.fused_moe as fused_moe
+
+    ws = dict(use_tma=True, persistent=True, flatten=True, warp_specialize=True)
+    for bad in (dict(ws, persistent=False), dict(ws, flatten=False), dict(ws, use_tma=False)):
+        with pytest.raises(ValueError, match="warp_specialize needs"):
+            GemmConfig(32, 16, 2, 8, **bad)
+    with pytest.raises(ValueError, match="warp_specialize needs"):
+        GemmConfig(32, 16, 2, 4, **ws)
+    with pytest.raises(ValueError, match="down GEMM only"):
+        FusedMoEConfig(16, GemmConfig(32, 16, 2, 8, **ws), GemmConfig(32, 16, 2))
+    ws_args = []
+
+    def launcher(grid, kernel=fused_moe.down_persistent_kernel):
+        return lambda *args, **kwargs: ws_args.append(kwargs["WARP_SPECIALIZE"]) or kernel[grid](*args, **kwargs)
+    monkeypatch.setattr(fused_moe, "down_persistent_kernel", type("Spy", (), {"__getitem__": lambda self, grid: launcher(grid)})())
+    torch.manual_seed(17)
+    T, K, E, D, F = 29, 2, 4, 48, 40
+    x_TD = torch.randn(T, D, device=DEV)
+    ids_TK, w_TK = _routing(T, E, K)
+    w13, w2 = _weights(E, D, F, torch.float32)
+    cfg = FusedMoEConfig(16, GemmConfig(16, 16, 2), GemmConfig(32, 16, 2, 8, **ws), schedule="align")
+    ref = fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2)
+    for tma in (False, True):
+        monkeypatch.setattr(fused_moe, "_can_use_tma", lambda cfg, *tensors, tma=tma: cfg.use_tma and tma)
+        assert _rel_err(fused_moe.fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, cfg), ref) < 1e-5
+    assert ws_args == [False, True]
+
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_tma", [False, True])
 @pytest.mark.parametrize("T", [300, 4096])
 def test_persistent_gemms_on_gpu(T, use_tma):
     """The persistent prefill GEMMs (one program per SM) give the bits of one program per tile, and capture."""
-    E, K = 64, 8
     x_TD, ids_TK, w_TK, w13, w2 = _olmoe_inputs_on_gpu(T, seed=T)
     outs = []
     for persistent in (False, True):
@@ -96,14 +127,20 @@ def test_persistent_gemms_on_gpu(T, use_tma):
         cfg = FusedMoEConfig(128, *gemm)
         outs.append(fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, cfg))
     assert torch.equal(outs[0], outs[1])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_TD = fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, cfg)
-    new_ids, new_w = _routing(T, E, K)
-    ids_TK.copy_(new_ids)
-    w_TK.copy_(new_w)
-    graph.replay()
-    assert _rel_err(out_TD, fused_experts_ref(x_TD, ids_TK, w_TK, w13, w2)) < 1e-2
+    assert_replays_on_new_routing(x_TD, ids_TK, w_TK, w13, w2, cfg, replays=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [300, 4096])
+def test_warp_specialized_down_on_gpu(T):
+    """The persistent TMA down GEMM with its tile loop warp-specialised (GemmConfig.warp_specialize): the bits of
+    the plain loop, and it captures."""
+    x_TD, ids_TK, w_TK, w13, w2 = _olmoe_inputs_on_gpu(T, seed=T + 2)
+    cfgs = [FusedMoEConfig(128, GemmConfig(128, 64, 8, 8, 3, True), GemmConfig(256, 64, 8, 8, 4, True, persistent=True,
+                                                                               warp_specialize=ws)) for ws in (False, True)]
+    outs = [fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, cfg) for cfg in cfgs]
+    assert torch.equal(outs[0], outs[1])
+    assert_replays_on_new_routing(x_TD, ids_TK, w_TK, w13, w2, cfgs[1], replays=2)
 
 
 @pytest.mark.gpu
@@ -135,4 +172,4 @@ def test_every_tuned_config_file_reads():
                 cfg = FusedMoEConfig.from_dict(value)
                 assert int(key) >= 1 and cfg.block_m >= 16, path
                 assert all(isinstance(getattr(g, name), bool) for g in (cfg.gate_up, cfg.down)
-                           for name in ("use_tma", "persistent", "flatten", "one_dot")), (path, key)
+                           for name in ("use_tma", "persistent", "flatten", "one_dot", "warp_specialize")), (path, key)

@@ -63,7 +63,15 @@ def test_refine_toggles_only_the_options():
         (d, p, f) for d in (False, True) for p, f in ((False, None), (True, False), (True, True))}
     assert all(c.use_tma for c in gate_up if c.one_dot)
     down = tuner.option_variants(GemmConfig(256, 64, 8, 8, 4, use_tma=True), 128, is_gate_up=False)
-    assert len(down) == 3 and not any(c.one_dot for c in down)
+    assert len(down) == 4 and not any(c.one_dot for c in down)  # tiles, persistent, flattened, + warp-specialised
+    assert [(c.persistent, c.flatten) for c in down if c.warp_specialize] == [(True, True)]
+    assert not any(c.warp_specialize for c in gate_up)  # gate_up's rows are pointer loads
+    ws = tuner.option_variants(down[-1], 128, is_gate_up=False)  # from a warp-specialised one
+    assert ws[0].warp_specialize and len(ws) == 4 and sum(c.warp_specialize for c in ws) == 1
+    no_tma = tuner.option_variants(GemmConfig(256, 64, 8, 8, 4), 128, is_gate_up=False)  # pointer loads: never
+    assert len(no_tma) == 3 and not any(c.warp_specialize for c in no_tma)
+    four = tuner.option_variants(GemmConfig(256, 64, 8, 4, 4, use_tma=True), 128, is_gate_up=False)  # 4 warps: never
+    assert not any(c.warp_specialize for c in four)
     assert len(tuner.option_variants(GemmConfig(64, 128), 16, is_gate_up=True)) == 2  # decode: never persistent
     assert len(tuner.option_variants(GemmConfig(64, 128), 16, is_gate_up=False)) == 1
 

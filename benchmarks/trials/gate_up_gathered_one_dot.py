@@ -34,10 +34,12 @@ from prefill_points import prefill_parser, run_points  # noqa: E402
 @triton.jit
 def gathered_one_dot_kernel(x_desc, w13_desc, act_ptr, expert_ptr, num_padded_ptr, D, F, stride_am,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                            GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+                            WARP_SPECIALIZE: tl.constexpr = False):  # benchmarks/trials/warp_specialize.py
     num_tiles_m = tl.load(num_padded_ptr) // BLOCK_M
     num_tiles_n = tl.cdiv(F, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = tile_of(tile, num_tiles_m, num_tiles_n, GROUP_M)
         e = tl.load(expert_ptr + pid_m)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
@@ -53,7 +55,7 @@ def gathered_one_dot_kernel(x_desc, w13_desc, act_ptr, expert_ptr, num_padded_pt
                  mask=(offs_n < F)[None, :])
 
 
-def gathered_gate_up(x_TD, w13, sched, K, cfg, mode, stages):
+def gathered_gate_up(x_TD, w13, sched, K, cfg, mode, stages, num_warps=None, warp_specialize=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     E, F2, D = w13.shape
@@ -67,7 +69,8 @@ def gathered_gate_up(x_TD, w13, sched, K, cfg, mode, stages):
     gathered_one_dot_kernel[(programs,)](
         x_desc, w_desc, act_PF, sched.expert_B, sched.num_padded_1, D, F, act_PF.stride(0),
         BLOCK_M=sched.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, FLATTEN=mode == "flat", num_warps=cfg.num_warps, num_stages=stages)
+        NUM_PROGRAMS=programs, FLATTEN=mode == "flat", WARP_SPECIALIZE=warp_specialize,
+        num_warps=num_warps or cfg.num_warps, num_stages=stages)
     return act_PF
 
 

@@ -165,7 +165,8 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
             act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
             sched.num_rows, D, F,
             act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
-            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten, **_tile_meta(sched, cfg, use_tma, act_PF),
+            NUM_PROGRAMS=num_programs, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize and use_tma,
+            **_tile_meta(sched, cfg, use_tma, act_PF),
         )
         return y_ND
     down_kernel[grid](

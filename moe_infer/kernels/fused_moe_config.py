@@ -35,6 +35,9 @@ class GemmConfig:
     persistent: bool = False  # one program per SM loops over the tiles (fused_moe_persistent.py; not inline)
     flatten: bool = True  # persistent only: the tile and K loops software-pipelined as one
     one_dot: bool = False  # gate_up with use_tma: its gate and up tiles in one load and one dot (gate_up_one_dot)
+    # down, persistent, flattened, 8 warps: its tile loop warp-specialised by Triton (TMA loads only, so where the
+    # tensors do not allow TMA the plain loop runs); 4 warps compiled to 8-9x slower kernels on an H200
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -43,6 +46,8 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {value}")
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad GemmConfig {self}")
+        if self.warp_specialize and not (self.persistent and self.flatten and self.use_tma and self.num_warps == 8):
+            raise ValueError(f"GemmConfig.warp_specialize needs persistent, flatten, use_tma and num_warps=8, got {self}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class FusedMoEConfig:
     def __post_init__(self) -> None:
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"FusedMoEConfig.block_m must be a power of two >= 16, got {self.block_m}")
+        if self.gate_up.warp_specialize:
+            raise ValueError("GemmConfig.warp_specialize is for the down GEMM only: gate_up loads its rows by pointer, "
+                             "which Triton's warp specialisation does not take")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -87,18 +87,20 @@ def down_persistent_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expe
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
     """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile (see down_kernel).
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
     and w2 viewed [E*D, F] (block [BLOCK_N, BLOCK_K]).
+    WARP_SPECIALIZE (with USE_TMA): the tile loop split by Triton into load and compute warps (GemmConfig).
     """
     pdl_enter(USE_PDL)
     num_tiles_m = tl.load(num_padded_ptr) // BLOCK_M
     num_tiles_n = tl.cdiv(D, BLOCK_N)
     num_k = tl.cdiv(F, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = tile_of(tile, num_tiles_m, num_tiles_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         e = tl.load(expert_ptr + pid_m).to(tl.int64)
