@@ -164,7 +164,10 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
         runs = [(1, rule) for rule in args.prefetch_rules] + [(16, rule) for rule in args.prefetch_rules_16]
         layer_graphs = llm.engine.runner.layer_graphs
         offload = llm.engine.runner.offload
-        expert_graphs = ExpertGraphs(offload.device, capture=device.type == "cuda") if any(args.expert_graphs) else None
+        # the engine's own graphs (offload.expert_graphs, on by default on CUDA); on CPU, the same static-buffer
+        # path without capture, so that the smoke run covers it
+        expert_graphs = offload.expert_graphs or (ExpertGraphs(offload.device, capture=False)
+                                                  if any(args.expert_graphs) else None)
         for (streams, rule), miss, graphs, eg in [(run, miss, g, eg) for run in runs for miss in args.miss_policies
                                                   for g in args.layer_graphs for eg in args.expert_graphs]:
             if time.perf_counter() > args.deadline:
