@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--persistent", action="store_true", help="also try persistent GEMMs at BLOCK_M >= 64")
     parser.add_argument("--one-dot", action="store_true", help="also try gate_up as one dot (GemmConfig.one_dot)")
     parser.add_argument("--refine", action="store_true",
-                        help="from the config in use, toggle only the options (one dot, persistent, flatten)")
+                        help="from the config in use, toggle only the options (one dot, persistent, flatten, warp specialisation)")
     parser.add_argument("--min-gain", type=float, default=0.02, help="--refine: the whole path's gain in each round")
     parser.add_argument("--replace", action="store_true", help="write only the token counts tuned now")
     args = parser.parse_args()
