@@ -18,7 +18,7 @@ P padded slots, B tiles.
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.fused_moe_gemm import gate_up_one_dot, tile_of
+from moe_infer.kernels.fused_moe_gemm import gate_up_one_dot, gate_up_two_dot, tile_of
 from moe_infer.kernels.pdl import pdl_enter
 
 
@@ -37,7 +37,6 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
     pdl_enter(USE_PDL)
     num_tiles_m = tl.load(num_padded_ptr) // BLOCK_M  # every expert's rows are padded to BLOCK_M
     num_tiles_n = tl.cdiv(F, BLOCK_N)
-    num_k = tl.cdiv(D, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles_m * num_tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = tile_of(tile, num_tiles_m, num_tiles_n, GROUP_M)
@@ -47,35 +46,17 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
         e = tl.load(expert_ptr + pid_m).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         is_n = offs_n < F
-        if not GATHERED:
-            a_ptrs = x_ptr + (rows // ROW_DIV).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        if GATHERED:  # x_ptr: a tensor descriptor over the rows already in slot order, x_PD [P, D]
+            a_src = x_ptr
+        else:
+            a_src = x_ptr + (rows // ROW_DIV).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         if ONE_DOT:
-            acc_g, acc_u = gate_up_one_dot(a_ptrs, is_row, w13_ptr, e, pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K,
+            acc_g, acc_u = gate_up_one_dot(a_src, is_row, w13_ptr, e, pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K,
                                            IS_FP32_DOT, DOT_PRECISION)
         else:
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, num_k):
-                k_left = D - k * BLOCK_K
-                if GATHERED:  # x_ptr: a tensor descriptor over the rows already in slot order, x_PD [P, D]
-                    a = x_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
-                else:
-                    a = tl.load(a_ptrs + k * BLOCK_K, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                if USE_TMA:  # columns past F read the next rows; they land in masked-out outputs
-                    g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
-                    g = w13_ptr.load([g_row, k * BLOCK_K]).T
-                    u = w13_ptr.load([g_row + F, k * BLOCK_K]).T
-                else:
-                    w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
-                    w_base = w13_ptr + e * stride_we + (k * BLOCK_K + offs_k)[:, None] * stride_wk
-                    g = tl.load(w_base + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
-                    u = tl.load(w_base + (offs_n + F)[None, :] * stride_wn, mask=w_mask, other=0.0)
-                if IS_FP32_DOT:
-                    a = a.to(tl.float32)
-                    g = g.to(tl.float32)
-                    u = u.to(tl.float32)
-                acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+            acc_g, acc_u = gate_up_two_dot(a_src, is_row, w13_ptr, e, pid_m, pid_n, D, F,
+                                           stride_we, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IS_FP32_DOT,
+                                           USE_TMA, DOT_PRECISION, GATHERED)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
