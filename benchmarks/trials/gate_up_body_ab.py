@@ -2,18 +2,24 @@
 
 Until de9b1b5 the per-tile kernel (`gate_up_kernel`) and the persistent one (`gate_up_persistent_kernel`) each had
 their own copy of the two-dot K loop; the per-tile copy carried its row and weight pointers from one K step to the
-next, the persistent copy computed them from k. Now both call `gate_up_two_dot` (fused_moe_gemm.py), which computes
-them from k. Offline PTX for sm_90 (Triton 3.9): the persistent kernels are the same instructions (one moved in the
-prologue); the per-tile kernels differ in their address arithmetic (the pointer path 1,300 instead of 1,366 PTX
-lines). This times the whole fused path with the kernels of the old files (--old-dir: fused_moe_gemm.py and
-fused_moe_persistent.py as they were at de9b1b5) against the current ones, on the 28 points of
-benchmarks/fused_moe.py with their tuned configs, in one process: both variants --reps times, interleaved with
-the order alternating, CUDA-graph replay medians, the minimum kept; the two outputs are compared bit for bit.
-(The first run timed old always before new: a long compute-bound point then read up to 5 % slower for new even
-where the two kernels are the same PTX; hence the alternation.)
+next, the persistent copy computed them from k. 8efeb1d made both call one helper, `gate_up_two_dot`
+(fused_moe_gemm.py), computing them from k. Offline PTX for sm_90: the persistent kernels were the same
+instructions; the per-tile ones differed in their address arithmetic. This times the whole fused path with the
+kernels of the old files (--old-dir: fused_moe_gemm.py and fused_moe_persistent.py as they were at de9b1b5) against
+the current ones, on the points of benchmarks/fused_moe.py with their tuned configs, in one process: both variants
+--reps times, interleaved with the order alternating, CUDA-graph replay medians, the minimum kept; the two outputs
+are compared bit for bit.
 
-    python benchmarks/trials/gate_up_body_ab.py --old-dir DIR [--out DIR]     # H200: about 3 minutes
-Writes gate_up_body_ab_<device>.json to --out, else $OUT, else benchmarks/results/trials/.
+Measured on one H200 (benchmarks/results/trials/gate_up_body_ab_run*_nvidia_h200.*): same bits at every point. The
+persistent points, the same PTX, read 0.96-1.05x (the spread; run 1 timed old always first, which put new up to
+5 % behind). The per-tile TMA prefill points read 1.02-1.10x in both runs (qwen3 8192 1.05 / 1.035, olmoe 8192
+1.10 / 1.025, mixtral 8192 1.00 / 1.017). So the helper now takes CARRY: the per-tile kernel carries its pointers
+as before. With Triton 3.6 (the device's) the per-tile pointer kernels and both persistent kernels then compile to
+the same PTX as at de9b1b5, and the per-tile TMA kernels to the same instructions with four of the prologue's in
+another order; nothing is left to time.
+
+    python benchmarks/trials/gate_up_body_ab.py --old-dir DIR [--tokens 512,2048,8192] [--reps 6] [--out DIR]
+Writes gate_up_body_ab_<device>.json to --out, else $OUT, else benchmarks/results/trials/ (H200: 40-70 s).
 """
 from __future__ import annotations
 

@@ -55,21 +55,32 @@ def gate_up_one_dot(a_ptrs, is_row, w13_desc, e, pid_n, D, BLOCK_M: tl.constexpr
 @triton.jit
 def gate_up_two_dot(a_src, is_row, w13, e, pid_m, pid_n, D, F, stride_we, stride_wn, stride_wk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_FP32_DOT: tl.constexpr,
-                    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GATHERED: tl.constexpr = False):
+                    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, CARRY: tl.constexpr,
+                    GATHERED: tl.constexpr = False):
     """(acc_g, acc_u) [BLOCK_M, BLOCK_N] of one tile, a dot each into its own accumulator. a_src: the tile's
     row pointers into x at column 0, or (GATHERED) a tensor descriptor over the rows already in slot order
     ([P, D], block [BLOCK_M, BLOCK_K]); w13: w13_E2FD, or (USE_TMA) a tensor descriptor over it viewed
     [E*2F, D] with block [BLOCK_N, BLOCK_K] (columns past F then read the next rows; they land in masked-out
-    outputs). K in order, so every caller gets the same bits."""
+    outputs). CARRY: the pointers step from one K block to the next (the per-tile kernel: measured 2-4 %
+    faster there than recomputing them, benchmarks/trials/gate_up_body_ab.py); otherwise they are computed
+    from k (the persistent kernel's flattened loop). K in order either way, so the same bits."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_n = offs_n < F
+    if CARRY:
+        a_ptrs = a_src
+        if not USE_TMA:
+            w_base = w13 + e * stride_we + offs_k[:, None] * stride_wk
+            g_ptrs = w_base + offs_n[None, :] * stride_wn
+            u_ptrs = w_base + (offs_n + F)[None, :] * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
         k_left = D - k * BLOCK_K
         if GATHERED:
             a = a_src.load([pid_m * BLOCK_M, k * BLOCK_K])
+        elif CARRY:
+            a = tl.load(a_ptrs, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
         else:
             a = tl.load(a_src + k * BLOCK_K, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
         if USE_TMA:
@@ -78,15 +89,23 @@ def gate_up_two_dot(a_src, is_row, w13, e, pid_m, pid_n, D, F, stride_we, stride
             u = w13.load([g_row + F, k * BLOCK_K]).T
         else:
             w_mask = (offs_k[:, None] < k_left) & is_n[None, :]
-            w_base = w13 + e * stride_we + (k * BLOCK_K + offs_k)[:, None] * stride_wk
-            g = tl.load(w_base + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
-            u = tl.load(w_base + (offs_n + F)[None, :] * stride_wn, mask=w_mask, other=0.0)
+            if CARRY:
+                g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+                u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+                g_ptrs += BLOCK_K * stride_wk
+                u_ptrs += BLOCK_K * stride_wk
+            else:
+                w_k = w13 + e * stride_we + (k * BLOCK_K + offs_k)[:, None] * stride_wk
+                g = tl.load(w_k + offs_n[None, :] * stride_wn, mask=w_mask, other=0.0)
+                u = tl.load(w_k + (offs_n + F)[None, :] * stride_wn, mask=w_mask, other=0.0)
         if IS_FP32_DOT:
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
         acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        if CARRY:
+            a_ptrs += BLOCK_K
     return acc_g, acc_u
 
 
@@ -121,7 +140,7 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
                                        IS_FP32_DOT, DOT_PRECISION)
     else:
         acc_g, acc_u = gate_up_two_dot(a_ptrs, is_row, w13_ptr, e, pid_m, pid_n, D, F, stride_we, stride_wn, stride_wk,
-                                       BLOCK_M, BLOCK_N, BLOCK_K, IS_FP32_DOT, USE_TMA, DOT_PRECISION)
+                                       BLOCK_M, BLOCK_N, BLOCK_K, IS_FP32_DOT, USE_TMA, DOT_PRECISION, CARRY=True)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])

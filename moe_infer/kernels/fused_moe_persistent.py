@@ -56,7 +56,7 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
         else:
             acc_g, acc_u = gate_up_two_dot(a_src, is_row, w13_ptr, e, pid_m, pid_n, D, F,
                                            stride_we, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IS_FP32_DOT,
-                                           USE_TMA, DOT_PRECISION, GATHERED)
+                                           USE_TMA, DOT_PRECISION, CARRY=False, GATHERED=GATHERED)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
