@@ -13,10 +13,10 @@ are compared bit for bit.
 Measured on one H200 (benchmarks/results/trials/gate_up_body_ab_run*_nvidia_h200.*): same bits at every point. The
 persistent points, the same PTX, read 0.96-1.05x (the spread; run 1 timed old always first, which put new up to
 5 % behind). The per-tile TMA prefill points read 1.02-1.10x in both runs (qwen3 8192 1.05 / 1.035, olmoe 8192
-1.10 / 1.025, mixtral 8192 1.00 / 1.017). So the helper now takes CARRY: the per-tile kernel carries its pointers
-as before. With Triton 3.6 (the device's) the per-tile pointer kernels and both persistent kernels then compile to
-the same PTX as at de9b1b5, and the per-tile TMA kernels to the same instructions with four of the prologue's in
-another order; nothing is left to time.
+1.10 / 1.025, mixtral 8192 1.00 / 1.017). So the helper now takes CARRY: the per-tile kernel sets up its
+loop-invariant parts before the K loop and carries its pointers, as before. With Triton 3.6 (the device's) every
+gate_up kernel then compiles to the same PTX as at de9b1b5 (benchmarks/trials/gate_up_ptx_compare.py); nothing is
+left to time.
 
     python benchmarks/trials/gate_up_body_ab.py --old-dir DIR [--tokens 512,2048,8192] [--reps 6] [--out DIR]
 Writes gate_up_body_ab_<device>.json to --out, else $OUT, else benchmarks/results/trials/ (H200: 40-70 s).

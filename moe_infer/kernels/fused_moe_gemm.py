@@ -61,15 +61,19 @@ def gate_up_two_dot(a_src, is_row, w13, e, pid_m, pid_n, D, F, stride_we, stride
     row pointers into x at column 0, or (GATHERED) a tensor descriptor over the rows already in slot order
     ([P, D], block [BLOCK_M, BLOCK_K]); w13: w13_E2FD, or (USE_TMA) a tensor descriptor over it viewed
     [E*2F, D] with block [BLOCK_N, BLOCK_K] (columns past F then read the next rows; they land in masked-out
-    outputs). CARRY: the pointers step from one K block to the next (the per-tile kernel: measured 2-4 %
-    faster there than recomputing them, benchmarks/trials/gate_up_body_ab.py); otherwise they are computed
-    from k (the persistent kernel's flattened loop). K in order either way, so the same bits."""
+    outputs). CARRY (the per-tile kernel): the loop-invariant parts are set up before the K loop and the
+    pointers step from one K block to the next (recomputed from k, its TMA prefill points measured 2-4 %
+    slower: benchmarks/trials/gate_up_body_ab.py); otherwise (the persistent kernel's flattened loop) they
+    are computed from k. Either way each kernel compiles to the PTX it had as its own copy
+    (benchmarks/trials/gate_up_ptx_compare.py), and K runs in order, so the same bits."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_n = offs_n < F
-    if CARRY:
+    if CARRY:  # the per-tile kernel: what does not change along K is set up before the loop
         a_ptrs = a_src
-        if not USE_TMA:
+        if USE_TMA:
+            g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
+        else:
             w_base = w13 + e * stride_we + offs_k[:, None] * stride_wk
             g_ptrs = w_base + offs_n[None, :] * stride_wn
             u_ptrs = w_base + (offs_n + F)[None, :] * stride_wn
@@ -84,7 +88,8 @@ def gate_up_two_dot(a_src, is_row, w13, e, pid_m, pid_n, D, F, stride_we, stride
         else:
             a = tl.load(a_src + k * BLOCK_K, mask=is_row[:, None] & (offs_k[None, :] < k_left), other=0.0)
         if USE_TMA:
-            g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
+            if not CARRY:
+                g_row = (e * 2 * F).to(tl.int32) + pid_n * BLOCK_N
             g = w13.load([g_row, k * BLOCK_K]).T
             u = w13.load([g_row + F, k * BLOCK_K]).T
         else:
