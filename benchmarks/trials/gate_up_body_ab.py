@@ -19,6 +19,8 @@ gate_up kernel then compiles to the same PTX as at de9b1b5 (benchmarks/trials/ga
 left to time.
 
     python benchmarks/trials/gate_up_body_ab.py --old-dir DIR [--tokens 512,2048,8192] [--reps 6] [--out DIR]
+    python benchmarks/trials/gate_up_body_ab.py --persistent-carry --tokens 2048,8192   # the persistent kernel's
+        K loop with its pointers carried (CARRY=True) against computed from k (as it runs)
 Writes gate_up_body_ab_<device>.json to --out, else $OUT, else benchmarks/results/trials/ (H200: 40-70 s).
 """
 from __future__ import annotations
@@ -64,6 +66,17 @@ def load_old(old_dir: str):
     return gemm.gate_up_kernel, pers.gate_up_persistent_kernel
 
 
+class WithConstants:
+    """A jitted kernel launched with extra constexpr keywords (`kernel[grid](*args, **kw, **constants)`)."""
+
+    def __init__(self, kernel, **constants) -> None:
+        self.kernel, self.constants = kernel, constants
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kw: launch(*args, **kw, **self.constants)
+
+
 @contextlib.contextmanager
 def kernels(pair):
     saved = fm.gate_up_kernel, fm.gate_up_persistent_kernel
@@ -76,13 +89,21 @@ def kernels(pair):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old-dir", required=True)
+    ap.add_argument("--old-dir", help="the old files (required unless --persistent-carry)")
+    ap.add_argument("--persistent-carry", action="store_true",
+                    help="instead: the persistent gate_up kernel as it is (old) against CARRY=True (new)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "..", "results", "trials")))
     ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
     ap.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     ap.add_argument("--reps", type=int, default=4, help="times each variant is timed (the order alternates)")
     args = ap.parse_args()
-    old, new = load_old(args.old_dir), (fm.gate_up_kernel, fm.gate_up_persistent_kernel)
+    new = (fm.gate_up_kernel, fm.gate_up_persistent_kernel)
+    if args.persistent_carry:
+        old, new = new, (fm.gate_up_kernel, WithConstants(fm.gate_up_persistent_kernel, CARRY=True))
+    elif args.old_dir:
+        old = load_old(args.old_dir)
+    else:
+        ap.error("--old-dir is required unless --persistent-carry")
     rows = []
     print(f"{'shape':14s} {'T':>5s} {'persistent':>10s} {'old us':>9s} {'new us':>9s} {'new/old':>7s} same bits")
     for name in args.shapes.split(","):
@@ -111,10 +132,13 @@ def main() -> None:
     print(f"geomean new/old {ratios.log().mean().exp():.3f}, worst {ratios.max():.3f}, best {ratios.min():.3f}; "
           f"same bits at {sum(r['same_bits'] for r in rows)}/{len(rows)} points")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gate_up_body_ab_{device_name()}.json")
+    kind = "persistent_carry" if args.persistent_carry else "body"
+    path = os.path.join(args.out, f"gate_up_{kind}_ab_{device_name()}.json")
     with open(path, "w") as f:
         json.dump(dict(device=device_name(), torch=torch.__version__, triton=triton.__version__,
-                       git_commit=os.environ.get("GIT_COMMIT"), old="de9b1b5", reps=args.reps, rows=rows), f, indent=1)
+                       git_commit=os.environ.get("GIT_COMMIT"), reps=args.reps, rows=rows,
+                       old="persistent CARRY=False" if args.persistent_carry else "de9b1b5",
+                       new="persistent CARRY=True" if args.persistent_carry else "this tree"), f, indent=1)
     print(f"wrote {path}")
 
 
