@@ -62,10 +62,10 @@ def gate_up_two_dot(a_src, is_row, w13, e, pid_m, pid_n, D, F, stride_we, stride
     ([P, D], block [BLOCK_M, BLOCK_K]); w13: w13_E2FD, or (USE_TMA) a tensor descriptor over it viewed
     [E*2F, D] with block [BLOCK_N, BLOCK_K] (columns past F then read the next rows; they land in masked-out
     outputs). CARRY (the per-tile kernel): the loop-invariant parts are set up before the K loop and the
-    pointers step from one K block to the next (recomputed from k, its TMA prefill points measured 2-4 %
-    slower: benchmarks/trials/gate_up_body_ab.py); otherwise (the persistent kernel's flattened loop) they
-    are computed from k. Either way each kernel compiles to the PTX it had as its own copy
-    (benchmarks/trials/gate_up_ptx_compare.py), and K runs in order, so the same bits."""
+    pointers step from one K block to the next; otherwise (the persistent kernel's flattened loop) they are
+    computed from k. So each kernel compiles to the PTX it had as its own copy before this helper
+    (benchmarks/trials/gate_up_ptx_compare.py; no speed difference between the two ways was measured,
+    benchmarks/trials/gate_up_body_ab.py), and K runs in order, so the same bits."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_n = offs_n < F

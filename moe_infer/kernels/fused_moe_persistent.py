@@ -28,8 +28,7 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                              USE_PDL: tl.constexpr, GATHERED: tl.constexpr = False, ONE_DOT: tl.constexpr = False,
-                              CARRY: tl.constexpr = False):
+                              USE_PDL: tl.constexpr, GATHERED: tl.constexpr = False, ONE_DOT: tl.constexpr = False):
     """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T) for every live tile (see gate_up_kernel).
 
     USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K];
@@ -57,7 +56,7 @@ def gate_up_persistent_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, n
         else:
             acc_g, acc_u = gate_up_two_dot(a_src, is_row, w13_ptr, e, pid_m, pid_n, D, F,
                                            stride_we, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IS_FP32_DOT,
-                                           USE_TMA, DOT_PRECISION, CARRY=CARRY, GATHERED=GATHERED)
+                                           USE_TMA, DOT_PRECISION, CARRY=False, GATHERED=GATHERED)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
