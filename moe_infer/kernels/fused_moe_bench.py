@@ -8,6 +8,7 @@ Legend: T tokens (M in the issue's table), D hidden, F expert intermediate, E ex
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -47,8 +48,10 @@ def roofline_us(ids_TK: torch.Tensor, E: int, D: int, F: int, bytes_per_el: int 
     return max(t_mem, t_flop) * 1e6
 
 
-def graph_time_us(fn: Callable[[], object], num_replays: int = 30, warmup: int = 3) -> float:
-    """Median time of one replay of fn captured in a CUDA graph."""
+def graph_time_us(fn: Callable[[], object], num_replays: int = 30, warmup: int = 3, sustain_s: float = 0.0) -> float:
+    """Median time of one replay of fn captured in a CUDA graph. sustain_s > 0: the graph is first replayed for
+    that long, so the timing sees the clocks the GPU holds under sustained load (an H200 drops from 1980 MHz to
+    1300-1650 MHz within tens of milliseconds of compute-bound work: benchmarks/trials/timing_warmup.py)."""
     fn()  # compile / allocate outside the capture
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -61,6 +64,13 @@ def graph_time_us(fn: Callable[[], object], num_replays: int = 30, warmup: int =
         fn()
     for _ in range(warmup):
         graph.replay()
+    if sustain_s > 0:
+        torch.cuda.synchronize()
+        t_end = time.perf_counter() + sustain_s
+        while time.perf_counter() < t_end:
+            for _ in range(4):
+                graph.replay()
+            torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_replays)]
     for start, end in zip(starts, ends):
