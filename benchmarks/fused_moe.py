@@ -8,11 +8,12 @@
   loop      a PyTorch per-expert loop on the same sorted rows (host offsets taken before capture)
   roofline  max(bytes of the distinct experts touched / 3.0 TB/s, 2*T*K*3*D*F / 741 TFLOP/s)
 
-and the issue's target with pass/fail. Ours is timed twice: after the GPU idled for --idle-s (`ours_us`: the clocks
-of a burst, the state the issue's figures were taken in, one timing per point, and what pass/fail uses), and after
---sustain-s of replays (`ours_sustained_us`: the clocks the GPU holds under sustained compute-bound load; an H200
-reads 4-17 % slower there at the compute-bound prefill points, benchmarks/trials/timing_warmup.py). The other
-columns are timed once each, after ours. Writes JSON (device named) to benchmarks/results/.
+and the issue's target with pass/fail. Ours is timed twice: after a pause of --idle-s (`ours_us`, one timing per
+point as the issue's figures were taken; pass/fail uses it), and after --sustain-s of replays (`ours_sustained_us`:
+the clocks the GPU holds under sustained compute-bound load). On an H200 the compute-bound prefill points read up to
+17 % faster when the GPU is cool than sustained (benchmarks/trials/timing_warmup.py); how far a pause lets the
+clocks recover depends on how warm the GPU is, and after this benchmark's earlier points a 1 s pause recovers little,
+so the sustained figure is the reproducible one. The other columns are timed once each, after ours. Writes JSON (device named) to benchmarks/results/.
 
     python benchmarks/fused_moe.py [--shapes ...] [--tokens ...] [--idle-s 1] [--sustain-s 0.3] [--out PATH]
 """

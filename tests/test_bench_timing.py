@@ -17,13 +17,12 @@ def test_sustained_timing_replays_for_its_time_first():
         count.add_(1)  # counts every run: the eager ones and each graph replay
         return x @ x
 
-    t0 = time.perf_counter()
     assert graph_time_us(fn, num_replays=5, warmup=1) > 0
-    plain_s, plain = time.perf_counter() - t0, int(count.item())
+    plain = int(count.item())
     assert plain == 2 + 1 + 5  # fn() and its side-stream run before the capture, the warm-up, the timed replays
     count.zero_()
     t0 = time.perf_counter()
     assert graph_time_us(fn, num_replays=5, warmup=1, sustain_s=0.25) > 0
     sustained_s, sustained = time.perf_counter() - t0, int(count.item())
-    assert sustained_s >= 0.25 and sustained_s > plain_s
+    assert sustained_s >= 0.25
     assert sustained > plain + 4  # replayed while the 0.25 s lasted, before the timed replays
