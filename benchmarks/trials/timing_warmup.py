@@ -4,7 +4,8 @@
 `num_replays` replays (median). gate_up_body_ab.py saw the first timing of a long compute-bound point read 5-10 %
 faster than later timings of the same kernel. Here each point of benchmarks/fused_moe.py's shapes is timed, in
 alternation, (a) "cold": after the GPU idled for --idle-s seconds, and (b) "warm": right after --warm-ms of replays
-of the same graph; the SM clock and the board power (nvidia-smi) are read after each timing.
+of the same graph; the SM clock, board power, temperature and clock event reasons (nvidia-smi) are read after each
+timing (the first run, at d3c71b4, read the clock and the power only).
 
     python benchmarks/trials/timing_warmup.py [--tokens 1,128,2048,8192] [--rounds 3] [--out DIR]   # ~2 min on an H200
 Writes timing_warmup_<device>.json to --out, else $OUT, else benchmarks/results/trials/.
@@ -29,10 +30,15 @@ from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, make_inputs, make_we
 from moe_infer.kernels.fused_moe_config import device_name  # noqa: E402
 
 
+QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
 def gpu_state() -> str:
-    """SM clock (MHz) and board power (W) now, as nvidia-smi reports them ('' where it cannot)."""
+    """SM clock (MHz), board power (W), temperature (C) and the active clock event reasons (a bit mask: 0x4 the
+    software power cap, 0x20 / 0x40 software / hardware thermal slowdown, 0x8 hardware slowdown), as nvidia-smi
+    reports them now ('' where it cannot)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
         return out[torch.cuda.current_device()] if out else ""
     except (OSError, subprocess.SubprocessError):
@@ -61,7 +67,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "..", "results", "trials")))
     args = ap.parse_args()
     rows = []
-    print(f"{'shape':14s} {'T':>5s} {'roof us':>8s} {'cold us':>9s} {'warm us':>9s} {'warm/cold':>9s}  clocks (MHz, W) cold | warm")
+    print(f"{'shape':14s} {'T':>5s} {'roof us':>8s} {'cold us':>9s} {'warm us':>9s} {'warm/cold':>9s}  {QUERY} cold | warm")
     for name in args.shapes.split(","):
         E, K, D, F = MODEL_SHAPES[name]
         w13, w2 = make_weights(E, D, F)
