@@ -21,6 +21,8 @@ once that first timing is left out. So no difference between the two ways of add
 takes CARRY anyway, so that each kernel compiles to the PTX of its former own copy (gate_up_ptx_compare.py), which
 needs no timing. Now every point gets one untimed warm-up timing before the reps.
 
+    mkdir -p DIR && for f in fused_moe_gemm fused_moe_persistent; do
+        git show de9b1b5:moe_infer/kernels/$f.py > DIR/$f.py; done      # the old files
     python benchmarks/trials/gate_up_body_ab.py --old-dir DIR [--tokens 512,2048,8192] [--reps 6] [--out DIR]
 Writes gate_up_body_ab_<device>.json to --out, else $OUT, else benchmarks/results/trials/ (H200: 40-70 s).
 """

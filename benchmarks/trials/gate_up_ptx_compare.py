@@ -8,6 +8,8 @@ hints and the same constants. Their PTX is compared with labels, comments, debug
 removed: "same" means the same instructions in the same order; otherwise the number of differing lines and the
 change in each opcode's count are printed.
 
+    mkdir -p DIR && for f in fused_moe_gemm fused_moe_persistent; do
+        git show de9b1b5:moe_infer/kernels/$f.py > DIR/$f.py; done      # the old files
     python benchmarks/trials/gate_up_ptx_compare.py --old-dir DIR      # CPU: about a minute
 
 Outcome against de9b1b5 (benchmarks/results/trials/gate_up_ptx_compare_triton*_cpu.log): with Triton 3.6, the lent
