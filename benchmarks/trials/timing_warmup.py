@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import torch  # noqa: E402
 
 from moe_infer.kernels.fused_moe import fused_experts  # noqa: E402
-from moe_infer.kernels.fused_moe_bench import MODEL_SHAPES, make_inputs, make_weights, roofline_us  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
+    MODEL_SHAPES, make_inputs, make_weights, replay_time_us, roofline_us,
+)
 from moe_infer.kernels.fused_moe_config import device_name  # noqa: E402
 
 
@@ -43,17 +45,6 @@ def gpu_state() -> str:
         return out[torch.cuda.current_device()] if out else ""
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-def timed_replays(graph: torch.cuda.CUDAGraph, n: int) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
 def main() -> None:
@@ -89,11 +80,11 @@ def main() -> None:
             cold, warm, cold_state, warm_state = [], [], [], []
             for _ in range(args.rounds):
                 time.sleep(args.idle_s)
-                cold.append(timed_replays(graph, args.replays))
+                cold.append(replay_time_us(graph, args.replays))
                 cold_state.append(gpu_state())
                 for _ in range(warm_replays):
                     graph.replay()
-                warm.append(timed_replays(graph, args.replays))
+                warm.append(replay_time_us(graph, args.replays))
                 warm_state.append(gpu_state())
             c, h = statistics.median(cold), statistics.median(warm)
             rows.append({"shape": name, "tokens": T, "roofline_us": roofline_us(ids, E, D, F), "cold_us": cold,

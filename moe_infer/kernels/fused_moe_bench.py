@@ -71,6 +71,13 @@ def graph_time_us(fn: Callable[[], object], num_replays: int = 30, warmup: int =
             for _ in range(4):
                 graph.replay()
             torch.cuda.synchronize()
+    median_us = replay_time_us(graph, num_replays)
+    del graph
+    return median_us
+
+
+def replay_time_us(graph: torch.cuda.CUDAGraph, num_replays: int) -> float:
+    """Median time of one replay of a captured graph, each replay timed alone between device events."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_replays)]
     for start, end in zip(starts, ends):
@@ -78,9 +85,7 @@ def graph_time_us(fn: Callable[[], object], num_replays: int = 30, warmup: int =
         graph.replay()
         end.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-    del graph
-    return statistics.median(times)
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
 def replays_for(estimate_us: float) -> int:
