@@ -13,7 +13,8 @@ point as the issue's figures were taken; pass/fail uses it), and after --sustain
 the clocks the GPU holds under sustained compute-bound load). On an H200 the compute-bound prefill points read up to
 17 % faster when the GPU is cool than sustained (benchmarks/trials/timing_warmup.py); how far a pause lets the
 clocks recover depends on how warm the GPU is, and after this benchmark's earlier points a 1 s pause recovers little,
-so the sustained figure is the reproducible one. The other columns are timed once each, after ours. Writes JSON (device named) to benchmarks/results/.
+so the sustained figure is the reproducible one. The other columns are timed once each, after ours. Writes JSON
+(device named) to benchmarks/results/.
 
     python benchmarks/fused_moe.py [--shapes ...] [--tokens ...] [--idle-s 1] [--sustain-s 0.3] [--out PATH]
 """
@@ -130,7 +131,7 @@ def bench_point(name, T, w13, w2, idle_s: float = 1.0, sustain_s: float = 0.3):
     row = {"shape": name, "E": E, "K": K, "D": D, "F": F_, "tokens": T, "roofline_us": round(roof, 1),
            "config": get_config(T, E, F_, D, K, "bf16").to_dict(), "ours_rel_err_vs_loop": rel_err(ours(), ref_TD)}
     n = replays_for(roof)
-    time.sleep(idle_s)  # ours is timed after the GPU idled (its burst clocks), then again under sustained load
+    time.sleep(idle_s)  # ours is timed after a pause, then again under sustained load (the docstring)
     row["ours_us"] = graph_time_us(ours, n)
     row["ours_sustained_us"] = graph_time_us(ours, n, sustain_s=sustain_s)
     pdl = os.environ.get("MOE_FUSED_PDL", "1")
@@ -166,8 +167,8 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--out", default=None)
     parser.add_argument("--variants", action="store_true", help="ours only, every schedule x combine mode")
-    parser.add_argument("--idle-s", type=float, default=1.0, help="idle before ours is timed (its burst figure)")
-    parser.add_argument("--sustain-s", type=float, default=0.3, help="replays before ours' sustained figure")
+    parser.add_argument("--idle-s", type=float, default=1.0, help="pause before ours is timed (ours_us)")
+    parser.add_argument("--sustain-s", type=float, default=0.3, help="seconds of replays before ours_sustained_us")
     args = parser.parse_args()
     dev = device_name()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"fused_moe_{dev}.json")
