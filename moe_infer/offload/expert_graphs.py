@@ -8,7 +8,8 @@ change. Launched eagerly, one fused-experts call cost about 0.55 ms of host time
 (3-4 Triton launches through Triton's Python launcher; 16 Mixtral streams made 127 such calls a step),
 and that host time runs before the host's own expert compute. Here each (weight tensors, padded rows,
 top-k) gets one graph, captured the first time it is seen: a call copies its rows, ids and weights into
-the graph's static buffers (pad rows get id -1, which adds nothing), replays, and returns a copy of its
+the graph's static buffers (pad rows get id -1, which adds nothing; only rows a larger earlier call left are
+reset), replays, and returns a copy of its
 rows of the output.
 
 Rows are padded to a power of two up to `max_rows` (decode batches); larger calls (prefill chunks) and
@@ -41,6 +42,7 @@ class _Entry:
     weights_TK: torch.Tensor
     graph: Optional["torch.cuda.CUDAGraph"] = None
     out_TD: Optional[torch.Tensor] = None  # the graph's static output
+    rows: int = 0  # rows the last call wrote; ids past them are -1 already
 
 
 class ExpertGraphs:
@@ -75,7 +77,9 @@ class ExpertGraphs:
                 self.entries[key] = entry
         entry.x_TD[:T].copy_(x_TD)
         entry.ids_TK[:T].copy_(ids_TK)
-        entry.ids_TK[T:].fill_(-1)
+        if entry.rows > T:  # a larger call's rows are left there: they must run no expert
+            entry.ids_TK[T:entry.rows].fill_(-1)
+        entry.rows = T
         entry.weights_TK[:T].copy_(weights_TK)
         run = lambda: compute(entry.x_TD, entry.ids_TK, entry.weights_TK, w13, w2)  # noqa: E731
         if not self.capture:

@@ -22,6 +22,11 @@ import torch
 from moe_infer.offload.compute import CpuRows, SlotCompute, cpu_experts, gather_cpu_rows, to_device
 
 
+def _eager(compute: SlotCompute, *args) -> torch.Tensor:
+    """The device experts launched as they are (offload.expert_graphs off)."""
+    return compute(*args)
+
+
 class FetchedExperts:
     def __init__(self, store, slot_of_E: List[int], waits: list, to_cpu: List[int], shared: Dict[int, int],
                  needed: Dict[int, int], to_stream: List[int], nxt, next_scores,
@@ -93,7 +98,7 @@ class FetchedExperts:
              ) -> torch.Tensor:
         store, m = self.store, self.store.manager
         m.copier.wait(self.waits)  # the GPU waits for the copies it needs; the host does not
-        run = m.expert_graphs or (lambda fn, *args: fn(*args))  # offload.expert_graphs: replayed as CUDA graphs
+        run = m.expert_graphs or _eager  # offload.expert_graphs: replayed as CUDA graphs
         if slot_ids_TK is not None:
             out_TD = run(compute, x_TD, slot_ids_TK, weights_TK, self.w13_S2FD, self.w2_SDF)
         else:
