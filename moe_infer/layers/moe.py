@@ -5,7 +5,9 @@ all-to-all dispatcher or an offloading store replaces exactly one piece.
 
 Tensor parallel: each routed expert's F is split over `moe_tp` (the store holds the rank's F / moe_tp
 rows of every local expert; ep = 1, tp > 1 is tensor-parallel MoE) and the shared expert's over `tp`;
-both give partial sums, all-reduced once when the two axes are the same ranks, else one each.
+both give partial sums, all-reduced once when the two axes are the same ranks, else one each. With the
+reduce dispatcher (expert parallelism over replicated tokens) the routed partial sums span the whole
+pipeline stage (`stage`): one all-reduce over it, the shared expert's included where tp spans the stage.
 
 Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatched rows.
 """
@@ -82,10 +84,11 @@ class MoELayer(nn.Module):
         shared_gated: bool = False,
         tp: ShardGroup = SINGLE,
         moe_tp: ShardGroup = SINGLE,
+        stage: ShardGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
-        self.tp, self.moe_tp = tp, moe_tp
+        self.tp, self.moe_tp, self.stage = tp, moe_tp, stage
         intermediate_size = moe_tp.split(intermediate_size, "moe_intermediate_size")
         self.dispatcher = (backends.dispatcher or LocalDispatcher(spec.num_experts)).for_layer(layer_idx)
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype)
@@ -147,8 +150,19 @@ class MoELayer(nn.Module):
             fused_fn = None if fused is None else (lambda x, ids, w: fused(x, ids, w, *self.store.weights(), 0))
             out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts,
                                                      fused_fn=fused_fn)
+        if getattr(self.dispatcher, "returns_partial", False):  # every rank of the stage holds a part of each sum
+            return self._reduce_stage(out_TD, x_TD)
         if self.shared_expert is None:
             return self.moe_tp.all_reduce(out_TD)
         if self.tp == self.moe_tp:  # the same ranks: one all-reduce of both partial sums
             return self.tp.all_reduce(out_TD + self.shared_expert(x_TD, reduce=False))
         return self.moe_tp.all_reduce(out_TD) + self.shared_expert(x_TD)
+
+    def _reduce_stage(self, out_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The routed experts' partial sums of every rank of the stage (the reduce dispatcher), summed by one
+        all-reduce, the shared expert's partial sum in it when its tensor-parallel ranks are the stage's."""
+        if self.shared_expert is None:
+            return self.stage.all_reduce(out_TD)
+        if self.tp.size == self.stage.size:
+            return self.stage.all_reduce(out_TD + self.shared_expert(x_TD, reduce=False))
+        return self.stage.all_reduce(out_TD) + self.shared_expert(x_TD)

@@ -17,6 +17,8 @@ from moe_infer.layers.tensor_parallel import SINGLE, ShardGroup
 class ModelShard:
     tp: ShardGroup = SINGLE  # attention heads, dense / shared-expert intermediate, vocabulary
     moe_tp: ShardGroup = SINGLE  # each routed expert's intermediate dimension
+    # every rank of the pipeline stage: what an EP dispatcher's partial sums are reduced over (reduce_dispatch.py)
+    stage_axis: ShardGroup = SINGLE
     layer_start: int = 0
     layer_end: Optional[int] = None  # None: to the last layer
     is_first_stage: bool = True

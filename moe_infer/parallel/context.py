@@ -24,7 +24,7 @@ from moe_infer.config import ParallelConfig, RoutingConfig
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.layers.tensor_parallel import SINGLE, ShardGroup
 from moe_infer.models.shard import ModelShard
-from moe_infer.parallel import capacity_dispatch, exact  # noqa: F401  (register the backends)
+from moe_infer.parallel import capacity_dispatch, exact, reduce_dispatch  # noqa: F401  (register the backends)
 from moe_infer.parallel.all_to_all import DISPATCHERS
 from moe_infer.parallel.dims import ParallelDims, stage_layers
 from moe_infer.parallel.health import MeshError, mesh_error
@@ -128,7 +128,9 @@ class ParallelContext:
         if tp.size > 1 and moe_tp.size > 1 and (dist.get_process_group_ranks(tp.group)
                                                 == dist.get_process_group_ranks(moe_tp.group)):
             moe_tp = tp  # the same ranks: the MoE layer then sums routed and shared experts in one all-reduce
-        return ModelShard(tp=tp, moe_tp=moe_tp, layer_start=start, layer_end=end, is_first_stage=self.is_first_stage,
+        stage_axis = tp if tp.size == self.dims.stage_size else self._axis(self.stage_mesh, "stage", self.dims.stage_size)
+        return ModelShard(tp=tp, moe_tp=moe_tp, stage_axis=stage_axis, layer_start=start, layer_end=end,
+                          is_first_stage=self.is_first_stage,
                           is_last_stage=self.is_last_stage, stage=self.stage, num_stages=self.dims.pp)
 
     def placement(self, num_experts: int) -> ExpertPlacement:
@@ -140,18 +142,32 @@ class ParallelContext:
             return replicate_hot_experts([1.0] * num_experts, self.dims.ep, self.cfg.num_redundant_experts)
         return contiguous_placement(num_experts, self.dims.ep)
 
+    def dispatcher_name(self, tokens_replicated: bool = True, resident: bool = True) -> str:
+        """`parallel.dispatcher`, with "auto" resolved: "reduce" where every EP rank holds the same tokens and the
+        experts are resident (no tokens move: one all-reduce a layer, parallel/reduce_dispatch.py), else "exact"."""
+        name = self.cfg.dispatcher
+        if name == "auto":
+            return "reduce" if tokens_replicated and resident else "exact"
+        if name == "reduce" and not tokens_replicated:
+            raise ValueError("parallel.dispatcher=reduce needs every EP rank to hold the same tokens")
+        if name == "reduce" and not resident:
+            raise ValueError("parallel.dispatcher=reduce runs resident experts only: with offload.store=cpu|nvme use "
+                             "parallel.dispatcher=exact or capacity (or auto)")
+        return name
+
     def make_dispatcher(self, num_experts: int, top_k: int, routing: RoutingConfig,
-                        tokens_replicated: bool = True) -> LocalDispatcher:
+                        tokens_replicated: bool = True, resident: bool = True) -> LocalDispatcher:
         """The dispatcher for `MoEBackends.dispatcher` (shared by every MoE layer of the model).
 
         tokens_replicated: every EP rank holds the same tokens (the engine's case: attention is tensor
         parallel or replicated within a stage); each rank then routes 1/ep of them. False: each rank
-        brings its own tokens.
+        brings its own tokens. resident: the experts' weights stay on the device (no offloading store).
         """
         if self.dims.ep == 1:
             return LocalDispatcher(num_experts)
+        name = self.dispatcher_name(tokens_replicated, resident)
         kwargs = {}
-        if self.cfg.dispatcher == "capacity":
+        if name == "capacity":
             if routing.policy not in CAPACITY_POLICIES_FOR_A2A:
                 raise ValueError(f"parallel.dispatcher=capacity needs a capacity policy (routing.policy in "
                                  f"{CAPACITY_POLICIES_FOR_A2A}), got routing.policy={routing.policy!r}")
@@ -159,7 +175,7 @@ class ParallelContext:
 
             kwargs["capacity_fn"] = partial(expert_capacity, top_k=top_k, num_experts=num_experts,
                                             capacity_factor=routing.capacity_factor, min_capacity=routing.min_capacity)
-        dispatcher = DISPATCHERS.get(self.cfg.dispatcher)(
+        dispatcher = DISPATCHERS.get(name)(
             self.placement(num_experts), self.ep_group, self.ep_rank, top_k, overlap=self.cfg.overlap,
             overlap_min_mb=self.cfg.overlap_min_mb, overlap_micro_batches=self.cfg.overlap_micro_batches,
             tokens_replicated=tokens_replicated, on_error=self._on_error(self.ep_group), **kwargs,

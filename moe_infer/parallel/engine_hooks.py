@@ -60,7 +60,8 @@ def expert_dispatcher(ctx: ParallelContext, cfg: EngineConfig, model_path: str) 
     from moe_infer.models.arch import load_arch
 
     arch, _ = load_arch(model_path)
-    return ctx.make_dispatcher(arch.num_experts, arch.top_k, cfg.routing, tokens_replicated=True)
+    return ctx.make_dispatcher(arch.num_experts, arch.top_k, cfg.routing, tokens_replicated=True,
+                               resident=cfg.offload.store == "resident")
 
 
 def make_executor(ctx: ParallelContext, runner: Any) -> LocalExecutor:

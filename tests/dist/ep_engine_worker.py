@@ -27,6 +27,9 @@ CASES = [  # (dispatcher, overlap, replicas, policy)
     ("capacity", False, False, "drop"),
     ("capacity", True, True, "drop"),
     ("capacity", True, False, "reroute"),
+    ("reduce", False, False, "dropless"),  # no tokens move: local experts on every token, one all-reduce
+    ("reduce", False, True, "dropless"),  # replicated experts: replica n mod M computes routed row n
+    ("reduce", False, False, "drop"),
 ]
 
 
