@@ -184,6 +184,9 @@ class ParallelConfig:
     # every collective and transfer of a step: a rank that hangs longer is named in the error (gloo; NCCL:
     # torch's watchdog aborts, see docs/scaling.md). Long enough for a cold Triton compile inside a step.
     timeout_s: float = 120.0
+    # tp = pp = ep = 1 through the mesh's code path anyway (process groups of one rank, the step sent over them):
+    # what benchmarks/mesh_scaling.py measures the mesh's own cost with; under torchrun or in a plain process
+    force_mesh: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):

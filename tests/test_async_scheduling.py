@@ -15,6 +15,7 @@ from moe_infer.config import EngineConfig, OffloadConfig, RoutingConfig, Schedul
 from moe_infer.engine.async_engine import AsyncEngine
 from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
 from moe_infer.parallel.pipeline import LocalExecutor
+from moe_infer.parallel.dims import ParallelDims
 
 pytestmark = pytest.mark.timeout(120)  # an engine loop that stops making progress must fail, not spin
 
@@ -238,13 +239,15 @@ def test_the_async_engine_streams_equal_the_sync_engine_and_aborts_free_blocks(l
 
 def test_fallbacks_are_chosen_per_engine():
     class Mesh:
-        is_distributed = True
+        def __init__(self, pp):
+            self.is_distributed, self.dims = True, ParallelDims(2, pp=pp, tp=3 - pp)
 
     class One:
         is_distributed = False
 
     assert async_scheduling_blocker(EngineConfig(), One()) is None
-    assert "a mesh" in async_scheduling_blocker(EngineConfig(), Mesh())
+    assert async_scheduling_blocker(EngineConfig(), Mesh(pp=1)) is None  # tp = 2: the driver schedules ahead
+    assert "pipeline stages" in async_scheduling_blocker(EngineConfig(), Mesh(pp=2))
     assert "async_scheduling=false" in async_scheduling_blocker(
         EngineConfig(scheduler=SchedulerConfig(async_scheduling=False)), One())
     assert "offload.store=cpu" in async_scheduling_blocker(EngineConfig(offload=OffloadConfig(store="cpu")), One())

@@ -12,14 +12,14 @@ from moe_infer.engine.block_manager import BlockManager
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
 from moe_infer.engine.sequence import Sequence
-from moe_infer.engine.step_inputs import StepDecoder, StepEncoder, plan_requests
+from moe_infer.engine.step_inputs import StepDecoder, StepEncoder, flat_inputs, message_layout, message_sizes, plan_requests
 from moe_infer.layers.attention import head_split
 from moe_infer.layers.tensor_parallel import ShardGroup
 from moe_infer.models import ModelShard, load_model
 from moe_infer.models.decoder import MissingLayer
 from moe_infer.parallel import ParallelDims, init
 from moe_infer.parallel.dims import stage_layers
-from moe_infer.parallel.pipeline import pack_result, result_size, unpack_result
+from moe_infer.parallel.step_message import PATH_EAGER, pack_result, result_size, unpack_result
 from tiny_hf import make_tiny_checkpoint, read_state_dict
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,21 +96,27 @@ def test_step_message_carries_what_the_sampler_needs_and_params_once():
     a, b = _seq(5, 10, seed=3, temperature=0.5), _seq(6, 40, repetition_penalty=1.3, logprobs=2)
     sched.add(a), sched.add(b)
     enc, dec = StepEncoder(4), StepDecoder()
+
+    def encode(plan):
+        flat, sizes = flat_inputs(plan, 4)
+        return enc.encode(plan, sizes, PATH_EAGER, 0, torch.from_numpy(flat).view(torch.uint8))
+
     plan = sched.schedule()
-    msg = enc.encode(plan)
+    msg = encode(plan)
     assert msg.side.numel() > 0  # two new SamplingParams
     finished, reqs = dec.decode(msg)
     assert finished == [] and reqs == plan_requests(plan)
     sched.postprocess(plan, [7, 8])
     sched.abort(a)
     plan = sched.schedule()
-    msg = enc.encode(plan)
+    msg = encode(plan)
     assert msg.side.numel() == 0  # b's params were sent already
     finished, reqs = dec.decode(msg)
     assert finished == [a.seq_id] and a.seq_id not in dec.params
     assert reqs == plan_requests(plan) and reqs[0].history == b.token_ids
-    flat = msg.flat.tolist()
+    flat = msg.payload.view(torch.int64).tolist()
     assert flat[:2] == [8, 6]  # b decodes: its token 8 (T = 1) at position 6
+    assert message_layout(msg) == (message_sizes(msg), PATH_EAGER, 0, 8 * len(flat))
 
 
 def test_result_packing_round_trips_tokens_and_logprobs():

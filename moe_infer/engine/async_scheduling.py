@@ -24,8 +24,8 @@ The expert-load statistics (`get_expert_load`) count the discarded tokens' routi
 Fallbacks. Chosen once for the engine (`async_scheduling_blocker`), the whole engine runs steps
 synchronously (`LocalExecutor` / `MeshExecutor`) when:
   - `scheduler.async_scheduling=false`;
-  - a mesh (parallel.tp, pp or ep > 1): the plan goes to every rank and the tokens come back from the
-    sampling rank over the mesh; pipeline stages keep pp batches in flight their own way;
+  - pipeline stages (parallel.pp > 1): they keep pp batches in flight their own way (under a mesh without them
+    the driver schedules ahead as here: moe_infer/parallel/pipeline.py);
   - an offloading expert store (offload.store=cpu|nvme): each MoE layer decides its copies on the host
     from the step's routing and pins per step;
   - `routing.trace=true`: the trace records every token's routing, and must not hold discarded ones.
@@ -47,8 +47,8 @@ def async_scheduling_blocker(cfg: EngineConfig, parallel: Any) -> Optional[str]:
     """Why this engine runs its steps synchronously; None when it schedules ahead (see the module docstring)."""
     if not cfg.scheduler.async_scheduling:
         return "scheduler.async_scheduling=false"
-    if parallel.is_distributed:
-        return "a mesh (parallel.tp, pp or ep > 1) runs its steps synchronously or in pipeline stages"
+    if parallel.is_distributed and parallel.dims.pp > 1:
+        return "pipeline stages (parallel.pp > 1) keep pp batches in flight their own way"
     if cfg.offload.store != "resident":
         return f"offload.store={cfg.offload.store} decides expert copies on the host per layer and step"
     if cfg.routing.trace:

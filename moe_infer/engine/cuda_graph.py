@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -46,9 +47,10 @@ logger = logging.getLogger(__name__)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids_T, positions_T) -> hidden_TD
 
 
-def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True) -> Optional[str]:
+def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True, mesh: bool = False) -> Optional[str]:
     """Why decode steps of this engine cannot be replayed as CUDA graphs; None when they can.
-    whole_step=False: why their attention parts cannot (engine/layer_graphs.py: the MoE layers eager)."""
+    whole_step=False: why their attention parts cannot (engine/layer_graphs.py: the MoE layers eager).
+    mesh: the engine runs under a mesh (its collectives are captured in the graphs: moe_infer/parallel/pipeline.py)."""
     from moe_infer.experts.reference import EXPERT_BACKENDS
 
     if device.type != "cuda":
@@ -57,10 +59,13 @@ def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True) 
         return "model.enforce_eager=true"
     if whole_step and backends.store != "resident":
         return f"offload.store={backends.store} decides on the host, per layer, which experts to move"
-    if backends.dispatcher is not None:
-        return "expert parallelism (all-to-all dispatchers run eagerly)"
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
-        return "tensor / pipeline parallelism (steps under a mesh run eagerly)"
+    if backends.dispatcher is not None and not getattr(backends.dispatcher, "graph_safe", False):
+        return (f"expert parallelism through an all-to-all dispatcher (parallel.dispatcher={cfg.parallel.dispatcher}: "
+                f"split sizes on the host); the reduce dispatcher is graph-safe")
+    if mesh and not whole_step:
+        return "a mesh replays whole steps only (every rank must run the same graphs)"
+    if mesh and os.environ.get("TORCH_NCCL_BLOCKING_WAIT") == "1":
+        return "TORCH_NCCL_BLOCKING_WAIT=1 (the host would wait inside the captured collectives)"
     if backends.trace is not None:
         return "routing.trace=true (the recorder copies each step's routing eagerly)"
     if not whole_step:
@@ -73,13 +78,15 @@ def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True) 
 
 
 def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
-                  pool) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                  pool, mesh: bool = False) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """(graph, its static output) of run(), a forward over static buffers whose padding mask is valid_R.
 
     Both runs are under `graph_kernels()` (the decode-sized linear kernel, moe_infer/layers/linear.py).
     One eager warm-up run first, on a side stream, for real on the step's buffers: it compiles what is
     not compiled yet and writes the same K/V the replay writes (same slots, same values); with valid_R all
-    False meanwhile, it adds nothing to the expert-load statistics."""
+    False meanwhile, it adds nothing to the expert-load statistics. Under a mesh (mesh=True) the warm-up run
+    also makes every collective's communicator before the capture, and the capture is thread-local: NCCL's
+    watchdog thread may query earlier work's events meanwhile, which a global capture forbids."""
     valid_copy_R = valid_R.clone()
     valid_R.fill_(False)
     stream = torch.cuda.Stream()
@@ -88,7 +95,7 @@ def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
         run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), graph_kernels():
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local" if mesh else "global"), graph_kernels():
         out = run()
     valid_R.copy_(valid_copy_R)
     return graph, out
@@ -97,12 +104,17 @@ def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
 def replay_graph(owner, key, capture: Callable[[], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]],
                  what: str) -> Optional[torch.Tensor]:
     """The static output of owner's graphs for key after replaying them in order, captured first when new
-    (`capture()` -> (graphs, output); owner: .graphs, .runs, .disabled); None when the capture failed:
-    owner.disabled says why and the caller runs that step, and every later one, eagerly."""
+    (`capture()` -> (graphs, output); owner: .graphs, .runs, .disabled, .mesh); None when the capture failed:
+    owner.disabled says why and the caller runs that step, and every later one, eagerly. Under a mesh (owner.mesh)
+    a failed capture raises instead: the other ranks replay theirs, and a rank that fell back to eager steps
+    would not run its collectives in step with them."""
     if key not in owner.graphs:
         try:
             owner.graphs[key] = capture()
         except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
+            if getattr(owner, "mesh", False):
+                raise RuntimeError(f"CUDA graph capture failed under a mesh for {what} (model.enforce_eager=true runs "
+                                   f"every step eagerly): {type(err).__name__}: {err}") from err
             torch.cuda.synchronize()
             owner.disabled = f"{type(err).__name__}: {err}"
             logger.warning("CUDA graph capture failed for %s; those steps run eagerly from now on (%s)", what,
@@ -139,8 +151,11 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: ForwardFn, max_batch: int, max_blocks: int, block_size: int,
-                 device: torch.device, capture: bool = True, lm_head=None) -> None:
-        self.forward, self.block_size, self.max_blocks = forward, block_size, max_blocks
+                 device: torch.device, capture: bool = True, lm_head=None,
+                 hidden_in: Optional[Tuple[int, torch.dtype]] = None, mesh: bool = False) -> None:
+        """hidden_in (hidden size, dtype): a pipeline stage after the first, whose forward reads the previous
+        stage's hidden states (`hidden_input`); mesh: under a mesh (collectives captured, capture failures raise)."""
+        self.forward, self.block_size, self.max_blocks, self.mesh = forward, block_size, max_blocks, mesh
         self.sizes = capture_sizes(max_batch)
         self.max_batch, self.capture = self.sizes[-1], capture
         Bmax, dev = self.max_batch, device
@@ -152,7 +167,9 @@ class DecodeGraphs:
         # with an LM head (a single rank's: `forward_into`), `load`ed steps replay it too, into one logits buffer
         self.lm_head = lm_head
         self.logits_BV = (None if lm_head is None else
-                          torch.empty(Bmax, lm_head.weight.shape[0], dtype=lm_head.weight.dtype, device=dev))
+                          torch.empty(Bmax, lm_head.vocab_size, dtype=lm_head.weight.dtype, device=dev))
+        self.hidden_in_BD = (None if hidden_in is None else
+                             torch.zeros(Bmax, hidden_in[0], dtype=hidden_in[1], device=dev))
         self.graphs: Dict[Tuple[int, int, bool], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
@@ -214,7 +231,9 @@ class DecodeGraphs:
 
     def _run_static(self, Bp: int, Mp: int) -> torch.Tensor:
         with forward_context(self._meta(Bp, Mp), valid_T=self.valid_B[:Bp]):
-            return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
+            if self.hidden_in_BD is None:
+                return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
+            return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp], self.hidden_in_BD[:Bp])
 
     def load(self, flat: np.ndarray, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
         """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own), padding included,
@@ -232,6 +251,29 @@ class DecodeGraphs:
         tables[:B, :m], tables[:B, m:], tables[B:Bp] = src.block_tables_BM, -1, 0
         v["sample_rows"][:S], v["extra"][:num_extra] = src.sample_rows_S, src.extra
         self.bufs.load(Bp)
+        return self._inputs(sizes, Bp, Mp, num_extra)
+
+    def receive(self, sizes: Sizes, num_extra: int, fill: Callable[[torch.Tensor], None]) -> Tuple[StepInputs, torch.Tensor]:
+        """Another rank's `load` of the same step: fill(bytes) writes the bytes that rank loaded (its `payload`,
+        received over the mesh) into this rank's buffer -> as `load`."""
+        Bp, Mp = self._bucket_of(*self._bucket_args(sizes))
+        fill(self.bufs.buffer[:self.bufs.nbytes(Bp)])
+        return self._inputs(sizes, Bp, Mp, num_extra)
+
+    def payload(self, inputs: StepInputs) -> torch.Tensor:
+        """The bytes of the buffer a `load`ed step reads (uint8, on the device): what the other ranks receive."""
+        return self.bufs.buffer[:self.bufs.nbytes(inputs.decode_bucket[0])]
+
+    def hidden_input(self, inputs: StepInputs) -> torch.Tensor:
+        """Where a pipeline stage after the first receives the step's hidden states [B, D] (its graphs read them)."""
+        return self.hidden_in_BD[:inputs.sizes[1]]
+
+    @staticmethod
+    def _bucket_args(sizes: Sizes) -> Tuple[int, int, int]:
+        return sizes[1], sizes[3], sizes[5]
+
+    def _inputs(self, sizes: Sizes, Bp: int, Mp: int, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
+        B, S = sizes[1], sizes[2]
         d = self.bufs.dev
         inputs = StepInputs(self.input_ids_B[:B], functools.partial(self._step_meta, sizes), d["sample_rows"][:S],
                             sizes, decode_bucket=(Bp, Mp))
@@ -266,7 +308,7 @@ class DecodeGraphs:
             return run()[:B]
 
         def capture():
-            graph, out = capture_graph(run, self.valid_B, self.pool)
+            graph, out = capture_graph(run, self.valid_B, self.pool, mesh=self.mesh)
             return [graph], out
 
         what = f"a decode step at batch {Bp}, {Mp} blocks{' with the LM head' if logits else ''}"

@@ -77,7 +77,11 @@ class DecodeBuffers:
         writes every element its bucket reads."""
         return self._host[self._staging.next()]
 
+    def nbytes(self, padded_batch: int) -> int:
+        """Bytes a step padded to padded_batch rows reads: the segments and its rows of the block tables."""
+        return self.tables_at + padded_batch * self.max_blocks * 4
+
     def load(self, padded_batch: int) -> None:
         """One copy (stream-ordered) of the staged segments and the first padded_batch rows of the block tables."""
-        n = self.tables_at + padded_batch * self.max_blocks * 4
+        n = self.nbytes(padded_batch)
         self._staging.copy(self._staging.host[self._staging.turn][:n], self.buffer[:n])

@@ -80,13 +80,17 @@ class ExtendGraphs:
 
     def __init__(self, forward: ForwardFn, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
                  device: torch.device, capture: bool = True, pool=None, max_graphs: int = MAX_GRAPHS,
-                 last_rows: bool = False) -> None:
-        self.forward, self.block_size, self.max_blocks = forward, block_size, max_blocks
+                 last_rows: bool = False, hidden_in: Optional[Tuple[int, torch.dtype]] = None,
+                 mesh: bool = False) -> None:
+        """hidden_in (hidden size, dtype): a pipeline stage after the first (`hidden_input`); mesh: as DecodeGraphs'."""
+        self.forward, self.block_size, self.max_blocks, self.mesh = forward, block_size, max_blocks, mesh
         self.last_rows = last_rows  # the last layer runs each sequence's last row only (layers/last_rows.py)
         self.sizes = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = self.sizes[-1], next_pow2(max_seqs + 1)
         self.capture, self.max_graphs = capture, max_graphs
         self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device)
+        self.hidden_in_TD = (None if hidden_in is None else
+                             torch.zeros(self.max_tokens, hidden_in[0], dtype=hidden_in[1], device=device))
         self.views: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}  # (Tp, Bp) -> the graph's input views
         self._arange = np.arange(self.max_tokens, dtype=np.int64)  # the padding sequence's positions
         self.graphs: Dict[Tuple[int, int, int], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
@@ -140,6 +144,29 @@ class ExtendGraphs:
         return (StepInputs(d["ids"][:T], functools.partial(self._step_meta, d, sizes), sample_rows_S, sizes, key),
                 extra_X)
 
+    def receive(self, sizes: Sizes, num_extra: int, fill: Callable[[torch.Tensor], None]) -> Tuple[StepInputs, torch.Tensor]:
+        """Another rank's `load` of the same step: fill(bytes) writes the bytes it loaded into this rank's buffer."""
+        T, S = sizes[0], sizes[2]
+        key = Tp, Bp, _ = self.bucket(sizes)
+        lay = self.inputs.layout(Tp, Bp, S, num_extra)
+        fill(self.inputs.buffer[:lay.nbytes])
+        d = self._views(Tp, Bp)
+        return (StepInputs(d["ids"][:T], functools.partial(self._step_meta, d, sizes),
+                           lay.device_view(self.inputs.buffer, "sample_rows"), sizes, key),
+                lay.device_view(self.inputs.buffer, "extra"))
+
+    def payload(self, inputs: StepInputs, num_extra: int) -> torch.Tensor:
+        """The bytes of the buffer a `load`ed step reads (uint8, on the device): what the other ranks receive."""
+        Tp, Bp, _ = inputs.bucket
+        return self.inputs.buffer[:self.inputs.layout(Tp, Bp, inputs.sizes[2], num_extra).nbytes]
+
+    def hidden_input(self, inputs: StepInputs) -> torch.Tensor:
+        """Where a pipeline stage after the first receives the step's hidden states [T, D] (its graphs read them)."""
+        return self.hidden_in_TD[:inputs.sizes[0]]
+
+    def _hidden(self, Tp: int) -> Optional[torch.Tensor]:
+        return None if self.hidden_in_TD is None else self.hidden_in_TD[:Tp]
+
     def _step_meta(self, d: Dict[str, torch.Tensor], sizes: Sizes) -> AttentionMetadata:
         """The step's own (unpadded) attention metadata over the bucket's views: for an eager run."""
         T, B, _, m, max_query_len, max_seq_len = sizes
@@ -159,7 +186,9 @@ class ExtendGraphs:
     def _run_static(self, Tp: int, Bp: int, Qp: int) -> torch.Tensor:
         v = self._views(Tp, Bp)
         with forward_context(self._meta(Tp, Bp, Qp), valid_T=v["valid"], last_rows=self.last_rows):
-            return self.forward(v["ids"], v["positions"])
+            if self.hidden_in_TD is None:
+                return self.forward(v["ids"], v["positions"])
+            return self.forward(v["ids"], v["positions"], self._hidden(Tp))
 
     def _out_rows(self, key: Tuple[int, int, int], T: int, B: int) -> int:
         """Rows of the step's output: one a sequence where the forward ran its last layer on those (a bucket whose
@@ -178,7 +207,7 @@ class ExtendGraphs:
         and the rest as two graphs where the model can be split (`_pieces`), else one."""
         v, pieces = self._views(*key[:2]), self._pieces()
         if pieces is None:
-            graph, out = capture_graph(lambda: self._run_static(*key), v["valid"], self.pool)
+            graph, out = capture_graph(lambda: self._run_static(*key), v["valid"], self.pool, mesh=self.mesh)
             return [graph], out
         head, tail = pieces
         meta, valid_copy = self._meta(*key), v["valid"].clone()
@@ -186,16 +215,16 @@ class ExtendGraphs:
 
         def run_head():
             with forward_context(meta, valid_T=v["valid"], last_rows=self.last_rows):
-                return head(v["ids"], v["positions"], num_layers=HEAD_LAYERS)
+                return head(v["ids"], v["positions"], self._hidden(key[0]), num_layers=HEAD_LAYERS)
 
-        head_graph, (h_TD, delta_TD) = capture_graph(run_head, v["valid"], self.pool)
+        head_graph, (h_TD, delta_TD) = capture_graph(run_head, v["valid"], self.pool, mesh=self.mesh)
         head_graph.replay()  # the head's outputs now hold the step's values: the tail's warm-up run reads them
 
         def run_tail():
             with forward_context(meta, valid_T=v["valid"], last_rows=self.last_rows):
                 return tail(h_TD, delta_TD, v["positions"], first_layer=HEAD_LAYERS)
 
-        tail_graph, out = capture_graph(run_tail, v["valid"], self.pool)
+        tail_graph, out = capture_graph(run_tail, v["valid"], self.pool, mesh=self.mesh)
         v["valid"].copy_(valid_copy)
         return [head_graph, tail_graph], out
 

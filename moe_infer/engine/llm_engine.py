@@ -117,7 +117,10 @@ class LLMEngine:
         )
         self.limits = replace(self.scheduler.limits, vocab_size=self.vocab_size,
                               has_tokenizer=self.tokenizer is not None)
-        self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
+        if self.parallel.is_distributed:  # the driver's executor (moe_infer/parallel/pipeline.py)
+            self.executor = make_executor(self.parallel, self.runner, lookahead=why_sync is None)
+        else:
+            self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()

@@ -12,7 +12,8 @@ step n+1 before collecting step n; a sequence whose input is the token step n sa
 device from step n's sampled ids (`launch(plan, prev)`). Under a mesh the runner holds this rank's part of the
 model (`ModelShard`: its stage's layers, its heads and shards) and KV cache (its layers' KV heads,
 under the driver's block ids), and the step pipeline (`moe_infer.parallel.pipeline`) calls its
-pieces: `encode` (driver), `run_stage` (every rank), `sample_step` (the last stage).
+pieces: `paths` (load on the driver, receive elsewhere: moe_infer/engine/step_paths.py), `before_forward`,
+`forward_step` (the same CUDA graphs on every rank, their collectives inside) and `sample` (the sampling rank).
 
 Legend: T tokens of the step, B sequences of the step, S sequences that sample, M max blocks per
 sequence, V vocabulary, D hidden.
@@ -24,6 +25,7 @@ import os
 import time
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from moe_infer.config import EngineConfig
@@ -34,13 +36,14 @@ from moe_infer.engine.layer_graphs import LayerGraphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler, SamplerOutput
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import (
-    LaunchedStep, StepDecoder, StepEncoder, StepInputs, decode_inputs, flat_inputs, message_sizes, per_plan_entry,
+    LaunchedStep, Sizes, StepDecoder, StepEncoder, StepInputs, flat_inputs, message_layout, per_plan_entry,
     placeholder_rows, plan_requests,
 )
+from moe_infer.engine.step_paths import StepPaths, fill_placeholders
 from moe_infer.engine.warmup import warm_up_runner
 from moe_infer.layers.forward_context import forward_context
 from moe_infer.parallel.engine_hooks import expert_dispatcher, init_engine_parallel
-from moe_infer.parallel.step_message import FLAG_RESET_STATS, H_FLAGS, StepMessage
+from moe_infer.parallel.step_message import FLAG_RESET_STATS
 from moe_infer.routing.stats import ExpertLoadStats
 from moe_infer.routing.trace_recorder import RoutingTraceRecorder
 
@@ -99,6 +102,7 @@ class ModelRunner:
             logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
             self.offload.expert_graphs = None
         self.extend_graphs = self._extend_graphs()
+        self.paths = StepPaths(self, device, self.block_size)
         self.rebalancer = None
         if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
             if self.parallel.dims.ep == 1:
@@ -120,18 +124,23 @@ class ModelRunner:
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
         """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
-        why_not = graph_blocker(self.cfg, self.device, self.backends)
+        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed)
         if why_not:
             logger.info("decode steps run eagerly: %s", why_not)
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
-                              max_blocks, self.block_size, self.device, lm_head=self._graph_lm_head())
+                              max_blocks, self.block_size, self.device, lm_head=self._graph_lm_head(),
+                              hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed)
         start = time.perf_counter()
         with torch.inference_mode():  # as the steps run (execute)
             graphs.warmup()
         logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
         return graphs
+
+    def _hidden_in(self):
+        """(hidden size, dtype) of the previous stage's hidden states a stage after the first reads; None on the first."""
+        return None if self.model.shard.is_first_stage else (self.arch.hidden_size, self.dtype)
 
     def _graph_lm_head(self):
         """The LM head the decode graphs replay too (one that writes into their logits buffer), else None (and
@@ -143,7 +152,8 @@ class ModelRunner:
         """Where decode steps cannot be one graph for their MoE layers' sake (an offloading store, a
         capacity policy, an experts backend that syncs): graphs of each layer's attention part
         (moe_infer/engine/layer_graphs.py)."""
-        if self.graphs is not None or graph_blocker(self.cfg, self.device, self.backends, whole_step=False):
+        if self.graphs is not None or graph_blocker(self.cfg, self.device, self.backends, whole_step=False,
+                                                    mesh=self.parallel.is_distributed):
             return None
         logger.info("decode steps replay each layer's attention part as a CUDA graph, the MLPs eagerly")
         return LayerGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
@@ -157,7 +167,7 @@ class ModelRunner:
             return self._extend_tokens
         max_tokens = min(self.cfg.model.cuda_graph_max_tokens, self.cfg.scheduler.max_num_batched_tokens)
         attn = self.model.layers[self.model.local_layers[0]].self_attn.backend
-        why_not = graph_blocker(self.cfg, self.device, self.backends)
+        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed)
         if why_not is None and max_tokens == 0:
             why_not = "model.cuda_graph_max_tokens=0"
         if why_not is None and not getattr(ATTENTION_BACKENDS.get(attn), "static_launch", False):
@@ -174,7 +184,8 @@ class ModelRunner:
             return None
         return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
-                            pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows)
+                            pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows,
+                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
@@ -215,29 +226,21 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step (one rank)
     def prepare(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> StepInputs:
         """input_ids_T, the attention metadata and the row of each sampling sequence's last token: one
-        host buffer, copied to the device once and sliced there (a step for a prefill graph: laid out as its
-        graph reads it, `ExtendGraphs.load`). Rows whose input is the token the step in flight (prev)
-        samples take it from prev's sampled ids, on the device."""
-        rows, src = placeholder_rows(plan, prev)
-        flat, sizes = flat_inputs(plan, self.block_size, rows + src)
-        num_extra = 2 * len(rows)
-        if self._takes_extend_graph(sizes):
-            inputs, extra_X = self.extend_graphs.load(flat, sizes, num_extra)
-        elif self.graphs is not None and self.graphs.can_run(sizes):
-            inputs, extra_X = self.graphs.load(flat, sizes, num_extra)
-        else:
-            flat_dev = torch.from_numpy(flat).to(self.device, non_blocking=True)
-            inputs = decode_inputs(flat_dev[:len(flat) - num_extra], sizes, self.block_size)
-            extra_X = flat_dev[len(flat) - num_extra:]
-        if rows:
-            rows_R, src_R = extra_X.split(len(rows))
-            inputs.input_ids_T.index_copy_(0, rows_R, prev.sampled.token_ids_B.index_select(0, src_R))
+        host buffer, copied to the device once and sliced there (a step for a graph: laid out as its graphs read
+        it, moe_infer/engine/step_paths.py). Rows whose input is the token the step in flight (prev) samples take
+        it from prev's sampled ids, on the device."""
+        flat, sizes, num_extra = self.lay_out(plan, prev)
+        inputs, extra_X, _ = self.paths.load(self.paths.choose(sizes), flat, sizes, num_extra)
+        if num_extra:
+            fill_placeholders(inputs, extra_X, prev.sampled.token_ids_B)
         return inputs
 
-    def _takes_extend_graph(self, sizes) -> bool:
-        """A step for the prefill / mixed-step graphs: not a decode-graph step, and fits their buffers."""
-        return (self.extend_graphs is not None and not (self.graphs is not None and self.graphs.can_run(sizes))
-                and self.extend_graphs.can_run(sizes))
+    def lay_out(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> Tuple[np.ndarray, Sizes, int]:
+        """(`flat_inputs`' host buffer, its sizes, the number of extra entries at its end): the step's integer inputs
+        and, for rows whose input prev samples, their rows and that token's index in prev's sample."""
+        rows, src = placeholder_rows(plan, prev)
+        flat, sizes = flat_inputs(plan, self.block_size, rows + src)
+        return flat, sizes, 2 * len(rows)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> Tuple[List[Optional[int]], List[Optional[tuple]]]:
@@ -259,7 +262,16 @@ class ModelRunner:
         if plan.is_empty:
             return None
         inputs = self.prepare(plan, prev)
-        self._before_forward(inputs)
+        self.before_forward(inputs)
+        hidden_TD, logits_TV = self.forward_step(inputs)
+        return LaunchedStep(plan, self.sample(inputs, hidden_TD, plan_requests(plan), logits_TV))
+
+    @torch.inference_mode()
+    def forward_step(self, inputs: StepInputs, hidden_in: Optional[torch.Tensor] = None
+                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(hidden_TD, logits_TV) of a prepared step, one of them None: its graphs replayed where it was laid out
+        for them, else the eager forward. hidden_in: the previous pipeline stage's output (stages after the first;
+        on a graph path it lies in the graphs' buffer already, `StepPaths.hidden_input`)."""
         hidden_TD = logits_TV = None
         if inputs.bucket is not None:
             hidden_TD = self.extend_graphs.replay(inputs)  # None: run eagerly
@@ -270,21 +282,25 @@ class ModelRunner:
             hidden_TD = self.layer_graphs.run(inputs.input_ids_T, inputs.meta)
         if hidden_TD is None and logits_TV is None:
             with forward_context(inputs.meta, last_rows=self.last_rows):
-                hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T)
-        return LaunchedStep(plan, self._sample(inputs, hidden_TD, plan_requests(plan), logits_TV))
+                hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T, hidden_in)
+        return hidden_TD, logits_TV
 
-    def _before_forward(self, inputs: StepInputs) -> None:
-        """Between steps, on every rank in the same order: online re-balancing moves expert weights; the
-        routing recorder opens the step's rows (it blocks graph replay, so the forward is eager)."""
+    def before_forward(self, inputs: StepInputs, flags: int = 0) -> None:
+        """Between steps, on every rank in the same order: the expert-load statistics reset when the driver's
+        message says so (flags); online re-balancing moves expert weights; the routing recorder opens the step's
+        rows (it blocks graph replay, so the forward is eager)."""
+        if flags & FLAG_RESET_STATS and self.stats is not None:
+            self.stats.reset()
         if self.rebalancer is not None:
             self.rebalancer.step()
         if self.trace is not None:
             self.trace.begin_step(inputs.meta.positions_T, inputs.input_ids_T.shape[0])
 
-    def _sample(self, inputs: StepInputs, hidden_TD: Optional[torch.Tensor], reqs: Optional[List[SampleRequest]],
-                logits_TV: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
+    @torch.inference_mode()
+    def sample(self, inputs: StepInputs, hidden_TD: Optional[torch.Tensor], reqs: Optional[List[SampleRequest]],
+               logits_TV: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
         """Logits of the sampling rows (a collective over tp; logits_TV: every row's, from a decode graph),
-        sampled (launched) where reqs are given."""
+        sampled (launched) where reqs are given (the sampling rank's part of a mesh step)."""
         T, B, S = inputs.sizes[:3]
         if S == 0:
             return None
@@ -310,32 +326,17 @@ class ModelRunner:
         return torch.searchsorted(ends_B, inputs.sample_rows_S.to(ends_B.dtype), right=True)
 
     # ------------------------------------------------------------------ the step under a mesh
-    def encode(self, plan: SchedulerOutput) -> StepMessage:
-        """Driver: the plan as the message every rank runs (flat already on the device)."""
-        msg = self.encoder.encode(plan)
-        msg.flat = msg.flat.to(self.device, non_blocking=True)
-        return msg
+    def hidden_input(self, path: int, inputs: StepInputs) -> torch.Tensor:
+        """Where a pipeline stage after the first receives the step's hidden states [T, D]."""
+        return self.paths.hidden_input(path, inputs, self.arch.hidden_size, self.dtype)
 
-    @torch.inference_mode()
-    def run_stage(self, msg: StepMessage, hidden_TD: Optional[torch.Tensor]) -> Tuple[torch.Tensor, StepInputs]:
-        """This rank's layers on the step (hidden_TD: the previous stage's output; None on the first)."""
-        if msg.field(H_FLAGS) & FLAG_RESET_STATS and self.stats is not None:
-            self.stats.reset()
-        inputs = decode_inputs(msg.flat, message_sizes(msg), self.block_size)
-        self._before_forward(inputs)
-        with forward_context(inputs.meta, last_rows=self.last_rows):  # the last stage's: every rank of it alike
-            return self.model(inputs.input_ids_T, inputs.meta.positions_T, hidden_TD), inputs
-
-    @torch.inference_mode()
-    def sample_step(self, inputs: StepInputs, hidden_TD: torch.Tensor,
-                    reqs: Optional[List[SampleRequest]]) -> Optional[SamplerOutput]:
-        """Last stage: logits on every rank of the stage, sampled on the rank given reqs (the sampler)."""
-        sampled = self._sample(inputs, hidden_TD, reqs)
-        return None if sampled is None else sampled.result()
-
-    # the plan <-> sampled rows mapping, for the step pipeline (which knows no plan format)
+    # the plan <-> sampled rows mapping and the step message's layout, for the step pipeline (which knows no plan or
+    # input format)
     plan_requests = staticmethod(plan_requests)
     per_plan_entry = staticmethod(per_plan_entry)
+    fill_placeholders = staticmethod(fill_placeholders)
+    launched = staticmethod(LaunchedStep)
+    message_layout = staticmethod(message_layout)
 
     def reset_stats(self) -> None:
         """Zero the expert-load statistics here; under a mesh the next step tells the other ranks."""

@@ -25,8 +25,9 @@ from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.layers.forward_context import AttentionMetadata
 from moe_infer.parallel.step_message import (
-    FLAG_RESET_STATS, H_FLAGS, H_KIND, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, H_NUM_FLAT, H_NUM_HOST,
-    H_NUM_SAMPLE, H_NUM_SEQS, H_NUM_SIDE, H_NUM_TOKENS, HEADER_LEN, KIND_STEP, StepMessage,
+    FLAG_RESET_STATS, FLAG_SEND_TOKENS, H_FLAGS, H_KIND, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, H_NUM_EXTRA,
+    H_NUM_HOST, H_NUM_SAMPLE, H_NUM_SEQS, H_NUM_SIDE, H_NUM_TOKENS, H_PATH, H_PAYLOAD_BYTES, HEADER_LEN, KIND_STEP,
+    StepMessage,
 )
 
 
@@ -192,6 +193,11 @@ def message_sizes(msg: StepMessage) -> Sizes:
     return (h[H_NUM_TOKENS], h[H_NUM_SEQS], h[H_NUM_SAMPLE], h[H_MAX_BLOCKS], h[H_MAX_QUERY_LEN], h[H_MAX_SEQ_LEN])
 
 
+def message_layout(msg: StepMessage) -> Tuple[Sizes, int, int, int]:
+    """(sizes, path, extra entries, payload bytes) of a received step message."""
+    return message_sizes(msg), msg.field(H_PATH), msg.field(H_NUM_EXTRA), msg.field(H_PAYLOAD_BYTES)
+
+
 def plan_requests(plan: SchedulerOutput) -> List[SampleRequest]:
     """The SampleRequests of a plan's sampling sequences (on the driver, which holds the plan)."""
     return [SampleRequest(s.seq_id, s.params, s.num_prompt_tokens, s.start_pos + len(s.token_ids) - s.num_prompt_tokens,
@@ -211,8 +217,9 @@ def per_plan_entry(plan: SchedulerOutput, tokens_S: List[int], logprobs_S: List[
 
 
 class StepEncoder:
-    """Driver side: SchedulerOutput -> StepMessage. Remembers which sequences' params the ranks hold and
-    the finished ids not sent yet (steps with an empty plan send nothing)."""
+    """Driver side: SchedulerOutput -> StepMessage (header, and the sampler's host part when the sampler is another
+    rank). Remembers which sequences' params that rank holds and the finished ids not sent yet (steps with an empty
+    plan send nothing)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -223,9 +230,30 @@ class StepEncoder:
     def note_finished(self, seq_ids: List[int]) -> None:
         self.finished += seq_ids
 
-    def encode(self, plan: SchedulerOutput) -> StepMessage:
+    def encode(self, plan: SchedulerOutput, sizes: Sizes, path: int, num_extra: int, payload: torch.Tensor,
+               send_tokens: bool = False, for_sampler: bool = True) -> StepMessage:
+        """The message of a step laid out with `flat_inputs` (sizes; num_extra entries of the caller's own at its
+        end) on `path` into `payload` (the device bytes the other ranks receive). send_tokens: the driver broadcasts
+        the step's sampled ids after sampling; for_sampler: the sampler is another rank (the host part is built)."""
+        header = [0] * HEADER_LEN
+        header[H_KIND] = KIND_STEP
+        for index, value in zip((H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN),
+                                sizes):
+            header[index] = value
+        header[H_PAYLOAD_BYTES], header[H_PATH], header[H_NUM_EXTRA] = payload.numel(), path, num_extra
+        header[H_FLAGS] = (FLAG_RESET_STATS if self.reset_stats else 0) | (FLAG_SEND_TOKENS if send_tokens else 0)
+        self.reset_stats = False
+        host, side = self._sampler_part(plan) if for_sampler else ([], b"")
+        header[H_NUM_HOST], header[H_NUM_SIDE] = len(host), len(side)
+        return StepMessage(
+            torch.tensor(header, dtype=torch.int64), torch.tensor(host, dtype=torch.int64),
+            torch.frombuffer(bytearray(side), dtype=torch.uint8) if side else torch.empty(0, dtype=torch.uint8),
+            payload,
+        )
+
+    def _sampler_part(self, plan: SchedulerOutput) -> Tuple[List[int], bytes]:
+        """(host ints, pickled new SamplingParams) for a sampler on another rank."""
         self.note_finished(plan.finished_seq_ids)
-        flat, sizes = flat_inputs(plan, self.block_size)
         host = [len(self.finished)] + self.finished
         self.known.difference_update(self.finished)
         self.finished = []
@@ -241,20 +269,7 @@ class StepEncoder:
                 new_params[s.seq_id] = s.params
                 self.known.add(s.seq_id)
         host += histories
-        side = pickle.dumps(new_params) if new_params else b""
-        header = [0] * HEADER_LEN
-        header[H_KIND] = KIND_STEP
-        for index, value in zip((H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN),
-                                sizes):
-            header[index] = value
-        header[H_NUM_HOST], header[H_NUM_SIDE], header[H_NUM_FLAT] = len(host), len(side), len(flat)
-        header[H_FLAGS] = FLAG_RESET_STATS if self.reset_stats else 0
-        self.reset_stats = False
-        return StepMessage(
-            torch.tensor(header, dtype=torch.int64), torch.tensor(host, dtype=torch.int64),
-            torch.frombuffer(bytearray(side), dtype=torch.uint8) if side else torch.empty(0, dtype=torch.uint8),
-            torch.from_numpy(flat),
-        )
+        return host, pickle.dumps(new_params) if new_params else b""
 
 
 class StepDecoder:

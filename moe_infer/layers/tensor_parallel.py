@@ -138,7 +138,9 @@ class ParallelLMHead(nn.Module):
         return self.shard.all_gather_last(logits_TVl)[:, :self.vocab_size]
 
     def forward_into(self, h_TD: torch.Tensor, out_TV: torch.Tensor) -> torch.Tensor:
-        """forward(h_TD) written into out_TV (a static buffer: the decode graphs' logits) and returned; one rank."""
-        if self.shard.size != 1:
-            raise ValueError("forward_into needs the whole vocabulary on one rank (tensor parallel size 1)")
-        return torch.matmul(h_TD, self.weight.t(), out=out_TV)
+        """forward(h_TD) written into out_TV (a static buffer: the decode graphs' logits) and returned. Over several
+        ranks: each rank's slice, one all-gather, then one copy of the ranks' slices side by side into out_TV."""
+        if self.shard.size == 1:
+            return torch.matmul(h_TD, self.weight.t(), out=out_TV)
+        gathered_TV = self.shard.all_gather_last(F.linear(h_TD, self.weight))
+        return out_TV.copy_(gathered_TV[:, :self.vocab_size])

@@ -1,19 +1,26 @@
-"""Moving steps between the ranks: the plan (`StepMessage`), hidden states and sampled tokens.
+"""Moving steps between the ranks: the plan's header (host), its inputs and hidden states (device), sampled tokens.
 
-    broadcast(msg)        stage 0: the driver's plan to every rank of the first stage
-    send / recv           a plan from rank (s, i) to rank (s + 1, i): every rank of a stage receives
-                          from the same in-stage index of the previous stage, so no stage broadcasts
-    send_hidden / recv_hidden   the stage's output hidden states [T, D], same pairs
-    send_result / recv_result   the last stage's sampled tokens to the driver (float64, CPU)
+    broadcast_header(msg)     stage 0: the driver's header to every rank of the first stage (the step's one host
+                              message there)
+    send_header / recv_header a header from rank (s, i) to rank (s + 1, i): every rank of a stage receives from the
+                              same in-stage index of the previous stage, so no later stage broadcasts
+    broadcast_payload(buf)    stage 0: the driver's step inputs into the same range of every rank's buffer
+    send_payload / recv_payload, send_hidden / recv_hidden   the inputs and the stage's output hidden states [T, D]
+                              to the next stage, into the receiver's buffers
+    broadcast_tokens          stage 0 (pp = 1, async scheduling): the sampled ids of a step, from the driver, for the
+                              next step's inputs (they never visit a host)
+    send_result / recv        the last stage's sampled tokens to the driver (float64, CPU: the driver's scheduler
+                              reads them on the host anyway)
 
-Header, host and side parts go over the CPU (gloo) control groups, which wait as long as a rank
-idles between requests; flat and hidden over the device groups (NCCL on GPU), which time out after
-`parallel.timeout_s`. The host ints ride in the header's message when they fit (HOST_INLINE: 256
-decoding sequences), so a step is usually two messages: header + host, then flat. Sends are asynchronous (`isend`): the sender goes on with its next batch, and
-keeps the buffers until `retire` sees them through. A failed transfer raises the mesh's `MeshError`
-naming the peer.
+Headers (and the host ints, inline when they fit: HOST_INLINE, 256 decoding sequences of a sampler on another rank)
+and the pickled params of new requests go over the CPU (gloo) control groups, which wait as long as a rank idles
+between requests; everything else over the device groups (NCCL on GPU), stream-ordered, which time out after
+`parallel.timeout_s`. So a step costs one host message per rank: its header (the driver: the sampled tokens of
+the last stage, with pipeline stages). Sends are asynchronous (`isend`) from a copy of the data: the sender goes on
+with its next step (whose graphs overwrite their buffers), and keeps the copies until `retire` sees them through.
+A failed transfer raises the mesh's `MeshError` naming the peer.
 
-Legend: T tokens of the step, D hidden.
+Legend: T tokens of the step, D hidden, S sampled tokens, U payload bytes.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Deque, List, Optional
 import torch
 import torch.distributed as dist
 
-from moe_infer.parallel.step_message import H_NUM_FLAT, H_NUM_HOST, H_NUM_SIDE, HEADER_LEN, StepMessage
+from moe_infer.parallel.step_message import H_NUM_HOST, H_NUM_SIDE, HEADER_LEN, StepMessage
 
 _EMPTY_SIDE = torch.empty(0, dtype=torch.uint8)
 HOST_INLINE = 1040  # host ints sent inside the header's fixed-size message (8.4 KB)
@@ -59,11 +66,10 @@ class StepChannel:
             ranks = sorted({self.ctx.rank, peer})
         return self.ctx.failure(what, err, ranks)
 
-    # ---- the first stage: the driver's plan to its peers ---------------------------------------
-    def broadcast(self, msg: Optional[StepMessage]) -> StepMessage:
-        """The driver passes its message (flat on the device); the other ranks of stage 0 pass None."""
-        ctx = self.ctx
-        ctrl, data = ctx.stage_control_group, ctx.stage_group
+    # ---- the first stage: the driver's step to its peers -------------------------------------
+    def broadcast_header(self, msg: Optional[StepMessage]) -> StepMessage:
+        """The driver passes its message; the other ranks of stage 0 pass None and get the header (+ host, side)."""
+        ctrl = self.ctx.stage_control_group
         try:
             head = _head(msg) if msg is not None else torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
             dist.broadcast(head, src=0, group=ctrl)
@@ -74,25 +80,37 @@ class StepChannel:
             side = msg.side if msg is not None else torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
             if h[H_NUM_SIDE]:
                 dist.broadcast(side, src=0, group=ctrl)
-            flat = msg.flat if msg is not None else torch.empty(h[H_NUM_FLAT], dtype=torch.int64, device=self.device)
-            if h[H_NUM_FLAT]:
-                dist.broadcast(flat, src=0, group=data)
         except RuntimeError as err:
-            raise self._fail("the step broadcast of the first stage", err,
-                             None if msg is not None else 0) from err
-        return StepMessage(header, host, side, flat)
+            raise self._fail("the step broadcast of the first stage", err, None if msg is not None else 0) from err
+        return StepMessage(header, host, side, msg.payload if msg is not None else None)
+
+    def broadcast_payload(self, buf_U: torch.Tensor) -> None:
+        """The driver's step inputs (its payload) into buf_U on every rank of stage 0 (the driver passes its own)."""
+        self._broadcast(buf_U, "the step's inputs")
+
+    def broadcast_tokens(self, tokens_S: Optional[torch.Tensor], num: int) -> torch.Tensor:
+        """The driver's sampled ids of a step (int64 [S]) on every rank of stage 0; the others pass None and num."""
+        if tokens_S is None:
+            tokens_S = torch.empty(num, dtype=torch.int64, device=self.device)
+        self._broadcast(tokens_S, "the sampled tokens")
+        return tokens_S
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        try:
+            dist.broadcast(tensor, src=0, group=self.ctx.stage_group)
+        except RuntimeError as err:
+            raise self._fail(f"broadcasting {what} over the first stage", err) from err
 
     # ---- stage s -> stage s + 1 ----------------------------------------------------------------
-    def send(self, msg: StepMessage, dst: int) -> None:
+    def send_header(self, msg: StepMessage, dst: int) -> None:
         h = msg.header.tolist()
         parts = [(_head(msg), self.ctx.control_group)]
         parts += [(msg.host, self.ctx.control_group)] if h[H_NUM_HOST] > HOST_INLINE else []
         parts += [(msg.side, self.ctx.control_group)] if h[H_NUM_SIDE] else []
-        parts += [(msg.flat, self.ctx.world_group)] if h[H_NUM_FLAT] else []
         self._isend(parts, dst, "the step plan")
 
-    def recv(self, src: int) -> StepMessage:
-        ctrl, data = self.ctx.control_group, self.ctx.world_group
+    def recv_header(self, src: int) -> StepMessage:
+        ctrl = self.ctx.control_group
         try:
             head = torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
             dist.recv(head, src, group=ctrl)
@@ -104,24 +122,29 @@ class StepChannel:
             if h[H_NUM_SIDE]:
                 side = torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
                 dist.recv(side, src, group=ctrl)
-            flat = torch.empty(h[H_NUM_FLAT], dtype=torch.int64, device=self.device)
-            if h[H_NUM_FLAT]:
-                dist.recv(flat, src, group=data)
         except RuntimeError as err:
             raise self._fail(f"receiving the step plan from rank {src}", err, src) from err
-        return StepMessage(header, host, side, flat)
+        return StepMessage(header, host, side)
+
+    def send_payload(self, buf_U: torch.Tensor, dst: int) -> None:
+        self._isend([(buf_U.clone(), self.ctx.world_group)], dst, "the step's inputs")
+
+    def recv_payload(self, buf_U: torch.Tensor, src: int) -> None:
+        self._recv(buf_U, src, f"receiving the step's inputs from rank {src}")
 
     def send_hidden(self, hidden_TD: torch.Tensor, dst: int) -> None:
-        self._isend([(hidden_TD.contiguous(), self.ctx.world_group)], dst, "hidden states")
+        self._isend([(hidden_TD.clone(memory_format=torch.contiguous_format), self.ctx.world_group)], dst,
+                    "hidden states")
 
-    def recv_hidden(self, src: int, num_tokens: int) -> torch.Tensor:
-        hidden_TD = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+    def recv_hidden(self, hidden_TD: torch.Tensor, src: int) -> None:
+        self._recv(hidden_TD, src, f"receiving hidden states from rank {src} (pipeline stage "
+                                   f"{self.ctx.dims.coords(src)[0]})")
+
+    def _recv(self, tensor: torch.Tensor, src: int, what: str) -> None:
         try:
-            dist.recv(hidden_TD, src, group=self.ctx.world_group)
+            dist.recv(tensor, src, group=self.ctx.world_group)
         except RuntimeError as err:
-            raise self._fail(f"receiving hidden states from rank {src} (pipeline stage "
-                             f"{self.ctx.dims.coords(src)[0]})", err, src) from err
-        return hidden_TD
+            raise self._fail(what, err, src) from err
 
     # ---- the last stage -> the driver ----------------------------------------------------------
     def send_result(self, result: torch.Tensor) -> None:

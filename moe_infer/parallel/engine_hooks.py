@@ -9,7 +9,7 @@ Rank 0 alone prints (see `moe_infer.launch`).
 
     init_engine_parallel(cfg, path)      LLMEngine.__init__, before anything touches the device
     expert_dispatcher(ctx, cfg, path)    ModelRunner, before load_model: MoEBackends.dispatcher
-    make_executor(ctx, runner)           LLMEngine: the `run` of schedule -> run -> postprocess
+    make_executor(ctx, runner, lookahead)  LLMEngine: the `run` of schedule -> run -> postprocess
     serve(ctx, runner)                   LLM.generate on ranks other than the driver
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any, Optional
 from moe_infer.config import EngineConfig
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel.context import ParallelContext
-from moe_infer.parallel.pipeline import LocalExecutor, MeshExecutor, serve
+from moe_infer.parallel.follower import serve
+from moe_infer.parallel.pipeline import LocalExecutor, MeshExecutor
 from moe_infer.parallel.startup import init
 
 __all__ = ["checkpoint_fingerprint", "expert_dispatcher", "init_engine_parallel", "make_executor", "serve"]
@@ -64,5 +65,7 @@ def expert_dispatcher(ctx: ParallelContext, cfg: EngineConfig, model_path: str) 
                                resident=cfg.offload.store == "resident")
 
 
-def make_executor(ctx: ParallelContext, runner: Any) -> LocalExecutor:
-    return MeshExecutor(ctx, runner) if ctx.is_distributed else LocalExecutor(runner)
+def make_executor(ctx: ParallelContext, runner: Any, lookahead: bool = False) -> LocalExecutor:
+    """The driver's executor under a mesh (lookahead: async scheduling), else the one-rank synchronous one (the
+    one-rank async executor is the engine's own: moe_infer/engine/async_scheduling.py)."""
+    return MeshExecutor(ctx, runner, lookahead) if ctx.is_distributed else LocalExecutor(runner)

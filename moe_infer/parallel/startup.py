@@ -64,20 +64,30 @@ def init(cfg: ParallelConfig, device: str = "auto", config_to_check: Any = None)
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     needed = needed_processes(cfg)
-    if world_size == 1 and needed == 1:
+    if world_size == 1 and needed == 1 and not cfg.force_mesh:
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            ("cpu" if device == "auto" else device))
         return ParallelContext(cfg=cfg, dims=ParallelDims(1), rank=0, device=dev)
+    if "RANK" not in os.environ and needed == 1:  # parallel.force_mesh in a plain process: a world of one rank
+        return _start(cfg, device, 0, 1, 0, dist.HashStore(), config_to_check)
     if "RANK" not in os.environ:
         raise RuntimeError(
             f"parallel.tp={cfg.tp}, parallel.pp={cfg.pp}, parallel.ep={cfg.ep} run as {needed} processes: start "
             f"them with torchrun, e.g. `torchrun --nproc-per-node {needed} -m moe_infer.launch parallel.tp={cfg.tp} "
             f"parallel.pp={cfg.pp} parallel.ep={cfg.ep} ...` (several machines: docs/scaling.md)")
+    return _start(cfg, device, int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), None,
+                  config_to_check)
+
+
+def _start(cfg: ParallelConfig, device: str, rank: int, world_size: int, local_rank: int, store: Any,
+           config_to_check: Any) -> ParallelContext:
+    """The process groups and meshes of this rank (store None: torchrun's environment rendezvous)."""
     dims = ParallelDims(world_size, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep)  # raises naming the sizes on a mismatch
-    rank = int(os.environ["RANK"])
-    dev = _device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    dev = _device(device, local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        kwargs = {} if store is None else dict(store=store, rank=rank, world_size=world_size)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
+                                **kwargs)
         atexit.register(_teardown)
     mesh, moe_mesh, stage_mesh = dims.build_meshes(dev.type)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)

@@ -1,31 +1,38 @@
-"""A step's plan as tensors: what the driver sends every other rank each step (no pickle per step).
+"""A step's plan as it travels between the ranks: a fixed-size header on the host, the inputs on the device.
 
-    header  int64 [HEADER_LEN], host   the sizes below (fixed length: received first)
-    host    int64 [num_host], host     what the sampler needs on the host: finished sequence ids and,
-                                       per sampling sequence, its id, prompt / output lengths and the
-                                       token history when it has penalties
-    side    uint8 [num_side], host     a pickle of the SamplingParams of sequences the ranks have not
-                                       seen yet: only in steps that start sampling a new request
-    flat    int64 [num_flat], device   the step's tensors, one buffer: token ids, positions, KV slots,
-                                       query starts, sequence lengths, sample rows, block tables
+    header   int64 [HEADER_LEN], host   the step's sizes, its path (which buffers and graphs it runs), flags
+    host     int64 [num_host], host     what a sampler on another rank needs on the host: finished sequence ids
+                                        and, per sampling sequence, its id, prompt / output lengths and the token
+                                        history when it has penalties (empty when the driver samples: pp = 1)
+    side     uint8 [num_side], host     a pickle of the SamplingParams of sequences that sampler has not seen
+                                        yet: only in steps that start sampling a new request (and pp > 1)
+    payload  uint8 [num_bytes], device  the step's inputs exactly as the driver laid them out in the device
+                                        buffer of the step's path (token ids, positions, KV slots, query starts,
+                                        sequence lengths, sample rows, block tables, padding included: see
+                                        moe_infer/engine/step_paths.py); received into the same buffer, so the
+                                        receiving rank's graphs read it where the driver's do
 
-The runner builds and reads them (`moe_infer.engine.step_inputs`); the mesh only moves them
-(`channel.py`): header, host and side over the CPU (gloo) control group, flat over the device
-group, so the host needs no device sync to learn the sizes. An END header (kind KIND_END) closes a
-`generate` on every rank.
+The header (with the host ints when they fit) is the one host message of a step; the payload goes over the
+device group (NCCL on GPU), into the receiver's static buffer, with no host sync. The runner builds and reads
+them (`moe_infer.engine.step_inputs`, `step_paths`); the mesh only moves them (`channel.py`). An END header
+(kind KIND_END) closes a `generate` on every rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 KIND_STEP, KIND_END = 1, 2
 # header fields, in order
-H_KIND, H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, \
-    H_NUM_HOST, H_NUM_SIDE, H_NUM_FLAT, H_FLAGS = range(11)
-HEADER_LEN = 11
+(H_KIND, H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, H_NUM_HOST,
+ H_NUM_SIDE, H_PAYLOAD_BYTES, H_FLAGS, H_PATH, H_NUM_EXTRA) = range(13)
+HEADER_LEN = 13
 FLAG_RESET_STATS = 1  # reset the expert-load statistics before this step
+FLAG_SEND_TOKENS = 2  # async scheduling: the driver broadcasts this step's sampled ids over the stage after sampling
+# the step's path: where its inputs lie and what runs it (moe_infer/engine/step_paths.py)
+PATH_EAGER, PATH_DECODE_GRAPH, PATH_EXTEND_GRAPH = 0, 1, 2
 
 
 @dataclass
@@ -33,7 +40,7 @@ class StepMessage:
     header: torch.Tensor  # int64 [HEADER_LEN], CPU
     host: torch.Tensor  # int64 [num_host], CPU
     side: torch.Tensor  # uint8 [num_side], CPU
-    flat: torch.Tensor  # int64 [num_flat], on the compute device once received
+    payload: Optional[torch.Tensor] = None  # uint8 [num_bytes] on the compute device (the sender's; None on receipt)
 
     def field(self, index: int) -> int:
         return int(self.header[index])
@@ -46,9 +53,49 @@ class StepMessage:
     def num_tokens(self) -> int:
         return self.field(H_NUM_TOKENS)
 
+    @property
+    def flags(self) -> int:
+        return self.field(H_FLAGS)
+
 
 def end_message() -> StepMessage:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[H_KIND] = KIND_END
-    empty = torch.empty(0, dtype=torch.int64)
-    return StepMessage(header, empty, torch.empty(0, dtype=torch.uint8), empty)
+    return StepMessage(header, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.uint8))
+
+
+# ---- sampled tokens as one float64 tensor (ids are exact in float64) -------------------------------
+def result_size(counts: List[Optional[int]]) -> int:
+    """counts: logprobs requested per sampling sequence (None: none)."""
+    return sum(1 if n is None else 3 + 2 * n for n in counts)
+
+
+def pack_result(tokens: List[int], logprobs: List[Optional[tuple]], counts: List[Optional[int]]) -> torch.Tensor:
+    values: List[float] = []
+    for token, lp, n in zip(tokens, logprobs, counts):
+        values.append(token)
+        if n is not None:
+            chosen, rank, top_ids, top_vals = lp
+            values += [chosen, rank, *top_ids, *top_vals]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def unpack_result(buf: torch.Tensor, counts: List[Optional[int]]) -> Tuple[List[int], List[Optional[tuple]]]:
+    values, at = buf.tolist(), 0
+    tokens: List[int] = []
+    logprobs: List[Optional[tuple]] = []
+    for n in counts:
+        tokens.append(int(values[at]))
+        if n is None:
+            logprobs.append(None)
+            at += 1
+            continue
+        chosen, rank = values[at + 1], int(values[at + 2])
+        top_ids = [int(v) for v in values[at + 3:at + 3 + n]]
+        logprobs.append((chosen, rank, top_ids, values[at + 3 + n:at + 3 + 2 * n]))
+        at += 3 + 2 * n
+    return tokens, logprobs
+
+
+def counts_of(reqs) -> List[Optional[int]]:
+    return [r.params.logprobs for r in reqs]

@@ -88,7 +88,7 @@ def _driver_engine(engine_cfg: EngineConfig, serve_cfg: ServeConfig, path: str, 
 
 def _serve_steps(engine_cfg: EngineConfig, path: str) -> None:
     from moe_infer.engine.llm_engine import LLMEngine
-    from moe_infer.parallel.pipeline import serve as run_driver_steps
+    from moe_infer.parallel.follower import serve as run_driver_steps
 
     engine = LLMEngine(engine_cfg, path)
     try:

@@ -53,9 +53,9 @@ def main(checkpoint: str, mode: str, layout: str = "tp") -> int:
               timeout_s=4, **sizes)
     if rank == 1:
         runner, calls = llm.engine.runner, []
-        run_stage = runner.run_stage
+        forward_step = runner.forward_step
 
-        def failing_run_stage(*args):
+        def failing_forward_step(*args):
             calls.append(1)
             if len(calls) == 3:
                 print(f"rank 1: {mode} at its third step", flush=True)
@@ -64,9 +64,9 @@ def main(checkpoint: str, mode: str, layout: str = "tp") -> int:
                 if mode == "stop":
                     subprocess.Popen(["sh", "-c", f"sleep 15; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
-            return run_stage(*args)
+            return forward_step(*args)
 
-        runner.run_stage = failing_run_stage
+        runner.forward_step = failing_forward_step
     start = time.time()
     try:
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 2, SamplingParams(max_tokens=16, ignore_eos=True),
