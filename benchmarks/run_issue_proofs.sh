@@ -11,12 +11,14 @@
 #                                                 # accelerate, NVMe)
 #   bash benchmarks/run_issue_proofs.sh offload_ab  # ~3-4 min: the Mixtral shape with offload.expert_graphs
 #                                                 # off, then on, in one process (measured at 9ca4577: on by default since)
+#   bash benchmarks/run_issue_proofs.sh mesh      # benchmarks/mesh_scaling.py on every GPU of the machine (one GPU:
+#                                                 # the plain engine and the mesh at degree 1, A B B A; ~5 min)
 #
 # Run the parts back to back (the machine stays warm between calls). The device checkout has no git metadata:
 # pass GIT_COMMIT=<the tree's commit> so the logs name it. The tuned files come back as tuned_configs.tgz; unpack
 # it into the repository root (tar xzf) to commit them.
 set -u
-part=${1:?"usage: run_issue_proofs.sh kernels|engine|offload|offload_ab"}
+part=${1:?"usage: run_issue_proofs.sh kernels|engine|offload|offload_ab|mesh"}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/issue_proofs}
 mkdir -p "$OUT"
@@ -51,8 +53,11 @@ case "$part" in
     step offload_ab 560 python3 benchmarks/offload.py --parts mixtral --prefetch-rules saving --expert-graphs off,on \
       --time-budget 420 --out "$OUT"
     ;;
+  mesh)
+    step mesh_scaling 560 python3 benchmarks/mesh_scaling.py --timeout 540 --out "$OUT/mesh_scaling.json"
+    ;;
   *)
-    echo "unknown part $part: kernels, engine, offload or offload_ab" >&2
+    echo "unknown part $part: kernels, engine, offload, offload_ab or mesh" >&2
     exit 2
     ;;
 esac

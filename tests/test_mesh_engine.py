@@ -36,6 +36,8 @@ LAYOUTS = {  # (tp, pp, ep) -> families
     (2, 2, 2): ["mixtral", "qwen3_moe"],
     (4, 1, 4): ["mixtral", "qwen3_moe", "olmoe"],
 }
+# the same layouts with every step through the CUDA-graph paths' static buffers (run eagerly: no GPU here)
+STATIC_BUFFERS = {(2, 1, 1): ["qwen3_moe"], (1, 2, 1): ["qwen2_moe"], (2, 1, 2): ["mixtral"], (2, 2, 2): ["qwen3_moe"]}
 _REFS = {}
 
 
@@ -59,6 +61,8 @@ def single_rank(path):
 def test_mesh_greedy_equals_single_rank(world, checkpoints, tmp_path):
     cases = [dict(family=f, checkpoint=checkpoints[f], tp=tp, pp=pp, ep=ep)
              for (tp, pp, ep), fams in LAYOUTS.items() for f in fams]
+    cases += [dict(family=f, checkpoint=checkpoints[f], tp=tp, pp=pp, ep=ep, static_buffers=True)
+              for (tp, pp, ep), fams in STATIC_BUFFERS.items() for f in fams]
     cases = [c for c in cases if world_of(c) == world]
     spec, out = tmp_path / "spec.json", tmp_path / "tokens.json"
     spec.write_text(json.dumps({"cases": cases}))
@@ -66,9 +70,14 @@ def test_mesh_greedy_equals_single_rank(world, checkpoints, tmp_path):
     assert rc == 0 and f"MESH DONE {len(cases)}" in log, log[-4000:]
     results = json.loads(out.read_text())["results"]
     assert [r["case"] for r in results] == cases
+    static = [line for line in log.splitlines() if "static buffers:" in line]
+    assert len(static) == world * sum(1 for c in cases if c.get("static_buffers")), log[-4000:]
+    for line in static:  # every rank ran the decode and the prefill steps of those cases through the buffers
+        runs = line.split("buffer runs ")[1].split()
+        assert int(runs[0]) > 0 and int(runs[2]) > 0, line
     for r in results:
         c = r["case"]
-        name = f"{c['family']} tp={c['tp']} pp={c['pp']} ep={c['ep']}"
+        name = f"{c['family']} tp={c['tp']} pp={c['pp']} ep={c['ep']}{' static' if c.get('static_buffers') else ''}"
         tokens, preemptions, rows = single_rank(c["checkpoint"])
         assert preemptions > 0  # the reference itself preempts
         assert r["tokens"] == tokens, name

@@ -18,8 +18,8 @@ one (batch, context) decode for each distinct decode tile pair; `warmup_kernels`
 The GPU test (tests/test_jit_warmup.py) runs steps of many sizes after start-up and counts Triton compiles: none.
 
 The forwards run padding rows only: no K/V slot written (slot -1), keys read from block 0, every row left
-out of the expert-load statistics (valid_T all False). One rank only (a mesh would need every rank's
-forward in step), resident experts only (an offloading store would move experts for the padding rows).
+out of the expert-load statistics (valid_T all False). Resident experts only (an offloading store would move
+experts for the padding rows); under a mesh every rank runs the same forwards (no pipeline stages).
 
 Legend: T tokens, K top-k, N = T*K routed rows, B sequences, L context length.
 """
@@ -93,14 +93,18 @@ def moe_config_of(moe_layers: Sequence, experts_backend) -> Callable[[int], Hash
     return lambda T: tuple(launch_variant(T, k, w13) for k, w13 in shapes.values())
 
 
-def warmup_blocker(device: torch.device, backends, is_single: bool) -> Optional[str]:
-    """Why this engine skips the warm-up; None when it runs."""
+def warmup_blocker(device: torch.device, backends, parallel) -> Optional[str]:
+    """Why this engine skips the warm-up; None when it runs. Under a mesh every rank runs the same forwards, their
+    collectives in step (they are the same on every rank), except with pipeline stages (a later stage's forward needs
+    the stage before's hidden states) or an all-to-all dispatcher (its host-side split sizes)."""
     if device.type != "cuda":
         return f"no Triton kernels on {device.type}"
-    if not is_single:
-        return "a mesh (every rank would have to run the warm-up forwards in step)"
-    if backends.store != "resident" or backends.dispatcher is not None:
-        return "offloaded or expert-parallel experts"
+    if parallel.is_distributed and parallel.dims.pp > 1:
+        return "pipeline stages (a later stage runs on the hidden states of the stage before)"
+    if backends.store != "resident":
+        return "offloaded experts"
+    if backends.dispatcher is not None and not getattr(backends.dispatcher, "graph_safe", False):
+        return "expert parallelism through an all-to-all dispatcher"
     return None
 
 
@@ -169,7 +173,7 @@ def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]], List[Tuple[in
 
 def warm_up_runner(runner) -> Optional[float]:
     """A ModelRunner's start-up warm-up (`warmup_plan`): the seconds it took, None where skipped (logged)."""
-    why_not = warmup_blocker(runner.device, runner.backends, runner.parallel.dims.is_single)
+    why_not = warmup_blocker(runner.device, runner.backends, runner.parallel)
     if why_not:
         logger.info("no start-up warm-up of the Triton kernels: %s", why_not)
         return None

@@ -37,12 +37,18 @@ class ShardGroup:
     size: int = 1
     # (what failed, the error) -> the exception to raise instead, naming the rank at fault (the mesh's)
     on_error: Optional[Callable[[str, BaseException], BaseException]] = field(default=None, compare=False)
+    always: bool = False  # run the collectives over a group of one rank too (parallel.force_mesh: the mesh's cost)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} outside an axis of size {self.size}")
         if self.size > 1 and self.group is None:
             raise ValueError(f"an axis of size {self.size} needs a process group")
+
+    @property
+    def communicates(self) -> bool:
+        """Whether the axis's collectives run: more than one rank, or a group of one kept on purpose (`always`)."""
+        return self.size > 1 or (self.always and self.group is not None)
 
     def split(self, total: int, what: str) -> int:
         """total / size, raising (naming `what`) when it does not divide."""
@@ -55,7 +61,7 @@ class ShardGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the axis, in place (identity on a single rank)."""
-        if self.size > 1:
+        if self.communicates:
             try:
                 dist.all_reduce(x, group=self.group)
             except RuntimeError as err:
@@ -64,7 +70,7 @@ class ShardGroup:
 
     def all_gather_last(self, x_TL: torch.Tensor) -> torch.Tensor:
         """[T, L] per rank -> [T, size * L], ranks' slices side by side (identity on a single rank)."""
-        if self.size == 1:
+        if not self.communicates:
             return x_TL
         T, L = x_TL.shape
         out_RTL = x_TL.new_empty(self.size * T, L)
@@ -89,7 +95,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shard.size == 1:
+        if not self.shard.communicates:
             return linear(x, self.weight, self.bias)
         y = self.shard.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
@@ -110,7 +116,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
-        if self.shard.size == 1:
+        if not self.shard.communicates:
             return F.embedding(ids_T, self.weight)
         local_T = ids_T - self.start
         mine_T = (local_T >= 0) & (local_T < self.num_local)
@@ -133,14 +139,14 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, h_TD: torch.Tensor) -> torch.Tensor:
         logits_TVl = F.linear(h_TD, self.weight)
-        if self.shard.size == 1:
+        if not self.shard.communicates:
             return logits_TVl
         return self.shard.all_gather_last(logits_TVl)[:, :self.vocab_size]
 
     def forward_into(self, h_TD: torch.Tensor, out_TV: torch.Tensor) -> torch.Tensor:
         """forward(h_TD) written into out_TV (a static buffer: the decode graphs' logits) and returned. Over several
         ranks: each rank's slice, one all-gather, then one copy of the ranks' slices side by side into out_TV."""
-        if self.shard.size == 1:
+        if not self.shard.communicates:
             return torch.matmul(h_TD, self.weight.t(), out=out_TV)
         gathered_TV = self.shard.all_gather_last(F.linear(h_TD, self.weight))
         return out_TV.copy_(gathered_TV[:, :self.vocab_size])

@@ -112,10 +112,13 @@ class ParallelContext:
         return lambda what, err: self.failure(what, err, ranks)
 
     def _axis(self, mesh: Any, axis: str, size: int) -> ShardGroup:
-        if size == 1:
+        """The ShardGroup of one mesh axis; SINGLE for an axis of one rank, except under parallel.force_mesh, where
+        its collectives run over the group of one rank (what the mesh costs at degree 1)."""
+        if size == 1 and not self.cfg.force_mesh:
             return SINGLE
         group = mesh.get_group(axis)
-        return ShardGroup(group, mesh.get_local_rank(axis), size, on_error=self._on_error(group))
+        return ShardGroup(group, mesh.get_local_rank(axis), size, on_error=self._on_error(group),
+                          always=self.cfg.force_mesh)
 
     # ---- what the model and the MoE layers get ------------------------------------------------
     def model_shard(self, num_layers: int) -> ModelShard:
@@ -125,8 +128,8 @@ class ParallelContext:
         start, end = stage_layers(num_layers, self.dims.pp, self.cfg.pp_layer_partition)[self.stage]
         tp = self._axis(self.mesh, "tp", self.dims.tp)
         moe_tp = self._axis(self.moe_mesh, "moe_tp", self.dims.moe_tp)
-        if tp.size > 1 and moe_tp.size > 1 and (dist.get_process_group_ranks(tp.group)
-                                                == dist.get_process_group_ranks(moe_tp.group)):
+        if tp.communicates and moe_tp.communicates and (dist.get_process_group_ranks(tp.group)
+                                                        == dist.get_process_group_ranks(moe_tp.group)):
             moe_tp = tp  # the same ranks: the MoE layer then sums routed and shared experts in one all-reduce
         stage_axis = tp if tp.size == self.dims.stage_size else self._axis(self.stage_mesh, "stage", self.dims.stage_size)
         return ModelShard(tp=tp, moe_tp=moe_tp, stage_axis=stage_axis, layer_start=start, layer_end=end,

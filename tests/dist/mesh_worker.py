@@ -31,6 +31,22 @@ def world_of(case: dict) -> int:
     return case["pp"] * tp * ep // math.gcd(tp, ep)
 
 
+def static_buffers(llm: LLM) -> None:
+    """The graph paths' static buffers on this rank, run eagerly (capture=False: no GPU here): the step's inputs
+    received into them over the mesh, the LM head into the decode buffers' logits, a later stage's hidden states
+    into their hidden buffer, as under CUDA graphs on a GPU."""
+    from moe_infer.engine.cuda_graph import DecodeGraphs
+    from moe_infer.engine.extend_graph import ExtendGraphs
+
+    runner = llm.engine.runner
+    width = -(-runner.max_model_len // runner.block_size)
+    hidden_in = runner._hidden_in()
+    runner.graphs = DecodeGraphs(runner.model, 4, width, runner.block_size, runner.device, capture=False,
+                                 lm_head=runner._graph_lm_head(), hidden_in=hidden_in, mesh=True)
+    runner.extend_graphs = ExtendGraphs(runner.model, 8, 4, width, runner.block_size, runner.device, capture=False,
+                                        last_rows=runner.last_rows, hidden_in=hidden_in, mesh=True)
+
+
 def generate(llm: LLM):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -43,17 +59,22 @@ def main() -> int:
         cases = [c for c in json.load(f)["cases"] if world_of(c) == world]
     results = []
     for case in cases:
-        kwargs = {k: v for k, v in case.items() if k not in ("family", "checkpoint")}
+        kwargs = {k: v for k, v in case.items() if k not in ("family", "checkpoint", "static_buffers")}
         llm = LLM(model=case["checkpoint"], **{**ENGINE, **kwargs})
+        if case.get("static_buffers"):
+            static_buffers(llm)
         outs = generate(llm)
+        runner = llm.engine.runner
+        runs = [getattr(g, "runs", 0) for g in (runner.graphs, runner.extend_graphs)]
         sched = llm.engine.scheduler
         tokens = [o.outputs[0].token_ids for o in outs]
         reasons = [o.outputs[0].finish_reason for o in outs]
         if rank == 0:
             results.append({"case": case, "tokens": tokens, "finish": reasons, "preemptions": sched.num_preemptions,
                             "chunked": sched.num_chunked_prefills, "load": llm.get_expert_load()})
-        print(f"rank {rank} case {case['family']} tp={case['tp']} pp={case['pp']} ep={case['ep']}: "
-              f"{len(outs)} outputs", flush=True)
+        print(f"rank {rank} case {case['family']} tp={case['tp']} pp={case['pp']} ep={case['ep']}"
+              f"{' static buffers' if case.get('static_buffers') else ''}: {len(outs)} outputs, buffer runs "
+              f"{runs[0]} decode {runs[1]} prefill", flush=True)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world": world, "results": results}, f)

@@ -1,0 +1,418 @@
+"""Several GPUs against one: the engine under every mesh layout that fits the GPUs at hand, on two model shapes.
+
+    python benchmarks/mesh_scaling.py                 # every GPU this process sees (one GPU: the layouts of degree 1)
+    python benchmarks/mesh_scaling.py --tiny          # CPU: gloo, tiny dims, 2 processes (a smoke run of every path)
+
+Models (random weights, `model.load_format=dummy`: only a config.json is written):
+  small   Qwen3-30B-A3B's layer shape, 8 layers: fits one GPU, so the ratio to one GPU is the test
+  large   Qwen3-30B-A3B's widths, 48 layers, 384 experts (~88B parameters, ~177 GB in bf16): fits no lent GPU
+          alone; its one-GPU row is the roofline only
+Layouts, each a fresh process group (torchrun) of G ranks: "one GPU" (the plain engine, no mesh) and "mesh x1"
+(parallel.force_mesh: the mesh's code path at degree 1, process groups of one rank), measured in one process in the
+order A B B A (the H200's power cap favours whatever runs first); then with N >= 2 GPUs tp=N, ep=N, pp=N and tp=N
+with ep=N (plus pp=2 x tp=N/2 from 4 GPUs). A layout whose weights would not fit its GPUs is skipped.
+
+Measured per layout (greedy, EOS ignored, prompts of random ids, each shape warmed up first):
+  decode   batch 1 / 16 / 64 / 256, prompt 128, 128 new tokens: output tok/s of the whole generate call (prefill
+           included, as engine_roofline.py), and the decode step time (the call minus a 1-token call of the same
+           prompts, over the 127 other steps)
+  prefill  16 prompts x 1024 tokens, 1 new token: prompt tok/s (median of 3)
+  raw collectives of the same run: all-reduce of [T, D] over the layout's stage at every decode batch (eager and
+           inside a CUDA graph), the pipeline's point-to-point of [T, D]
+Rooflines, from figures measured here on GPU 0 at the start (HBM copy GB/s, a large bf16 GEMM's TFLOP/s): a decode
+step reads the weights it touches (attention, routers, the experts a batch hits, the LM head) and the KV cache, at
+G x the HBM rate on G GPUs (engine_roofline.py's model); % of roofline = tok/s / that. The decode step's
+communication is estimated as (collectives a step runs in this layout) x (their raw time at that size), the rest
+being compute: an estimate, as the collectives run inside the graphs. Prints a table, checks the targets of the 2-GPU
+issue where N = 2, and writes mesh_scaling_<device>_x<N>.json to --out, else $OUT, else benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+import e2e_generate as e2e  # noqa: E402
+from engine_roofline import decode_roofline_s, layer_weight_bytes, prefill_limit_s  # noqa: E402
+
+SMALL = dict(e2e.REAL, num_hidden_layers=8)
+LARGE = dict(e2e.REAL, num_hidden_layers=48, num_experts=384)
+TINY = dict(e2e.TINY, num_hidden_layers=4)
+TINY_LARGE = dict(e2e.TINY, num_hidden_layers=6, num_experts=16)
+TARGETS_2GPU = {"every_layout_b64_b256": 1.0, "best_b256": 1.5, "best_b1": 0.8, "large_b64_roofline": 0.60}
+
+
+# ------------------------------------------------------------------ the device's own figures
+def measure_device(device: torch.device) -> dict:
+    """HBM copy GB/s (read + write) and dense bf16 TFLOP/s of GPU 0, measured (the roofline's rates)."""
+    if device.type != "cuda":
+        return dict(hbm_gbps=50.0, tflops=1.0, note="CPU: nominal rates, the roofline means nothing here")
+    n = 1 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+
+    def best(fn, reps=20):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    copy_s = best(lambda: b.copy_(a))
+    gemm_s = best(lambda: x @ x)
+    out = dict(hbm_gbps=2 * n / copy_s / 1e9, tflops=2 * 8192 ** 3 / gemm_s / 1e12, gpu=torch.cuda.get_device_name())
+    del a, b, x
+    torch.cuda.empty_cache()
+    return out
+
+
+def weight_bytes(dims: dict) -> float:
+    """All weights in bf16 (every expert)."""
+    V, D = dims["vocab_size"], dims["hidden_size"]
+    return dims["num_hidden_layers"] * layer_weight_bytes(dims, dims["num_experts"]) + 2 * 2 * V * D
+
+
+# ------------------------------------------------------------------ layouts
+def layouts(num_gpus: int) -> list:
+    """(name, tp, pp, ep) of every layout measured with num_gpus GPUs (one-GPU rows first)."""
+    rows = [("one GPU", 1, 1, 1), ("mesh x1", 1, 1, 1)]
+    n = num_gpus
+    if n >= 2:
+        rows += [(f"tp={n}", n, 1, 1), (f"ep={n}", 1, 1, n), (f"pp={n}", 1, n, 1), (f"tp={n} ep={n}", n, 1, n)]
+    if n >= 4:
+        rows += [(f"pp=2 tp={n // 2}", n // 2, 2, 1)]
+    return rows
+
+
+def world(tp: int, pp: int, ep: int) -> int:
+    import math
+
+    return pp * tp * ep // math.gcd(tp, ep)
+
+
+def decode_collectives(dims: dict, tp: int, pp: int, ep: int) -> dict:
+    """Collectives a decode step runs in this layout: all-reduces of [B, D] over the stage, point-to-point sends of
+    [B, D] between stages (the step's input and sampled-token broadcasts are small and left out)."""
+    L, stage = dims["num_hidden_layers"], world(tp, 1, ep)
+    if stage == 1:
+        return dict(all_reduce=0, p2p=pp - 1)
+    per_layer = 2 if tp > 1 else 1  # attention's o_proj (tp) + the MoE layer's (tp: its experts' F; ep: reduce)
+    return dict(all_reduce=L * per_layer + (1 if tp > 1 else 0), p2p=pp - 1)  # + the vocab-parallel embedding
+
+
+# ------------------------------------------------------------------ one layout (a worker process)
+def gen_ids(seed: int, b: int, n: int, vocab: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (b, n), generator=gen).tolist()
+
+
+def timed_generate(llm, prompts, new: int, device) -> float:
+    from moe_infer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
+    """Median seconds of an all-reduce of [T, hidden] over the stage (eager, and per call inside a CUDA graph of 20)
+    and of a point-to-point [T, hidden] from stage 0 to stage 1, per T; every rank takes part."""
+    import torch.distributed as dist
+
+    out = {}
+    stage = ctx.stage_group
+    cuda = device.type == "cuda"
+
+    def clock(fn, reps=20):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    for T in sizes:
+        x = torch.ones(T, hidden, dtype=dtype, device=device)
+        row = {}
+        if ctx.dims.stage_size > 1:
+            row["all_reduce_s"] = clock(lambda: dist.all_reduce(x, group=stage))
+            if cuda:
+                graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    dist.all_reduce(x, group=stage)
+                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    for _ in range(20):
+                        dist.all_reduce(x, group=stage)
+                row["all_reduce_graph_s"] = clock(graph.replay, reps=10) / 20
+        if ctx.dims.pp > 1:
+            first, second = ctx.dims.rank_of(0, ctx.stage_index), ctx.dims.rank_of(1, ctx.stage_index)
+
+            def p2p():
+                if ctx.rank == first:
+                    dist.send(x, second)
+                elif ctx.rank == second:
+                    dist.recv(x, first)
+            row["p2p_s"] = clock(p2p)
+        out[str(T)] = row
+    return out
+
+
+def run_layout(args) -> None:
+    """Worker: one layout (or, at world 1, the plain engine and the mesh path in A B B A order) on one model."""
+    from moe_infer import LLM
+
+    spec = json.loads(args.worker)
+    dims, tp, pp, ep = spec["dims"], spec["tp"], spec["pp"], spec["ep"]
+    device = torch.device("cuda" if spec["device"] == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches, P, N = spec["batches"], spec["prompt_len"], spec["new_tokens"]
+    pf_seqs, pf_len = spec["prefill"]
+    blocks = max(max(batches) * (P + N + 16), pf_seqs * (pf_len + 16)) // 16 + 64
+    kw = dict(model=spec["ckpt"], load_format="dummy", dtype=str(dtype).split(".")[-1], device=str(device),
+              max_num_seqs=max(batches), max_num_batched_tokens=max(pf_seqs * pf_len, 2048),
+              max_model_len=max(P + N, pf_len + 1) + 16, num_kv_blocks=blocks, enable_prefix_caching=False,
+              cuda_graph_max_batch=max(batches), tp=tp, pp=pp, ep=ep)
+    if spec["ab"]:  # world 1: the plain engine (A) and the mesh's code path at degree 1 (B), one process
+        engines = {"one GPU": LLM(**kw), "mesh x1": LLM(**kw, force_mesh=True)}
+        order = ["one GPU", "mesh x1", "mesh x1", "one GPU"]
+    else:
+        engines = {spec["name"]: LLM(**kw)}
+        order = [spec["name"]]
+    first = next(iter(engines.values()))
+    ctx = first.engine.parallel
+    V = dims["vocab_size"]
+    for llm in engines.values():  # warm-up: every batch shape and the prefill shape (compiles, graph captures)
+        for b in batches:
+            timed_generate(llm, gen_ids(1000 + b, b, P, V), 3, device)
+        timed_generate(llm, gen_ids(999, pf_seqs, pf_len, V), 1, device)
+    rows = {name: {"decode": {}, "prefill": {}} for name in engines}
+    for b in batches:
+        prompts = gen_ids(b, b, P, V)
+        for name in order:
+            full = timed_generate(engines[name], prompts, N, device)
+            prefill = timed_generate(engines[name], prompts, 1, device)
+            rows[name]["decode"].setdefault(str(b), []).append(dict(full_s=full, prefill_s=prefill))
+    for name in order:
+        prompts = gen_ids(7, pf_seqs, pf_len, V)
+        rows[name]["prefill"].setdefault("s", []).append(
+            statistics.median(timed_generate(engines[name], prompts, 1, device) for _ in range(3)))
+    result = {}
+    for name, row in rows.items():
+        decode = {}
+        for b, runs in row["decode"].items():
+            full = statistics.mean(r["full_s"] for r in runs)
+            prefill = statistics.mean(r["prefill_s"] for r in runs)
+            decode[b] = dict(tok_s=int(b) * N / full, full_s=full, step_ms=1e3 * max(full - prefill, 0.0) / (N - 1),
+                             runs=len(runs))
+        pf = statistics.mean(row["prefill"]["s"])
+        result[name] = dict(decode=decode, prefill=dict(tok_s=pf_seqs * pf_len / pf, s=pf))
+    raw = {}
+    if ctx.is_distributed and ctx.dims.world_size > 1:
+        raw = raw_collectives(ctx, batches + [pf_seqs * pf_len], dims["hidden_size"], dtype, device)
+    if ctx.rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(dict(rows=result, raw=raw, world=ctx.dims.world_size if ctx.is_distributed else 1), f)
+    for llm in engines.values():
+        llm.shutdown()
+
+
+def launch(spec: dict, nproc: int, timeout: float) -> dict:
+    """Run one layout's worker (torchrun with nproc ranks, or a plain process at world 1); its JSON."""
+    script = os.path.abspath(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")])),
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if nproc == 1:
+        cmd = [sys.executable, script, "--worker", json.dumps(spec)]
+    else:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+               "--worker", json.dumps(spec)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"layout {spec['name']} ({spec['model']}) failed with exit code {proc.returncode}")
+    with open(spec["out"]) as f:
+        out = json.load(f)
+    out["wall_s"] = time.perf_counter() - start
+    return out
+
+
+# ------------------------------------------------------------------ the driver
+def write_config(dims: dict, folder: str) -> str:
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="CPU, gloo, tiny dims, 2 processes")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    ap.add_argument("--models", default="small,large")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill", default="16x1024")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a layout's process may take")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        return run_layout(args)
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    num = args.gpus or (torch.cuda.device_count() if cuda else 2)
+    batches = [1, 4] if args.tiny else [int(b) for b in args.batches.split(",")]
+    P, N = (16, 8) if args.tiny else (args.prompt_len, args.new_tokens)
+    prefill = (2, 64) if args.tiny else tuple(int(v) for v in args.prefill.split("x"))
+    rates = measure_device(device)
+    hbm, flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12
+    mem = torch.cuda.get_device_properties(0).total_memory if cuda else 1 << 40
+    models = {"small": TINY if args.tiny else SMALL, "large": TINY_LARGE if args.tiny else LARGE}
+    label = e2e.device_label(device)
+    result = dict(benchmark="mesh_scaling", device=label, gpus=num if cuda else 0, processes=num,
+                  torch=torch.__version__, rates=rates, batches=batches, prompt_len=P, new_tokens=N,
+                  prefill=list(prefill), models={}, targets=None)
+    with tempfile.TemporaryDirectory(prefix="mesh_scaling_") as tmp:
+        for model in args.models.split(","):
+            dims = models[model]
+            ckpt = write_config(dims, os.path.join(tmp, model))
+            rows, fits_one = {}, weight_bytes(dims) < 0.8 * mem
+            for name, tp, pp, ep in layouts(num):
+                G = world(tp, pp, ep)
+                if name == "mesh x1":
+                    continue  # measured with "one GPU"
+                if weight_bytes(dims) / G > 0.8 * mem:
+                    rows[name] = dict(skipped=f"{weight_bytes(dims) / G / 2**30:.0f} GiB of weights per GPU do not fit",
+                                      gpus=G)
+                    continue
+                spec = dict(name=name, model=model, dims=dims, ckpt=ckpt, tp=tp, pp=pp, ep=ep, device=device.type,
+                            batches=batches, prompt_len=P, new_tokens=N, prefill=list(prefill), ab=name == "one GPU",
+                            out=os.path.join(tmp, f"{model}_{name.replace(' ', '_').replace('=', '')}.json"))
+                print(f"[{model}] {name} ({G} rank{'s' if G > 1 else ''}) ...", flush=True)
+                out = launch(spec, G, args.timeout)
+                for row_name, row in out["rows"].items():
+                    rows[row_name] = dict(row, tp=tp, pp=pp, ep=ep, gpus=G, raw=out["raw"], wall_s=out["wall_s"])
+            add_rooflines(rows, dims, batches, P, N, prefill, hbm, flops, fits_one)
+            result["models"][model] = dict(dims=dims, weight_gib=weight_bytes(dims) / 2**30, fits_one_gpu=fits_one,
+                                           rows=rows)
+    if num == 2 and cuda:
+        result["targets"] = targets(result)
+    print_table(result)
+    name = f"mesh_scaling_{label}_x{num}.json" if cuda else "mesh_scaling_cpu_gloo_x2.json"
+    e2e.write_result(result, name, args.out)
+
+
+def add_rooflines(rows: dict, dims: dict, batches, P: int, N: int, prefill, hbm: float, flops: float,
+                  fits_one: bool) -> None:
+    """Per row: roofline tok/s on its GPUs, % of it, the ratio to one GPU (or to the one-GPU roofline), the decode
+    step's estimated communication and compute."""
+    one = rows.get("one GPU", {})
+    for name, row in rows.items():
+        if "skipped" in row:  # what it would reach: the roofline of its GPUs
+            row["roofline_tok_s"] = {str(b): b * N / decode_roofline_s(dims, b, P, N, hbm * row["gpus"]) for b in batches}
+            continue
+        G = row["gpus"]
+        calls = decode_collectives(dims, row["tp"], row["pp"], row["ep"])
+        for b in batches:
+            d = row["decode"][str(b)]
+            roof = b * N / decode_roofline_s(dims, b, P, N, hbm * G)
+            d["roofline_tok_s"], d["of_roofline"] = roof, d["tok_s"] / roof
+            base = one.get("decode", {}).get(str(b), {}).get("tok_s") if fits_one else None
+            d["vs_one_gpu"] = d["tok_s"] / base if base else None
+            if not fits_one:  # the one-GPU row is its roofline
+                d["vs_one_gpu_roofline"] = d["tok_s"] / (b * N / decode_roofline_s(dims, b, P, N, hbm))
+            raw = row["raw"].get(str(b), {})
+            ar = raw.get("all_reduce_graph_s", raw.get("all_reduce_s", 0.0))
+            comm_ms = 1e3 * (calls["all_reduce"] * ar + calls["p2p"] * raw.get("p2p_s", 0.0))
+            d["comm_ms_est"], d["compute_ms_est"] = comm_ms, max(d["step_ms"] - comm_ms, 0.0)
+        seqs, length = prefill
+        p = row["prefill"]
+        p["limit_tok_s"] = seqs * length / prefill_limit_s(dims, seqs, length, hbm * G, flops * G)
+        p["of_limit"] = p["tok_s"] / p["limit_tok_s"]
+        base = one.get("prefill", {}).get("tok_s") if fits_one else None
+        p["vs_one_gpu"] = p["tok_s"] / base if base else None
+
+
+def targets(result: dict) -> dict:
+    """The 2-GPU issue's targets: each met or missed."""
+    small = result["models"].get("small", {}).get("rows", {})
+    multi = {n: r for n, r in small.items() if "skipped" not in r and r["gpus"] > 1}
+    out = {}
+    if multi:
+        worst = {b: min(r["decode"][b]["vs_one_gpu"] for r in multi.values()) for b in ("64", "256") if b in
+                 next(iter(multi.values()))["decode"]}
+        out["every_layout_ge_1x_at_b64_b256"] = dict(value=worst, met=all(v >= 1.0 for v in worst.values()))
+        for b, goal in (("256", 1.5), ("1", 0.8)):
+            if b in next(iter(multi.values()))["decode"]:
+                best = max(r["decode"][b]["vs_one_gpu"] for r in multi.values())
+                out[f"best_at_b{b}"] = dict(value=best, goal=goal, met=best >= goal)
+    large = result["models"].get("large", {}).get("rows", {})
+    fracs = [r["decode"]["64"]["of_roofline"] for r in large.values() if "skipped" not in r and r["gpus"] > 1
+             and "64" in r["decode"]]
+    if fracs:
+        out["large_b64_of_2gpu_roofline"] = dict(value=max(fracs), goal=0.6, met=max(fracs) >= 0.6)
+    return out
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}, {result['processes']} rank(s): HBM {result['rates']['hbm_gbps']:.0f} GB/s, "
+          f"bf16 {result['rates']['tflops']:.0f} TFLOP/s (measured)")
+    for model, m in result["models"].items():
+        print(f"\n{model}: {m['weight_gib']:.1f} GiB of weights, {'fits' if m['fits_one_gpu'] else 'does not fit'} one GPU")
+        print(f"{'layout':>14} {'batch':>5} {'tok/s':>9} {'vs 1':>6} {'roof %':>7} {'step ms':>8} {'comm ms':>8}")
+        for name, row in m["rows"].items():
+            if "skipped" in row:
+                roof = ", ".join(f"b{b} {v:.0f}" for b, v in row["roofline_tok_s"].items())
+                print(f"{name:>14}  skipped: {row['skipped']} (roofline tok/s: {roof})")
+                continue
+            for b, d in row["decode"].items():
+                vs = d.get("vs_one_gpu") or d.get("vs_one_gpu_roofline")
+                print(f"{name:>14} {b:>5} {d['tok_s']:>9.0f} {vs if vs is None else f'{vs:.2f}':>6} "
+                      f"{100 * d['of_roofline']:>6.1f}% {d['step_ms']:>8.2f} {d['comm_ms_est']:>8.2f}")
+            p = row["prefill"]
+            vs = p.get("vs_one_gpu")
+            print(f"{name:>14} {'pf':>5} {p['tok_s']:>9.0f} {vs if vs is None else f'{vs:.2f}':>6} "
+                  f"{100 * p['of_limit']:>6.1f}%")
+    if result.get("targets"):
+        print("\ntargets (2 GPUs):")
+        for key, t in result["targets"].items():
+            print(f"  {key}: {t['value']} -> {'met' if t['met'] else 'missed'}")
+
+
+if __name__ == "__main__":
+    main()
