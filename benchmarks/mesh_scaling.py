@@ -234,7 +234,7 @@ def run_layout(args) -> None:
             full = statistics.mean(r["full_s"] for r in runs)
             prefill = statistics.mean(r["prefill_s"] for r in runs)
             decode[b] = dict(tok_s=int(b) * N / full, full_s=full, step_ms=1e3 * max(full - prefill, 0.0) / (N - 1),
-                             runs=len(runs))
+                             runs=len(runs), runs_full_s=[r["full_s"] for r in runs])
         pf = statistics.mean(row["prefill"]["s"])
         result[name] = dict(decode=decode, prefill=dict(tok_s=pf_seqs * pf_len / pf, s=pf))
     raw = {}

@@ -152,10 +152,14 @@ class DecodeGraphs:
 
     def __init__(self, forward: ForwardFn, max_batch: int, max_blocks: int, block_size: int,
                  device: torch.device, capture: bool = True, lm_head=None,
-                 hidden_in: Optional[Tuple[int, torch.dtype]] = None, mesh: bool = False) -> None:
+                 hidden_in: Optional[Tuple[int, torch.dtype]] = None, mesh: bool = False,
+                 prologue: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """hidden_in (hidden size, dtype): a pipeline stage after the first, whose forward reads the previous
-        stage's hidden states (`hidden_input`); mesh: under a mesh (collectives captured, capture failures raise)."""
+        stage's hidden states (`hidden_input`); mesh: under a mesh (collectives captured, capture failures raise);
+        prologue(bytes): run first in every replayed step on the bytes it reads (`payload_region`): the mesh's
+        broadcast of the driver's inputs into every rank's buffer, so that it costs no host time of its own."""
         self.forward, self.block_size, self.max_blocks, self.mesh = forward, block_size, max_blocks, mesh
+        self.prologue = prologue
         self.sizes = capture_sizes(max_batch)
         self.max_batch, self.capture = self.sizes[-1], capture
         Bmax, dev = self.max_batch, device
@@ -262,7 +266,7 @@ class DecodeGraphs:
 
     def payload(self, inputs: StepInputs) -> torch.Tensor:
         """The bytes of the buffer a `load`ed step reads (uint8, on the device): what the other ranks receive."""
-        return self.bufs.buffer[:self.bufs.nbytes(inputs.decode_bucket[0])]
+        return self.payload_region(inputs.decode_bucket[0])
 
     def hidden_input(self, inputs: StepInputs) -> torch.Tensor:
         """Where a pipeline stage after the first receives the step's hidden states [B, D] (its graphs read them)."""
@@ -301,8 +305,17 @@ class DecodeGraphs:
     def _run_static_logits(self, Bp: int, Mp: int) -> torch.Tensor:
         return self.lm_head.forward_into(self._run_static(Bp, Mp), self.logits_BV[:Bp])
 
+    def payload_region(self, padded_batch: int) -> torch.Tensor:
+        """The bytes a step padded to padded_batch rows reads (what the prologue broadcasts)."""
+        return self.bufs.buffer[:self.bufs.nbytes(padded_batch)]
+
     def _replay(self, B: int, Bp: int, Mp: int, logits: bool) -> Optional[torch.Tensor]:
-        run = (lambda: self._run_static_logits(Bp, Mp)) if logits else (lambda: self._run_static(Bp, Mp))
+        forward = (lambda: self._run_static_logits(Bp, Mp)) if logits else (lambda: self._run_static(Bp, Mp))
+        run = forward
+        if self.prologue is not None:
+            def run():
+                self.prologue(self.payload_region(Bp))
+                return forward()
         if not self.capture:
             self.runs += 1
             return run()[:B]

@@ -81,9 +81,11 @@ class ExtendGraphs:
     def __init__(self, forward: ForwardFn, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
                  device: torch.device, capture: bool = True, pool=None, max_graphs: int = MAX_GRAPHS,
                  last_rows: bool = False, hidden_in: Optional[Tuple[int, torch.dtype]] = None,
-                 mesh: bool = False) -> None:
-        """hidden_in (hidden size, dtype): a pipeline stage after the first (`hidden_input`); mesh: as DecodeGraphs'."""
+                 mesh: bool = False, prologue: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """hidden_in (hidden size, dtype): a pipeline stage after the first (`hidden_input`); mesh, prologue: as
+        DecodeGraphs' (the prologue gets the bytes any step of the bucket may read, `payload_region`)."""
         self.forward, self.block_size, self.max_blocks, self.mesh = forward, block_size, max_blocks, mesh
+        self.prologue = prologue
         self.last_rows = last_rows  # the last layer runs each sequence's last row only (layers/last_rows.py)
         self.sizes = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = self.sizes[-1], next_pow2(max_seqs + 1)
@@ -155,6 +157,15 @@ class ExtendGraphs:
                            lay.device_view(self.inputs.buffer, "sample_rows"), sizes, key),
                 lay.device_view(self.inputs.buffer, "extra"))
 
+    def payload_region(self, Tp: int, Bp: int) -> torch.Tensor:
+        """The bytes any step of a bucket of Tp rows and Bp sequences may read (its most sampling rows and extra
+        entries): what the prologue broadcasts."""
+        return self.inputs.buffer[:self.inputs.layout(Tp, Bp, self.inputs.max_sample, self.inputs.max_extra).nbytes]
+
+    def _prologue(self, Tp: int, Bp: int) -> None:
+        if self.prologue is not None:
+            self.prologue(self.payload_region(Tp, Bp))
+
     def payload(self, inputs: StepInputs, num_extra: int) -> torch.Tensor:
         """The bytes of the buffer a `load`ed step reads (uint8, on the device): what the other ranks receive."""
         Tp, Bp, _ = inputs.bucket
@@ -184,6 +195,7 @@ class ExtendGraphs:
         )
 
     def _run_static(self, Tp: int, Bp: int, Qp: int) -> torch.Tensor:
+        self._prologue(Tp, Bp)
         v = self._views(Tp, Bp)
         with forward_context(self._meta(Tp, Bp, Qp), valid_T=v["valid"], last_rows=self.last_rows):
             if self.hidden_in_TD is None:
@@ -214,6 +226,7 @@ class ExtendGraphs:
         v["valid"].fill_(False)  # nothing counted in the load statistics until the real replay
 
         def run_head():
+            self._prologue(*key[:2])
             with forward_context(meta, valid_T=v["valid"], last_rows=self.last_rows):
                 return head(v["ids"], v["positions"], self._hidden(key[0]), num_layers=HEAD_LAYERS)
 
@@ -241,6 +254,7 @@ class ExtendGraphs:
                 self.full_logged = True
                 logger.info("%d prefill/mixed-step CUDA graphs captured (the limit): steps of new shapes run "
                             "eagerly", self.max_graphs)
+            self._prologue(*key[:2])  # the eager run reads the buffer too: the inputs must be there
             return None
         out_TpD = replay_graph(self, key, lambda: self._capture(key), f"a step of {T} tokens (bucket {key})")
         return None if out_TpD is None else out_TpD[:rows]

@@ -131,12 +131,18 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
                               max_blocks, self.block_size, self.device, lm_head=self._graph_lm_head(),
-                              hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed)
+                              hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue())
         start = time.perf_counter()
         with torch.inference_mode():  # as the steps run (execute)
             graphs.warmup()
         logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
         return graphs
+
+    def _prologue(self):
+        """On the first pipeline stage of a mesh: the broadcast of the driver's step inputs over the stage, which the
+        graphs run first in every replayed step (no host time of its own); None elsewhere."""
+        ctx = self.parallel
+        return ctx.stage_broadcast if ctx.is_distributed and ctx.is_first_stage else None
 
     def _hidden_in(self):
         """(hidden size, dtype) of the previous stage's hidden states a stage after the first reads; None on the first."""
@@ -185,7 +191,7 @@ class ModelRunner:
         return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
                             pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows,
-                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed)
+                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue())
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:

@@ -25,7 +25,7 @@ from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.layers.forward_context import AttentionMetadata
 from moe_infer.parallel.step_message import (
-    FLAG_RESET_STATS, FLAG_SEND_TOKENS, H_FLAGS, H_KIND, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, H_NUM_EXTRA,
+    FLAG_RESET_STATS, H_FLAGS, H_KIND, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN, H_NUM_EXTRA,
     H_NUM_HOST, H_NUM_SAMPLE, H_NUM_SEQS, H_NUM_SIDE, H_NUM_TOKENS, H_PATH, H_PAYLOAD_BYTES, HEADER_LEN, KIND_STEP,
     StepMessage,
 )
@@ -231,17 +231,17 @@ class StepEncoder:
         self.finished += seq_ids
 
     def encode(self, plan: SchedulerOutput, sizes: Sizes, path: int, num_extra: int, payload: torch.Tensor,
-               send_tokens: bool = False, for_sampler: bool = True) -> StepMessage:
+               for_sampler: bool = True) -> StepMessage:
         """The message of a step laid out with `flat_inputs` (sizes; num_extra entries of the caller's own at its
-        end) on `path` into `payload` (the device bytes the other ranks receive). send_tokens: the driver broadcasts
-        the step's sampled ids after sampling; for_sampler: the sampler is another rank (the host part is built)."""
+        end) on `path` into `payload` (the device bytes the other ranks receive). for_sampler: the sampler is
+        another rank (the host part is built)."""
         header = [0] * HEADER_LEN
         header[H_KIND] = KIND_STEP
         for index, value in zip((H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN),
                                 sizes):
             header[index] = value
         header[H_PAYLOAD_BYTES], header[H_PATH], header[H_NUM_EXTRA] = payload.numel(), path, num_extra
-        header[H_FLAGS] = (FLAG_RESET_STATS if self.reset_stats else 0) | (FLAG_SEND_TOKENS if send_tokens else 0)
+        header[H_FLAGS] = FLAG_RESET_STATS if self.reset_stats else 0
         self.reset_stats = False
         host, side = self._sampler_part(plan) if for_sampler else ([], b"")
         header[H_NUM_HOST], header[H_NUM_SIDE] = len(host), len(side)

@@ -68,27 +68,40 @@ class StepPaths:
         inputs, extra_X = self._eager(flat_dev, sizes, num_extra)
         return inputs, extra_X, flat_dev.view(torch.uint8)
 
-    def receive(self, path: int, sizes: Sizes, num_extra: int, num_bytes: int, fill: Fill
-                ) -> Tuple[StepInputs, torch.Tensor]:
+    def broadcasts_inside(self, path: int) -> bool:
+        """Whether the path's graphs receive the step's inputs themselves (their prologue: the first stage's
+        broadcast), so that neither the driver nor the receiving ranks move them apart."""
+        owner = self.graphs if path == PATH_DECODE_GRAPH else self.extend_graphs if path == PATH_EXTEND_GRAPH else None
+        return owner is not None and owner.prologue is not None
+
+    def receive(self, path: int, sizes: Sizes, num_extra: int, num_bytes: int, fill: Optional[Fill]
+                ) -> Tuple[StepInputs, torch.Tensor, torch.Tensor]:
         """Another rank's `load` of the same step: fill (the transfer) writes its payload of num_bytes bytes into
-        this rank's buffer of the path -> (inputs, extra entries), as `load` gave there."""
+        this rank's buffer of the path (fill None: the path's graphs do, `broadcasts_inside`) -> (inputs, extra
+        entries, the payload's bytes here), as `load` gave there."""
+        got = []
+
         def checked(buf_U: torch.Tensor) -> None:
             if buf_U.numel() != num_bytes:
                 raise RuntimeError(f"the step's inputs take {num_bytes} bytes on the driver and {buf_U.numel()} here "
                                    f"(path {path}, sizes {sizes}): the ranks' buffers differ (same configuration?)")
-            fill(buf_U)
+            got.append(buf_U)
+            if fill is not None:
+                fill(buf_U)
 
         if path == PATH_DECODE_GRAPH:
-            return self.graphs.receive(sizes, num_extra, checked)
+            return (*self.graphs.receive(sizes, num_extra, checked), got[0])
         if path == PATH_EXTEND_GRAPH:
-            return self.extend_graphs.receive(sizes, num_extra, checked)
+            return (*self.extend_graphs.receive(sizes, num_extra, checked), got[0])
         if path != PATH_EAGER:
             raise RuntimeError(f"unknown step path {path} in a step message")
         if num_bytes % 8:
             raise RuntimeError(f"an eager step's inputs are int64, got {num_bytes} bytes")
+        if fill is None:
+            raise RuntimeError("an eager step's inputs must be received before its forward")
         buf_U = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
         checked(buf_U)
-        return self._eager(buf_U.view(torch.int64), sizes, num_extra)
+        return (*self._eager(buf_U.view(torch.int64), sizes, num_extra), buf_U)
 
     def _eager(self, flat_dev: torch.Tensor, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
         n = flat_dev.numel() - num_extra

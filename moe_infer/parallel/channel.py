@@ -4,11 +4,10 @@
                               message there)
     send_header / recv_header a header from rank (s, i) to rank (s + 1, i): every rank of a stage receives from the
                               same in-stage index of the previous stage, so no later stage broadcasts
-    broadcast_payload(buf)    stage 0: the driver's step inputs into the same range of every rank's buffer
+    broadcast_payload(buf)    stage 0: the driver's step inputs into the same range of every rank's buffer (where the
+                              step's graphs do not broadcast them themselves: moe_infer/engine/step_paths.py)
     send_payload / recv_payload, send_hidden / recv_hidden   the inputs and the stage's output hidden states [T, D]
                               to the next stage, into the receiver's buffers
-    broadcast_tokens          stage 0 (pp = 1, async scheduling): the sampled ids of a step, from the driver, for the
-                              next step's inputs (they never visit a host)
     send_result / recv        the last stage's sampled tokens to the driver (float64, CPU: the driver's scheduler
                               reads them on the host anyway)
 
@@ -16,8 +15,9 @@ Headers (and the host ints, inline when they fit: HOST_INLINE, 256 decoding sequ
 and the pickled params of new requests go over the CPU (gloo) control groups, which wait as long as a rank idles
 between requests; everything else over the device groups (NCCL on GPU), stream-ordered, which time out after
 `parallel.timeout_s`. So a step costs one host message per rank: its header (the driver: the sampled tokens of
-the last stage, with pipeline stages). Sends are asynchronous (`isend`) from a copy of the data: the sender goes on
-with its next step (whose graphs overwrite their buffers), and keeps the copies until `retire` sees them through.
+the last stage, with pipeline stages). The driver's sends are asynchronous (its header broadcast, `isend` from a copy
+of the data between stages): it goes on with its next step (whose graphs overwrite their buffers), and keeps the
+data until `retire` sees the sends through.
 A failed transfer raises the mesh's `MeshError` naming the peer.
 
 Legend: T tokens of the step, D hidden, S sampled tokens, U payload bytes.
@@ -68,38 +68,32 @@ class StepChannel:
 
     # ---- the first stage: the driver's step to its peers -------------------------------------
     def broadcast_header(self, msg: Optional[StepMessage]) -> StepMessage:
-        """The driver passes its message; the other ranks of stage 0 pass None and get the header (+ host, side)."""
-        ctrl = self.ctx.stage_control_group
+        """The driver passes its message and goes on (the broadcast runs on gloo's thread: `retire` sees it through);
+        the other ranks of stage 0 pass None and wait for the header (+ host, side)."""
+        ctrl, driver = self.ctx.stage_control_group, msg is not None
         try:
-            head = _head(msg) if msg is not None else torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
-            dist.broadcast(head, src=0, group=ctrl)
+            head = _head(msg) if driver else torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
+            parts = [head]
+            work = [dist.broadcast(head, src=0, group=ctrl, async_op=driver)]
             header, host, h = _split(head)
             if host is None:
-                host = msg.host if msg is not None else torch.empty(h[H_NUM_HOST], dtype=torch.int64)
-                dist.broadcast(host, src=0, group=ctrl)
-            side = msg.side if msg is not None else torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
+                host = msg.host if driver else torch.empty(h[H_NUM_HOST], dtype=torch.int64)
+                parts.append(host)
+                work.append(dist.broadcast(host, src=0, group=ctrl, async_op=driver))
+            side = msg.side if driver else torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
             if h[H_NUM_SIDE]:
-                dist.broadcast(side, src=0, group=ctrl)
+                parts.append(side)
+                work.append(dist.broadcast(side, src=0, group=ctrl, async_op=driver))
         except RuntimeError as err:
-            raise self._fail("the step broadcast of the first stage", err, None if msg is not None else 0) from err
-        return StepMessage(header, host, side, msg.payload if msg is not None else None)
+            raise self._fail("the step broadcast of the first stage", err, None if driver else 0) from err
+        if driver:
+            self._sent.append([x for pair in zip(work, parts) for x in pair])
+        return StepMessage(header, host, side, msg.payload if driver else None)
 
     def broadcast_payload(self, buf_U: torch.Tensor) -> None:
         """The driver's step inputs (its payload) into buf_U on every rank of stage 0 (the driver passes its own)."""
-        self._broadcast(buf_U, "the step's inputs")
+        self.ctx.stage_broadcast(buf_U)
 
-    def broadcast_tokens(self, tokens_S: Optional[torch.Tensor], num: int) -> torch.Tensor:
-        """The driver's sampled ids of a step (int64 [S]) on every rank of stage 0; the others pass None and num."""
-        if tokens_S is None:
-            tokens_S = torch.empty(num, dtype=torch.int64, device=self.device)
-        self._broadcast(tokens_S, "the sampled tokens")
-        return tokens_S
-
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        try:
-            dist.broadcast(tensor, src=0, group=self.ctx.stage_group)
-        except RuntimeError as err:
-            raise self._fail(f"broadcasting {what} over the first stage", err) from err
 
     # ---- stage s -> stage s + 1 ----------------------------------------------------------------
     def send_header(self, msg: StepMessage, dst: int) -> None:

@@ -188,6 +188,14 @@ class ParallelContext:
         dispatcher.per_layer = bool(dispatcher.layer_placements) or self.cfg.enable_eplb
         return dispatcher
 
+    def stage_broadcast(self, tensor: torch.Tensor) -> None:
+        """tensor from the driver (rank 0) to every rank of the first stage, over the device group, in place."""
+        try:
+            dist.broadcast(tensor, src=0, group=self.stage_group)
+        except RuntimeError as err:
+            ranks = [self.dims.rank_of(0, i) for i in range(self.dims.stage_size)]
+            raise self.failure("broadcasting the step's inputs over the first stage", err, ranks) from err
+
     # ---- control messages (CPU, gloo) ---------------------------------------------------------
     def broadcast_object(self, obj: Any) -> Any:
         """obj from rank 0 (the driver) to every rank; identity on a single rank."""

@@ -3,12 +3,12 @@
 Per step: the header (broadcast by the driver on the first stage, from the previous stage's rank of the same
 in-stage index elsewhere: the step's one host message); the inputs over the device group, into the buffer of
 the step's path (`runner.paths.receive`: the same bytes at the same place as on the driver, so the same CUDA
-graphs read them); on stages after the first the previous stage's hidden states, into the graphs' buffer; then the
-same forward as the driver's (graphs replayed, their collectives inside). A rank of the last stage computes the
-logits; the sampler (the first rank of the last stage, when it is not the driver: pipeline stages) samples and sends
-the tokens back to the driver. A stage before the last passes header, inputs and hidden states on. With async
-scheduling the driver's sampled ids of each step come over the device group (`FLAG_SEND_TOKENS`), and the next
-step's inputs take them on the device: this rank's host never waits on its device.
+graphs read them; on the first stage the replayed graphs broadcast them themselves); on stages after the first the
+previous stage's hidden states, into the graphs' buffer; then the same forward as the driver's (graphs replayed,
+their collectives inside). A rank of the last stage computes the logits; the sampler (the first rank of the last
+stage, when it is not the driver: pipeline stages) samples and sends the tokens back to the driver. A stage before
+the last passes header, inputs and hidden states on. With async scheduling the input ids that the step before
+sampled are filled in on the driver before the inputs leave: this rank's host never waits on its device.
 
 Failures: a forward that raises on the first stage is logged and skipped (it raised on the driver too, which
 fails the step's requests: `pipeline.StepFailed`); on a later stage it stops the mesh (the driver would otherwise
@@ -16,6 +16,7 @@ wait for that batch forever).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, List
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from moe_infer.parallel.channel import StepChannel
 from moe_infer.parallel.health import MeshError
-from moe_infer.parallel.step_message import FLAG_SEND_TOKENS, KIND_END, counts_of, pack_result
+from moe_infer.parallel.step_message import KIND_END, counts_of, pack_result
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ def serve(ctx: Any, runner: Any) -> List[Any]:
     channel = StepChannel(ctx, runner.arch.hidden_size, runner.dtype)
     is_sampler = ctx.rank == ctx.sampler_rank
     first, last = ctx.is_first_stage, ctx.is_last_stage
-    tokens_S = None  # the sampled ids of the step before (async scheduling), on the device
     with torch.inference_mode():
         while True:
             msg = channel.broadcast_header(None) if first else channel.recv_header(ctx.prev_rank)
@@ -48,19 +48,12 @@ def serve(ctx: Any, runner: Any) -> List[Any]:
                 finished, reqs = runner.decoder.decode(msg)
                 runner.sampler.forget(finished)
             sizes, path, num_extra, num_bytes = runner.message_layout(msg)
-            received: List[torch.Tensor] = []
-
-            def fill(buf_U: torch.Tensor) -> None:
-                received.append(buf_U)
-                if first:
-                    channel.broadcast_payload(buf_U)
-                else:
-                    channel.recv_payload(buf_U, ctx.prev_rank)
-
+            if not first:
+                fill = functools.partial(channel.recv_payload, src=ctx.prev_rank)
+            else:  # the first stage: the driver's broadcast, inside the replayed graphs where they do it
+                fill = None if runner.paths.broadcasts_inside(path) else channel.broadcast_payload
             try:
-                inputs, extra_X = runner.paths.receive(path, sizes, num_extra, num_bytes, fill)
-                if num_extra:
-                    runner.fill_placeholders(inputs, extra_X, tokens_S)
+                inputs, _, payload = runner.paths.receive(path, sizes, num_extra, num_bytes, fill)
                 hidden_in = None
                 if not first:
                     hidden_in = runner.hidden_input(path, inputs)
@@ -77,14 +70,12 @@ def serve(ctx: Any, runner: Any) -> List[Any]:
                 continue
             if not last:
                 channel.send_header(msg, ctx.next_rank)
-                channel.send_payload(received[0], ctx.next_rank)
+                channel.send_payload(payload, ctx.next_rank)  # after the forward: received by then
                 channel.send_hidden(hidden_TD, ctx.next_rank)
             elif is_sampler and ctx.dims.pp > 1:
                 out = sampled.result() if sampled is not None else None
                 tokens, logprobs = (out.token_ids, out.logprobs) if out is not None else ([], [])
                 channel.send_result(pack_result(tokens, logprobs, counts_of(reqs)))
-            if msg.flags & FLAG_SEND_TOKENS:
-                tokens_S = channel.broadcast_tokens(None, sizes[2])
             channel.retire(keep=3 * ctx.dims.pp)
     channel.retire()
     merge_stage_stats(ctx, runner)

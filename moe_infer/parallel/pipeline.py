@@ -10,18 +10,19 @@ returns a finished batch (plan, tokens, logprobs) or None while batches are stil
                     message) and the laid-out bytes over the device group (NCCL), into the same buffer of every
                     rank; replay the same graphs as every rank of the stage (their collectives inside); sample.
                     Without pipeline stages and with async scheduling (`lookahead`) it launches step n+1 before it
-                    waits for step n's tokens, as the one-rank AsyncStepExecutor does; the sampled ids of step n
-                    go to the other ranks over the device group, where step n+1's inputs take them, so no rank's
-                    host waits on its device. With pipeline stages it sends the header, the inputs and its hidden
+                    waits for step n's tokens, as the one-rank AsyncStepExecutor does: step n+1's input ids take
+                    step n's sampled ids on the driver's device before the inputs leave, so they reach the other
+                    ranks with them and no rank's host waits on its device. With pipeline stages it sends the header, the inputs and its hidden
                     states to the next stage and keeps up to pp batches in flight (the scheduler skips their
                     sequences), taking back the oldest batch's tokens from the last stage when pp are out.
 
 What crosses between the ranks per step, and its size (T tokens, B sequences, M blocks per sequence, D hidden):
-the header, 8.4 KB on the host (13 ints, the sampler's host ints when the sampler is another rank); the inputs,
-about 25 bytes a token + 8 a sequence + 4 a block-table entry, padding included (a decode step at batch 64 with
-4k-token tables: ~70 KB); with async scheduling the step's sampled ids, 8 bytes each; with pipeline stages the
-hidden states, T x D values per stage boundary. The layers' collectives (TP all-reduces, EP reductions) are inside
-the graphs.
+the header, 8.4 KB on the host (13 ints, the sampler's host ints when the sampler is another rank), sent without
+waiting for it; the inputs, about 25 bytes a token + 8 a sequence + 4 a block-table entry, padding included (a
+decode step at batch 64 with 4k-token tables: ~70 KB), broadcast by the replayed graphs themselves on the first
+stage (a step run eagerly broadcasts them before its forward); with pipeline stages the inputs and the hidden
+states, T x D values, per stage boundary. The layers' collectives (TP all-reduces, EP reductions) are inside the
+graphs.
 
 A step whose forward raises on the first stage fails that plan's requests only (`StepFailed`; the
 other ranks of the stage log it and go on). A failed collective or transfer is a `MeshError`: the
@@ -93,7 +94,8 @@ class MeshExecutor(LocalExecutor):
         if self.depth == 1:
             runner.sampler.forget(plan.finished_seq_ids)
         if plan.is_empty:
-            runner.encoder.note_finished(plan.finished_seq_ids)
+            if self.ctx.sampler_rank != self.ctx.rank:  # that rank forgets them with the next step
+                runner.encoder.note_finished(plan.finished_seq_ids)
             return self._collect() if self.in_flight else None
         prev = self.in_flight[-1] if self.lookahead and self.in_flight else None
         try:
@@ -103,8 +105,8 @@ class MeshExecutor(LocalExecutor):
         except Exception as err:  # noqa: BLE001 - deterministic on every rank of the stage: they skip it too
             raise StepFailed(plan, err) from err
         self.in_flight.append(step)
+        self.channel.retire(keep=3 * self.depth)  # the sends of the last steps may still run; older ones are through
         if self.depth > 1:
-            self.channel.retire(keep=3 * self.depth)
             return self._collect() if len(self.in_flight) >= self.depth else None
         return self._collect() if len(self.in_flight) > int(self.lookahead) else None
 
@@ -114,20 +116,16 @@ class MeshExecutor(LocalExecutor):
         flat, sizes, num_extra = runner.lay_out(plan, prev)
         path = runner.paths.choose(sizes)
         inputs, extra_X, payload = runner.paths.load(path, flat, sizes, num_extra)
-        send_tokens = self.lookahead and sizes[2] > 0
-        msg = runner.encoder.encode(plan, sizes, path, num_extra, payload, send_tokens,
-                                    for_sampler=ctx.sampler_rank != ctx.rank)
-        channel.broadcast_header(msg)
-        channel.broadcast_payload(payload)
-        if num_extra:
+        if num_extra:  # before the inputs leave: the other ranks get the ids of the step in flight with them
             runner.fill_placeholders(inputs, extra_X, prev.sampled.token_ids_B)
+        msg = runner.encoder.encode(plan, sizes, path, num_extra, payload, for_sampler=ctx.sampler_rank != ctx.rank)
+        channel.broadcast_header(msg)
+        if not runner.paths.broadcasts_inside(path):  # else the replayed graphs broadcast them first
+            channel.broadcast_payload(payload)
         runner.before_forward(inputs)
         hidden_TD, logits_TV = runner.forward_step(inputs)
         if self.depth == 1:
-            sampled = runner.sample(inputs, hidden_TD, runner.plan_requests(plan), logits_TV)
-            if send_tokens:
-                channel.broadcast_tokens(sampled.token_ids_B, 0)
-            return runner.launched(plan, sampled)
+            return runner.launched(plan, runner.sample(inputs, hidden_TD, runner.plan_requests(plan), logits_TV))
         channel.send_header(msg, ctx.next_rank)
         channel.send_payload(payload, ctx.next_rank)
         channel.send_hidden(hidden_TD, ctx.next_rank)

@@ -30,7 +30,6 @@ KIND_STEP, KIND_END = 1, 2
  H_NUM_SIDE, H_PAYLOAD_BYTES, H_FLAGS, H_PATH, H_NUM_EXTRA) = range(13)
 HEADER_LEN = 13
 FLAG_RESET_STATS = 1  # reset the expert-load statistics before this step
-FLAG_SEND_TOKENS = 2  # async scheduling: the driver broadcasts this step's sampled ids over the stage after sampling
 # the step's path: where its inputs lie and what runs it (moe_infer/engine/step_paths.py)
 PATH_EAGER, PATH_DECODE_GRAPH, PATH_EXTEND_GRAPH = 0, 1, 2
 
