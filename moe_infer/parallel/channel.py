@@ -68,27 +68,43 @@ class StepChannel:
 
     # ---- the first stage: the driver's step to its peers -------------------------------------
     def broadcast_header(self, msg: Optional[StepMessage]) -> StepMessage:
-        """The driver passes its message and goes on (the broadcast runs on gloo's thread: `retire` sees it through);
-        the other ranks of stage 0 pass None and wait for the header (+ host, side)."""
-        ctrl, driver = self.ctx.stage_control_group, msg is not None
+        """The driver passes its message and goes on (the broadcast runs on gloo's thread: `retire` sees it through;
+        nothing is sent in a first stage of one rank); the other ranks of stage 0 pass None and wait for the header
+        (+ host, side)."""
+        if msg is not None:
+            if self.ctx.dims.stage_size > 1:
+                self._send_header_to_stage(msg)
+            return msg
+        ctrl = self.ctx.stage_control_group
         try:
-            head = _head(msg) if driver else torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
-            parts = [head]
-            work = [dist.broadcast(head, src=0, group=ctrl, async_op=driver)]
+            head = torch.empty(HEADER_LEN + HOST_INLINE, dtype=torch.int64)
+            dist.broadcast(head, src=0, group=ctrl)
             header, host, h = _split(head)
             if host is None:
-                host = msg.host if driver else torch.empty(h[H_NUM_HOST], dtype=torch.int64)
-                parts.append(host)
-                work.append(dist.broadcast(host, src=0, group=ctrl, async_op=driver))
-            side = msg.side if driver else torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
+                host = torch.empty(h[H_NUM_HOST], dtype=torch.int64)
+                dist.broadcast(host, src=0, group=ctrl)
+            side = _EMPTY_SIDE
             if h[H_NUM_SIDE]:
-                parts.append(side)
-                work.append(dist.broadcast(side, src=0, group=ctrl, async_op=driver))
+                side = torch.empty(h[H_NUM_SIDE], dtype=torch.uint8)
+                dist.broadcast(side, src=0, group=ctrl)
         except RuntimeError as err:
-            raise self._fail("the step broadcast of the first stage", err, None if driver else 0) from err
-        if driver:
-            self._sent.append([x for pair in zip(work, parts) for x in pair])
-        return StepMessage(header, host, side, msg.payload if driver else None)
+            raise self._fail("the step broadcast of the first stage", err, 0) from err
+        return StepMessage(header, host, side)
+
+    def _send_header_to_stage(self, msg: StepMessage) -> None:
+        """The driver's side of `broadcast_header`, asynchronous, straight on the process group (dist.broadcast's
+        Python layers took 2.5x the time of this call on a CPU: it is on the path of every step)."""
+        ctrl, opts = self.ctx.stage_control_group, dist.BroadcastOptions()
+        opts.rootRank = 0  # the driver: rank 0 of the first stage's group
+        parts = [_head(msg)] + ([msg.host] if msg.host.numel() > HOST_INLINE else []) + \
+            ([msg.side] if msg.side.numel() else [])
+        step: List = []
+        try:
+            for tensor in parts:
+                step += [ctrl.broadcast([tensor], opts), tensor]
+        except RuntimeError as err:
+            raise self._fail("the step broadcast of the first stage", err) from err
+        self._sent.append(step)
 
     def broadcast_payload(self, buf_U: torch.Tensor) -> None:
         """The driver's step inputs (its payload) into buf_U on every rank of stage 0 (the driver passes its own)."""

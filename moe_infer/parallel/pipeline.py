@@ -118,8 +118,10 @@ class MeshExecutor(LocalExecutor):
         inputs, extra_X, payload = runner.paths.load(path, flat, sizes, num_extra)
         if num_extra:  # before the inputs leave: the other ranks get the ids of the step in flight with them
             runner.fill_placeholders(inputs, extra_X, prev.sampled.token_ids_B)
-        msg = runner.encoder.encode(plan, sizes, path, num_extra, payload, for_sampler=ctx.sampler_rank != ctx.rank)
-        channel.broadcast_header(msg)
+        msg = None
+        if ctx.dims.world_size > 1:  # a mesh of one rank (parallel.force_mesh) has nobody to tell
+            msg = runner.encoder.encode(plan, sizes, path, num_extra, payload, for_sampler=ctx.sampler_rank != ctx.rank)
+            channel.broadcast_header(msg)
         if not runner.paths.broadcasts_inside(path):  # else the replayed graphs broadcast them first
             channel.broadcast_payload(payload)
         runner.before_forward(inputs)
@@ -150,7 +152,8 @@ class MeshExecutor(LocalExecutor):
         while self.in_flight:
             self._collect()
         end = end_message()
-        self.channel.broadcast_header(end)
+        if self.ctx.dims.world_size > 1:
+            self.channel.broadcast_header(end)
         if self.depth > 1:
             self.channel.send_header(end, self.ctx.next_rank)
         self.channel.retire()
