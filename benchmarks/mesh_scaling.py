@@ -77,10 +77,7 @@ def measure_device(device: torch.device) -> dict:
 
     copy_s = best(lambda: b.copy_(a))
     gemm_s = best(lambda: x @ x)
-    out = dict(hbm_gbps=2 * n / copy_s / 1e9, tflops=2 * 8192 ** 3 / gemm_s / 1e12, gpu=torch.cuda.get_device_name())
-    del a, b, x
-    torch.cuda.empty_cache()
-    return out
+    return dict(hbm_gbps=2 * n / copy_s / 1e9, tflops=2 * 8192 ** 3 / gemm_s / 1e12, gpu=torch.cuda.get_device_name())
 
 
 def weight_bytes(dims: dict) -> float:
@@ -300,6 +297,8 @@ def main() -> None:
     P, N = (16, 8) if args.tiny else (args.prompt_len, args.new_tokens)
     prefill = (2, 64) if args.tiny else tuple(int(v) for v in args.prefill.split("x"))
     rates = measure_device(device)
+    if cuda:
+        torch.cuda.empty_cache()  # the measurement's buffers
     hbm, flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12
     mem = torch.cuda.get_device_properties(0).total_memory if cuda else 1 << 40
     models = {"small": TINY if args.tiny else SMALL, "large": TINY_LARGE if args.tiny else LARGE}

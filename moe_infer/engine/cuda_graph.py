@@ -18,11 +18,14 @@ rows are harmless: they write no KV slot (slot -1), attend over one key of block
 out of the expert-load statistics through the forward context's `valid_T`; their outputs are
 never read.
 
-Used only where the step is capturable and padding cannot change the result: CUDA, one rank (no
-tensor, pipeline or expert parallelism), the resident expert store (an offloading store decides
-copies on the host per layer), the dropless policy (a capacity would grow with padding) and
-an experts backend that runs without host syncs (one that declares `fused_experts`). Anything else,
-or a capture that fails, runs eagerly (the failure is logged once).
+Used only where the step is capturable and padding cannot change the result: CUDA, the resident expert store
+(an offloading store decides copies on the host per layer), the dropless policy (a capacity would grow with
+padding), an experts backend that runs without host syncs (one that declares `fused_experts`) and, under
+expert parallelism, a dispatcher without host syncs (`graph_safe`: the reduce dispatcher). Anything else, or a
+capture that fails, runs eagerly (the failure is logged once). Under a mesh every rank captures and replays
+the same graphs, their collectives inside (tensor-parallel all-reduces, the EP reduction, the LM head's
+all-gather and, as the graphs' `prologue` on the first stage, the broadcast of the driver's inputs); a capture
+that fails there stops the engine (`MeshError`), since that rank could not keep in step with the others.
 
 Legend: B sequences of the step (one token each), Bp padded batch, Bmax largest capture size,
 M blocks per sequence of the whole table, Mp blocks of the context bucket, D hidden.
@@ -106,15 +109,17 @@ def replay_graph(owner, key, capture: Callable[[], Tuple[List[torch.cuda.CUDAGra
     """The static output of owner's graphs for key after replaying them in order, captured first when new
     (`capture()` -> (graphs, output); owner: .graphs, .runs, .disabled, .mesh); None when the capture failed:
     owner.disabled says why and the caller runs that step, and every later one, eagerly. Under a mesh (owner.mesh)
-    a failed capture raises instead: the other ranks replay theirs, and a rank that fell back to eager steps
-    would not run its collectives in step with them."""
+    a failed capture raises the mesh's MeshError instead: the other ranks replay theirs, and a rank that fell back to
+    eager steps would not run its collectives in step with them."""
     if key not in owner.graphs:
         try:
             owner.graphs[key] = capture()
         except Exception as err:  # noqa: BLE001 - any capture failure means: run these steps eagerly
-            if getattr(owner, "mesh", False):
-                raise RuntimeError(f"CUDA graph capture failed under a mesh for {what} (model.enforce_eager=true runs "
-                                   f"every step eagerly): {type(err).__name__}: {err}") from err
+            if getattr(owner, "mesh", False):  # not one step's failure: this rank cannot keep in step any more
+                from moe_infer.parallel.health import MeshError
+
+                raise MeshError(f"CUDA graph capture failed under a mesh for {what} (model.enforce_eager=true runs "
+                                f"every step eagerly): {type(err).__name__}: {err}") from err
             torch.cuda.synchronize()
             owner.disabled = f"{type(err).__name__}: {err}"
             logger.warning("CUDA graph capture failed for %s; those steps run eagerly from now on (%s)", what,

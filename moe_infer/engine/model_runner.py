@@ -33,7 +33,7 @@ from moe_infer.engine.backends import offload_manager, resolve_moe_backends
 from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
 from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.layer_graphs import LayerGraphs
-from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler, SamplerOutput
+from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import (
     LaunchedStep, Sizes, StepDecoder, StepEncoder, StepInputs, flat_inputs, message_layout, per_plan_entry,
@@ -142,7 +142,7 @@ class ModelRunner:
         """On the first pipeline stage of a mesh: the broadcast of the driver's step inputs over the stage, which the
         graphs run first in every replayed step (no host time of its own); None elsewhere."""
         ctx = self.parallel
-        return ctx.stage_broadcast if ctx.is_distributed and ctx.is_first_stage else None
+        return ctx.stage_broadcast if ctx.is_distributed and ctx.is_first_stage and ctx.stage_axis().communicates else None
 
     def _hidden_in(self):
         """(hidden size, dtype) of the previous stage's hidden states a stage after the first reads; None on the first."""

@@ -48,6 +48,7 @@ class ParallelContext:
     stage_control_group: Optional[dist.ProcessGroup] = None
     results_group: Optional[dist.ProcessGroup] = None
     failed: bool = False  # a MeshError was raised: exit without a collective teardown
+    _stage_axis: Optional[ShardGroup] = None  # `stage_axis`, made once
 
     # ---- where this rank sits -----------------------------------------------------------------
     @property
@@ -131,8 +132,7 @@ class ParallelContext:
         if tp.communicates and moe_tp.communicates and (dist.get_process_group_ranks(tp.group)
                                                         == dist.get_process_group_ranks(moe_tp.group)):
             moe_tp = tp  # the same ranks: the MoE layer then sums routed and shared experts in one all-reduce
-        stage_axis = tp if tp.size == self.dims.stage_size else self._axis(self.stage_mesh, "stage", self.dims.stage_size)
-        return ModelShard(tp=tp, moe_tp=moe_tp, stage_axis=stage_axis, layer_start=start, layer_end=end,
+        return ModelShard(tp=tp, moe_tp=moe_tp, stage_axis=self.stage_axis(tp), layer_start=start, layer_end=end,
                           is_first_stage=self.is_first_stage,
                           is_last_stage=self.is_last_stage, stage=self.stage, num_stages=self.dims.pp)
 
@@ -188,10 +188,24 @@ class ParallelContext:
         dispatcher.per_layer = bool(dispatcher.layer_placements) or self.cfg.enable_eplb
         return dispatcher
 
+    def stage_axis(self, tp: Optional[ShardGroup] = None) -> ShardGroup:
+        """Every rank of this rank's stage as one axis: the tensor-parallel axis itself where it spans the stage, so
+        that a step's graphs hold the collectives of one communicator (NCCL has seen CUDA deadlock when graphs
+        holding several communicators' operations are launched from one thread)."""
+        if self._stage_axis is None:
+            tp = self._axis(self.mesh, "tp", self.dims.tp) if tp is None else tp
+            self._stage_axis = (tp if tp.size == self.dims.stage_size else
+                                self._axis(self.stage_mesh, "stage", self.dims.stage_size))
+        return self._stage_axis
+
     def stage_broadcast(self, tensor: torch.Tensor) -> None:
-        """tensor from the driver (rank 0) to every rank of the first stage, over the device group, in place."""
+        """tensor from the driver (rank 0) to every rank of the first stage, over the device group, in place (nothing
+        to do in a stage of one rank, unless parallel.force_mesh keeps its collectives)."""
+        axis = self.stage_axis()
+        if not axis.communicates:
+            return
         try:
-            dist.broadcast(tensor, src=0, group=self.stage_group)
+            dist.broadcast(tensor, src=0, group=axis.group)
         except RuntimeError as err:
             ranks = [self.dims.rank_of(0, i) for i in range(self.dims.stage_size)]
             raise self.failure("broadcasting the step's inputs over the first stage", err, ranks) from err

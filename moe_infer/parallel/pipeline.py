@@ -12,9 +12,10 @@ returns a finished batch (plan, tokens, logprobs) or None while batches are stil
                     Without pipeline stages and with async scheduling (`lookahead`) it launches step n+1 before it
                     waits for step n's tokens, as the one-rank AsyncStepExecutor does: step n+1's input ids take
                     step n's sampled ids on the driver's device before the inputs leave, so they reach the other
-                    ranks with them and no rank's host waits on its device. With pipeline stages it sends the header, the inputs and its hidden
-                    states to the next stage and keeps up to pp batches in flight (the scheduler skips their
-                    sequences), taking back the oldest batch's tokens from the last stage when pp are out.
+                    ranks with them and no rank's host waits on its device. With pipeline stages it sends the
+                    header, the inputs and its hidden states to the next stage and keeps up to pp batches in flight
+                    (the scheduler skips their sequences), taking back the oldest batch's tokens from the last
+                    stage when pp are out.
 
 What crosses between the ranks per step, and its size (T tokens, B sequences, M blocks per sequence, D hidden):
 the header, 8.4 KB on the host (13 ints, the sampler's host ints when the sampler is another rank), sent without
@@ -35,7 +36,6 @@ from collections import deque
 from typing import Any, Deque, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from moe_infer.parallel.channel import StepChannel
 from moe_infer.parallel.follower import merge_stage_stats

@@ -3,10 +3,10 @@
     torchrun --nproc-per-node N tests/dist/ep_rebalance_worker.py OUT_JSON PLACEMENT_JSON [--device cuda]
 
 The trained tiny model (skewed routing, so re-plans move experts), EP over all ranks, one replica
-slot per rank. For each case rank 0 writes the greedy tokens with and without re-balancing, and
-(exact dispatcher) with the planner's per-layer placement file plus re-balancing; every rank
-checks that after each re-balancing run its slots hold the checkpoint's weights of the experts its
-layers' placements name, and counts the slots it received. --device cuda: one GPU a rank, NCCL.
+slot per rank. For each case (exact, capacity and reduce dispatchers) rank 0 writes the greedy tokens with and
+without re-balancing, and (exact dispatcher) with the planner's per-layer placement file plus re-balancing; every
+rank checks that after each re-balancing run its slots hold the checkpoint's weights of the experts its layers'
+placements name, and counts the slots it received. --device cuda: one GPU a rank, NCCL.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from moe_infer.models import load_model  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef walk", "x = ["]
 CASES = [("exact", "dropless", False), ("capacity", "drop", False),  # (dispatcher, routing policy,
-         ("exact", "dropless", True)]  # the planner's per-layer placement file instead of the replicas)
+         ("exact", "dropless", True),  # the planner's per-layer placement file instead of the replicas)
+         ("reduce", "dropless", False)]  # no tokens move: the owner tables are rewritten in place
 
 
 def slots_hold_checkpoint_weights(llm, reference) -> bool:

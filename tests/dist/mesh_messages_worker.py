@@ -24,7 +24,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
