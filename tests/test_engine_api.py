@@ -42,6 +42,10 @@ def test_bad_requests_fail_alone(llm):
     assert off.get_expert_load() == []
     big = off.generate([ids(3, 4)], SamplingParams(logprobs=1000), use_tqdm=False)[0].outputs[0]
     assert big.finish_reason == "error" and "exceeds the vocabulary size 160" in big.error
+    # a stop token the model cannot produce (one past int64 made the forward fail: schemathesis found it)
+    for stop in ([160], [2**64]):
+        bad = off.generate([ids(3, 4)], SamplingParams(stop_token_ids=stop, min_tokens=2), use_tqdm=False)[0].outputs[0]
+        assert bad.finish_reason == "error" and f"stop_token_ids {stop} are outside the vocabulary" in bad.error
     assert all(len(outs[i].outputs[0].token_ids) == 12 for i in (0, 4))
     assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)  # in order
 

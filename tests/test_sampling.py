@@ -87,6 +87,14 @@ def test_top_p_never_outside_the_nucleus():
     assert draw(temperature=1.0, top_p=0.4)[1:].sum() == 0  # the top token alone reaches 0.4
 
 
+def test_top_k_above_the_vocabulary_keeps_every_token():
+    """A top_k larger than the vocabulary (the server allows any) is every token; past int64 it once made the step
+    fail (schemathesis found it)."""
+    for k in (V + 5, 2**64):
+        out = sampler(seed=3)(LOGITS.repeat(64, 1), reqs(64, temperature=1.0, top_k=k, seed=5))
+        assert out.token_ids == sampler(seed=3)(LOGITS.repeat(64, 1), reqs(64, temperature=1.0, seed=5)).token_ids
+
+
 def test_top_k_then_top_p_and_min_p():
     freq = draw(temperature=1.0, top_k=2, top_p=0.5)  # renormalised top-2: 0.615, 0.385 -> token 0 only
     assert freq[0] == 1.0

@@ -70,6 +70,10 @@ class PromptLimits:
             return f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
         if params.stop_strings and not self.has_tokenizer:
             return "stop strings need a tokenizer, and this checkpoint has none"
+        if self.vocab_size is not None:
+            bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+            if bad:
+                return f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
         return None
 
     def ids_error(self, ids: Union[Sequence[int], np.ndarray]) -> Optional[str]:

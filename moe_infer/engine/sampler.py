@@ -232,7 +232,7 @@ class Sampler:
             sorted_BV, order_BV = probs_BV.sort(-1, descending=True)
             remove_BV = torch.zeros_like(sorted_BV, dtype=torch.bool)
             if use_k:
-                k_B1 = _on(dev, [p.top_k if p.top_k != -1 else V for p in ps]).unsqueeze(1)
+                k_B1 = _on(dev, [min(p.top_k, V) if p.top_k != -1 else V for p in ps]).unsqueeze(1)  # k > V: all
                 remove_BV |= torch.arange(V, device=dev).unsqueeze(0) >= k_B1
                 sorted_BV = sorted_BV.masked_fill(remove_BV, 0.0)
             if use_p:  # nucleus of the (top-k renormalised) distribution; the top token always stays
