@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 COLS = ("route", "dispatch", "dispatch_steps", "dispatch_mb2", "dispatch_mb4", "experts", "combine", "layer",
-        "layer_overlap", "layer_overlap4", "raw_a2a")
-HEAD = ("route", "disp", "d_steps", "d_mb2", "d_mb4", "experts", "comb", "layer", "ovl2", "ovl4", "raw")
+        "layer_overlap", "layer_overlap4", "all_gather", "raw_a2a")
+HEAD = ("route", "disp", "d_steps", "d_mb2", "d_mb4", "experts", "comb", "layer", "ovl2", "ovl4", "gather", "raw")
 OVERLAPS = ("layer_overlap", "layer_overlap4")
 
 

@@ -3,9 +3,13 @@
     torchrun --nproc-per-node N benchmarks/expert_parallel.py [--models ...] [--tokens ...] --out PATH
 
 For each model shape (Qwen3-30B-A3B, DeepSeek-V3), tokens per rank T and dispatcher backend
-(`local` at EP=1; `exact` and `capacity` at EP>1), each rank holds E/ep experts (bf16) and its own
+(`local` at EP=1; `exact`, `capacity` and `reduce` at EP>1), each rank holds E/ep experts (bf16) and its own
 T random tokens; the router is real (gate GEMM + top-k; `capacity` adds the drop policy at
-capacity factor 1.0). The experts run as the layer runs them: the fused backend (Triton on CUDA)
+capacity factor 1.0). `reduce` is the engine's case of replicated tokens (attention tensor parallel or
+replicated in the stage): every rank holds the same ep x T tokens, runs its experts on the rows routed to
+them (`experts`) and one all-reduce of [ep x T, D] sums the ranks' outputs (`combine`); its `layer` is the
+per-layer cost to compare with an all-to-all backend's `layer` + `all_gather` (the replicated engine
+all-gathers the ranks' T outputs after an all-to-all), for the same ep x T tokens of the layer. The experts run as the layer runs them: the fused backend (Triton on CUDA)
 on the received buffer as it lies (no regroup). Timed, each alone:
   route      gate GEMM + top-k (+ drop policy)
   dispatch   plan, send-buffer pack, count exchange (exact), payload all-to-all, received ids
@@ -17,6 +21,7 @@ on the received buffer as it lies (no regroup). Timed, each alone:
   experts    the fused experts on the received rows (EP=1: the whole fused path on x_TD)
   combine    all-to-all back, top-k sum
   layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches)
+  all_gather the ep x T outputs from every rank's T (what an all-to-all costs more with replicated tokens)
   raw_a2a    a bare all_to_all_single of the dispatch payload's bytes (equal splits)
 Two timings of each (benchmarks/ep_timing.py): `graph` = CUDA-graph replay, median (the GPU's
 time; the capacity backend, local and raw all-to-all: the exact backend syncs with the host and
@@ -56,7 +61,7 @@ from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
           "tiny": (8, 2, 64, 32)}  # E, K, D, F; tiny: a CPU smoke run
 STAGES = ("route", "dispatch", "dispatch_steps", "dispatch_mb2", "dispatch_mb4", "experts", "combine", "layer",
-          "layer_overlap", "layer_overlap4", "raw_a2a")
+          "layer_overlap", "layer_overlap4", "all_gather", "raw_a2a")
 OVERLAP = {"layer_overlap": 2, "layer_overlap4": 4}  # micro-batches of each overlap stage
 
 
@@ -65,6 +70,18 @@ def stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep: int) -> dict:
     T, D, dev = x_TD.shape[0], x_TD.shape[1], x_TD.device
     if ep == 1:
         return {"experts": lambda: fused_fn(x_TD, ids_TK, w_TK), "layer": lambda: fused_fn(x_TD, ids_TK, w_TK)}
+    if getattr(disp, "returns_partial", False):  # reduce: x_TD holds every rank's tokens
+        def reduce_experts():
+            return disp.forward_experts(x_TD, ids_TK, w_TK, None, fused_fn)
+
+        partial_TD = reduce_experts()
+
+        def reduce_layer():
+            out_TD = reduce_experts()
+            dist.all_reduce(out_TD, group=disp.group)
+            return out_TD
+        return {"experts": reduce_experts, "combine": lambda: dist.all_reduce(partial_TD, group=disp.group),
+                "layer": reduce_layer}
 
     def dispatch():
         plan = disp._plan(x_TD, ids_TK, w_TK, disp._slot_ranges(1), T)
@@ -101,8 +118,12 @@ def stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep: int) -> dict:
                     for m, p in enumerate(pending)]
         return run
 
+    out_TD = layer()
+    gathered_TD = out_TD.new_empty(ep * T, D)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / 2.11 name
     fns = {"dispatch": dispatch, "experts": experts, "combine": combine, "layer": layer, "plan": plan,
-           "dispatch_mb2": dispatch_mb(2), "dispatch_mb4": dispatch_mb(4)}
+           "dispatch_mb2": dispatch_mb(2), "dispatch_mb4": dispatch_mb(4),
+           "all_gather": lambda: all_gather(gathered_TD, out_TD, group=disp.group)}
     if hasattr(disp, "slot_pack_max_rows"):
         fns["dispatch_steps"] = dispatch_steps
     return fns
@@ -139,28 +160,30 @@ def bench_model(ctx, timer, name, tokens, backends, dtype, fused, routing_name, 
 
     for T in tokens:
         x_TD = torch.randn(T, D, device=dev, generator=torch.Generator(device=dev).manual_seed(100 + ctx.rank)).to(dtype)
+        x_all_TD = torch.randn(ep * T, D, device=dev, generator=torch.Generator(device=dev).manual_seed(99)).to(dtype)
         for backend in backends:
+            x_TD_b = x_all_TD if backend == "reduce" else x_TD
             policy = "drop" if backend == "capacity" else "dropless"
             routing = RoutingConfig(policy=policy)
             policy_fn = CAPACITY_POLICIES.get(policy)
             kw = dict(capacity_factor=routing.capacity_factor, min_capacity=routing.min_capacity)
 
             def route():
-                logits_TE = x_TD @ gate_ED.t()
+                logits_TE = x_TD_b @ gate_ED.t()
                 w_TK, ids_TK = select(logits_TE, spec, None)
                 return policy_fn(ids_TK, w_TK, logits_TE=logits_TE, spec=spec, **kw)
 
             disp = None
             if backend != "local":
                 ctx.cfg = ParallelConfig(ep=ep, dispatcher=backend, overlap=False, overlap_min_mb=0)
-                disp = ctx.make_dispatcher(E, K, routing, tokens_replicated=False)
+                disp = ctx.make_dispatcher(E, K, routing, tokens_replicated=backend == "reduce")
             ids_TK, w_TK = route()
-            fns = stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep)
+            fns = stage_fns(disp, x_TD_b, ids_TK, w_TK, fused_fn, ep)
             fns["route"] = route
             row = {"model": name, "E": E, "K": K, "D": D, "F": F_, "ep": ep, "tokens_per_rank": T, "backend": backend,
                    "graph_us": {}, "eager_us": {}, "errors": []}
             cols = D + weight_columns(dtype)
-            if disp is not None:
+            if "plan" in fns:
                 plan = fns.pop("plan")
                 t = torch.tensor([plan.num_send_rows], device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.ep_group)
@@ -169,7 +192,7 @@ def bench_model(ctx, timer, name, tokens, backends, dtype, fused, routing_name, 
                 fns["raw_a2a"] = raw_a2a_fn(ctx.ep_group, ep, int(t.item()), cols, dtype, dev)
             graphable = backend != "exact"
             for stage in STAGES:
-                if stage in OVERLAP and disp is not None:
+                if stage in OVERLAP and disp is not None and not getattr(disp, "returns_partial", False):
                     disp.overlap, disp.overlap_micro_batches = True, OVERLAP[stage]
                     fns[stage] = fns["layer"]
                 if stage not in fns:
@@ -199,7 +222,7 @@ def main() -> int:
     routing_name = resolve_name(ROUTING_BACKENDS, "auto", ctx.device, "routing.backend")
     fused = getattr(EXPERT_BACKENDS.get(experts_name), "fused_experts", fused_experts_ref)
     timer = Timer(ctx.device, ctx.world_group, args.iters)
-    backends = ("local",) if world == 1 else ("exact", "capacity")
+    backends = ("local",) if world == 1 else ("exact", "capacity", "reduce")
     dtype = getattr(torch, args.dtype)
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     rows = []
