@@ -7,7 +7,7 @@ Models (random weights, `model.load_format=dummy`: only a config.json is written
   small   Qwen3-30B-A3B's layer shape, 8 layers: fits one GPU, so the ratio to one GPU is the test
   large   Qwen3-30B-A3B's widths, 48 layers, 384 experts (~88B parameters, ~177 GB in bf16): fits no lent GPU
           alone; its one-GPU row is the roofline only
-Layouts, each a fresh process group (torchrun) of G ranks: "one GPU" (the plain engine, no mesh) and "mesh x1"
+Layouts, each a fresh process group (torchrun) of G ranks running benchmarks/mesh_scaling_worker.py: "one GPU" (the plain engine, no mesh) and "mesh x1"
 (parallel.force_mesh: the mesh's code path at degree 1, process groups of one rank), measured in one process in the
 order A B B A (the H200's power cap favours whatever runs first); then with N >= 2 GPUs tp=N, ep=N, pp=N and tp=N
 with ep=N (plus pp=2 x tp=N/2 from 4 GPUs). A layout whose weights would not fit its GPUs is skipped.
@@ -50,7 +50,6 @@ SMALL = dict(e2e.REAL, num_hidden_layers=8)
 LARGE = dict(e2e.REAL, num_hidden_layers=48, num_experts=384)
 TINY = dict(e2e.TINY, num_hidden_layers=4)
 TINY_LARGE = dict(e2e.TINY, num_hidden_layers=6, num_experts=16)
-TARGETS_2GPU = {"every_layout_b64_b256": 1.0, "best_b256": 1.5, "best_b1": 0.8, "large_b64_roofline": 0.60}
 
 
 # ------------------------------------------------------------------ the device's own figures
@@ -106,7 +105,7 @@ def world(tp: int, pp: int, ep: int) -> int:
 
 def decode_collectives(dims: dict, tp: int, pp: int, ep: int) -> dict:
     """Collectives a decode step runs in this layout: all-reduces of [B, D] over the stage, point-to-point sends of
-    [B, D] between stages (the step's input and sampled-token broadcasts are small and left out)."""
+    [B, D] between stages (the step's input broadcast and the LM head's all-gather are left out)."""
     L, stage = dims["num_hidden_layers"], world(tp, 1, ep)
     if stage == 1:
         return dict(all_reduce=0, p2p=pp - 1)
@@ -114,147 +113,17 @@ def decode_collectives(dims: dict, tp: int, pp: int, ep: int) -> dict:
     return dict(all_reduce=L * per_layer + (1 if tp > 1 else 0), p2p=pp - 1)  # + the vocab-parallel embedding
 
 
-# ------------------------------------------------------------------ one layout (a worker process)
-def gen_ids(seed: int, b: int, n: int, vocab: int) -> list:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (b, n), generator=gen).tolist()
-
-
-def timed_generate(llm, prompts, new: int, device) -> float:
-    from moe_infer import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
-    """Median seconds of an all-reduce of [T, hidden] over the stage (eager, and per call inside a CUDA graph of 20)
-    and of a point-to-point [T, hidden] from stage 0 to stage 1, per T; every rank takes part."""
-    import torch.distributed as dist
-
-    out = {}
-    stage = ctx.stage_group
-    cuda = device.type == "cuda"
-
-    def clock(fn, reps=20):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    for T in sizes:
-        x = torch.ones(T, hidden, dtype=dtype, device=device)
-        row = {}
-        if ctx.dims.stage_size > 1:
-            row["all_reduce_s"] = clock(lambda: dist.all_reduce(x, group=stage))
-            if cuda:
-                graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    dist.all_reduce(x, group=stage)
-                torch.cuda.current_stream().wait_stream(side)
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    for _ in range(20):
-                        dist.all_reduce(x, group=stage)
-                row["all_reduce_graph_s"] = clock(graph.replay, reps=10) / 20
-        if ctx.dims.pp > 1:
-            first, second = ctx.dims.rank_of(0, ctx.stage_index), ctx.dims.rank_of(1, ctx.stage_index)
-
-            def p2p():
-                if ctx.rank == first:
-                    dist.send(x, second)
-                elif ctx.rank == second:
-                    dist.recv(x, first)
-            row["p2p_s"] = clock(p2p)
-        out[str(T)] = row
-    return out
-
-
-def run_layout(args) -> None:
-    """Worker: one layout (or, at world 1, the plain engine and the mesh path in A B B A order) on one model."""
-    from moe_infer import LLM
-
-    spec = json.loads(args.worker)
-    dims, tp, pp, ep = spec["dims"], spec["tp"], spec["pp"], spec["ep"]
-    device = torch.device("cuda" if spec["device"] == "cuda" else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batches, P, N = spec["batches"], spec["prompt_len"], spec["new_tokens"]
-    pf_seqs, pf_len = spec["prefill"]
-    blocks = max(max(batches) * (P + N + 16), pf_seqs * (pf_len + 16)) // 16 + 64
-    kw = dict(model=spec["ckpt"], load_format="dummy", dtype=str(dtype).split(".")[-1], device=str(device),
-              max_num_seqs=max(batches), max_num_batched_tokens=max(pf_seqs * pf_len, 2048),
-              max_model_len=max(P + N, pf_len + 1) + 16, num_kv_blocks=blocks, enable_prefix_caching=False,
-              cuda_graph_max_batch=max(batches), tp=tp, pp=pp, ep=ep)
-    if spec["ab"]:  # world 1: the plain engine (A) and the mesh's code path at degree 1 (B), one process
-        engines = {"one GPU": LLM(**kw), "mesh x1": LLM(**kw, force_mesh=True)}
-        order = ["one GPU", "mesh x1", "mesh x1", "one GPU"]
-    else:
-        engines = {spec["name"]: LLM(**kw)}
-        order = [spec["name"]]
-    first = next(iter(engines.values()))
-    ctx = first.engine.parallel
-    V = dims["vocab_size"]
-    for llm in engines.values():  # warm-up: every batch shape and the prefill shape (compiles, graph captures)
-        for b in batches:
-            timed_generate(llm, gen_ids(1000 + b, b, P, V), 3, device)
-        timed_generate(llm, gen_ids(999, pf_seqs, pf_len, V), 1, device)
-    rows = {name: {"decode": {}, "prefill": {}} for name in engines}
-    for b in batches:
-        prompts = gen_ids(b, b, P, V)
-        for name in order:
-            full = timed_generate(engines[name], prompts, N, device)
-            prefill = timed_generate(engines[name], prompts, 1, device)
-            rows[name]["decode"].setdefault(str(b), []).append(dict(full_s=full, prefill_s=prefill))
-    for name in order:
-        prompts = gen_ids(7, pf_seqs, pf_len, V)
-        rows[name]["prefill"].setdefault("s", []).append(
-            statistics.median(timed_generate(engines[name], prompts, 1, device) for _ in range(3)))
-    result = {}
-    for name, row in rows.items():
-        decode = {}
-        for b, runs in row["decode"].items():
-            full = statistics.mean(r["full_s"] for r in runs)
-            prefill = statistics.mean(r["prefill_s"] for r in runs)
-            decode[b] = dict(tok_s=int(b) * N / full, full_s=full, step_ms=1e3 * max(full - prefill, 0.0) / (N - 1),
-                             runs=len(runs), runs_full_s=[r["full_s"] for r in runs])
-        pf = statistics.mean(row["prefill"]["s"])
-        result[name] = dict(decode=decode, prefill=dict(tok_s=pf_seqs * pf_len / pf, s=pf))
-    raw = {}
-    if ctx.is_distributed and ctx.dims.world_size > 1:
-        raw = raw_collectives(ctx, batches + [pf_seqs * pf_len], dims["hidden_size"], dtype, device)
-    if ctx.rank == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(dict(rows=result, raw=raw, world=ctx.dims.world_size if ctx.is_distributed else 1), f)
-    for llm in engines.values():
-        llm.shutdown()
-
-
 def launch(spec: dict, nproc: int, timeout: float) -> dict:
     """Run one layout's worker (torchrun with nproc ranks, or a plain process at world 1); its JSON."""
-    script = os.path.abspath(__file__)
+    script = os.path.join(HERE, "mesh_scaling_worker.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")])),
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     if nproc == 1:
-        cmd = [sys.executable, script, "--worker", json.dumps(spec)]
+        cmd = [sys.executable, script, json.dumps(spec)]
     else:
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
-               "--worker", json.dumps(spec)]
+               json.dumps(spec)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -276,7 +145,6 @@ def write_config(dims: dict, folder: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help="CPU, gloo, tiny dims, 2 processes")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     ap.add_argument("--models", default="small,large")
@@ -287,8 +155,6 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a layout's process may take")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.worker:
-        return run_layout(args)
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")

@@ -189,13 +189,14 @@ def decode_inputs(flat: torch.Tensor, sizes: Sizes, block_size: int) -> StepInpu
 
 
 def message_sizes(msg: StepMessage) -> Sizes:
-    h = msg.header.tolist()
-    return (h[H_NUM_TOKENS], h[H_NUM_SEQS], h[H_NUM_SAMPLE], h[H_MAX_BLOCKS], h[H_MAX_QUERY_LEN], h[H_MAX_SEQ_LEN])
+    return message_layout(msg)[0]
 
 
 def message_layout(msg: StepMessage) -> Tuple[Sizes, int, int, int]:
     """(sizes, path, extra entries, payload bytes) of a received step message."""
-    return message_sizes(msg), msg.field(H_PATH), msg.field(H_NUM_EXTRA), msg.field(H_PAYLOAD_BYTES)
+    h = msg.header.tolist()
+    sizes = (h[H_NUM_TOKENS], h[H_NUM_SEQS], h[H_NUM_SAMPLE], h[H_MAX_BLOCKS], h[H_MAX_QUERY_LEN], h[H_MAX_SEQ_LEN])
+    return sizes, h[H_PATH], h[H_NUM_EXTRA], h[H_PAYLOAD_BYTES]
 
 
 def plan_requests(plan: SchedulerOutput) -> List[SampleRequest]:
@@ -230,17 +231,17 @@ class StepEncoder:
     def note_finished(self, seq_ids: List[int]) -> None:
         self.finished += seq_ids
 
-    def encode(self, plan: SchedulerOutput, sizes: Sizes, path: int, num_extra: int, payload: torch.Tensor,
+    def encode(self, plan: SchedulerOutput, sizes: Sizes, path: int, num_extra: int, num_bytes: int,
                for_sampler: bool = True) -> StepMessage:
         """The message of a step laid out with `flat_inputs` (sizes; num_extra entries of the caller's own at its
-        end) on `path` into `payload` (the device bytes the other ranks receive). for_sampler: the sampler is
-        another rank (the host part is built)."""
+        end) on `path` into num_bytes device bytes (the payload the other ranks receive). for_sampler: the sampler
+        is another rank (the host part is built)."""
         header = [0] * HEADER_LEN
         header[H_KIND] = KIND_STEP
         for index, value in zip((H_NUM_TOKENS, H_NUM_SEQS, H_NUM_SAMPLE, H_MAX_BLOCKS, H_MAX_QUERY_LEN, H_MAX_SEQ_LEN),
                                 sizes):
             header[index] = value
-        header[H_PAYLOAD_BYTES], header[H_PATH], header[H_NUM_EXTRA] = payload.numel(), path, num_extra
+        header[H_PAYLOAD_BYTES], header[H_PATH], header[H_NUM_EXTRA] = num_bytes, path, num_extra
         header[H_FLAGS] = FLAG_RESET_STATS if self.reset_stats else 0
         self.reset_stats = False
         host, side = self._sampler_part(plan) if for_sampler else ([], b"")
@@ -248,7 +249,6 @@ class StepEncoder:
         return StepMessage(
             torch.tensor(header, dtype=torch.int64), torch.tensor(host, dtype=torch.int64),
             torch.frombuffer(bytearray(side), dtype=torch.uint8) if side else torch.empty(0, dtype=torch.uint8),
-            payload,
         )
 
     def _sampler_part(self, plan: SchedulerOutput) -> Tuple[List[int], bytes]:

@@ -117,12 +117,10 @@ class StepPaths:
         return torch.empty(inputs.sizes[0], hidden_size, dtype=dtype, device=self.device)
 
 
-def fill_placeholders(inputs: StepInputs, extra_X: torch.Tensor, token_ids_B: Optional[torch.Tensor]) -> None:
+def fill_placeholders(inputs: StepInputs, extra_X: torch.Tensor, token_ids_B: torch.Tensor) -> None:
     """Rows of the step whose input is a token the step before sampled (async scheduling): extra_X holds their rows
     and that token's index among the earlier step's sampled ids token_ids_B, which stay on the device."""
     if extra_X.numel() == 0:
         return
-    if token_ids_B is None:
-        raise RuntimeError("a step takes inputs from the step before, whose sampled tokens never came")
     rows_R, src_R = extra_X.split(extra_X.numel() // 2)
     inputs.input_ids_T.index_copy_(0, rows_R, token_ids_B.index_select(0, src_R))

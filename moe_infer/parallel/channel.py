@@ -54,8 +54,8 @@ def _split(head: torch.Tensor):
 
 
 class StepChannel:
-    def __init__(self, ctx, hidden_size: int, dtype: torch.dtype) -> None:
-        self.ctx, self.hidden_size, self.dtype, self.device = ctx, hidden_size, dtype, ctx.device
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
         self._sent: Deque[List] = deque()  # per step: [work, tensor, work, tensor, ...] of its isends
 
     def _fail(self, what: str, err: BaseException, peer: Optional[int] = None) -> BaseException:
@@ -109,7 +109,6 @@ class StepChannel:
     def broadcast_payload(self, buf_U: torch.Tensor) -> None:
         """The driver's step inputs (its payload) into buf_U on every rank of stage 0 (the driver passes its own)."""
         self.ctx.stage_broadcast(buf_U)
-
 
     # ---- stage s -> stage s + 1 ----------------------------------------------------------------
     def send_header(self, msg: StepMessage, dst: int) -> None:

@@ -90,10 +90,6 @@ class ParallelContext:
         return self.dims.rank_of(self.stage - 1, self.stage_index)
 
     @property
-    def stage_group(self) -> Optional[dist.ProcessGroup]:
-        return self.stage_mesh.get_group("stage") if self.stage_mesh is not None else None
-
-    @property
     def ep_group(self) -> Optional[dist.ProcessGroup]:
         return self.moe_mesh.get_group("ep") if self.moe_mesh is not None else None
 

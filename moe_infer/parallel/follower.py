@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def serve(ctx: Any, runner: Any) -> List[Any]:
     """A rank other than the driver, inside `LLM.generate`: run the driver's steps until END; returns
     the driver's outputs."""
-    channel = StepChannel(ctx, runner.arch.hidden_size, runner.dtype)
+    channel = StepChannel(ctx)
     is_sampler = ctx.rank == ctx.sampler_rank
     first, last = ctx.is_first_stage, ctx.is_last_stage
     with torch.inference_mode():

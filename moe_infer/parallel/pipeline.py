@@ -85,7 +85,7 @@ class MeshExecutor(LocalExecutor):
         if lookahead and ctx.dims.pp > 1:
             raise ValueError("async scheduling under a mesh needs pp = 1 (pipeline stages keep pp batches in flight)")
         self.ctx, self.depth, self.lookahead = ctx, ctx.dims.pp, lookahead
-        self.channel = StepChannel(ctx, runner.arch.hidden_size, runner.dtype)
+        self.channel = StepChannel(ctx)
         # pp > 1: (plan, result work, result buffer, logprob counts); lookahead: the launched step not collected yet
         self.in_flight: Deque[Any] = deque()
 
@@ -120,7 +120,8 @@ class MeshExecutor(LocalExecutor):
             runner.fill_placeholders(inputs, extra_X, prev.sampled.token_ids_B)
         msg = None
         if ctx.dims.world_size > 1:  # a mesh of one rank (parallel.force_mesh) has nobody to tell
-            msg = runner.encoder.encode(plan, sizes, path, num_extra, payload, for_sampler=ctx.sampler_rank != ctx.rank)
+            msg = runner.encoder.encode(plan, sizes, path, num_extra, payload.numel(),
+                                        for_sampler=ctx.sampler_rank != ctx.rank)
             channel.broadcast_header(msg)
         if not runner.paths.broadcasts_inside(path):  # else the replayed graphs broadcast them first
             channel.broadcast_payload(payload)

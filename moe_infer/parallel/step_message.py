@@ -6,11 +6,11 @@
                                         history when it has penalties (empty when the driver samples: pp = 1)
     side     uint8 [num_side], host     a pickle of the SamplingParams of sequences that sampler has not seen
                                         yet: only in steps that start sampling a new request (and pp > 1)
-    payload  uint8 [num_bytes], device  the step's inputs exactly as the driver laid them out in the device
-                                        buffer of the step's path (token ids, positions, KV slots, query starts,
-                                        sequence lengths, sample rows, block tables, padding included: see
-                                        moe_infer/engine/step_paths.py); received into the same buffer, so the
-                                        receiving rank's graphs read it where the driver's do
+
+Beside it, not in the message: the payload: uint8 [H_PAYLOAD_BYTES] on the device, the step's inputs exactly
+as the driver laid them out in the device buffer of the step's path (token ids, positions, KV slots, query starts,
+sequence lengths, sample rows, block tables, padding included: see moe_infer/engine/step_paths.py); received into
+the same buffer, so the receiving rank's graphs read it where the driver's do.
 
 The header (with the host ints when they fit) is the one host message of a step; the payload goes over the
 device group (NCCL on GPU), into the receiver's static buffer, with no host sync. The runner builds and reads
@@ -39,7 +39,6 @@ class StepMessage:
     header: torch.Tensor  # int64 [HEADER_LEN], CPU
     host: torch.Tensor  # int64 [num_host], CPU
     side: torch.Tensor  # uint8 [num_side], CPU
-    payload: Optional[torch.Tensor] = None  # uint8 [num_bytes] on the compute device (the sender's; None on receipt)
 
     def field(self, index: int) -> int:
         return int(self.header[index])
@@ -47,10 +46,6 @@ class StepMessage:
     @property
     def kind(self) -> int:
         return self.field(H_KIND)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.field(H_NUM_TOKENS)
 
     @property
     def flags(self) -> int:

@@ -1,0 +1,152 @@
+"""One layout of benchmarks/mesh_scaling.py: the worker process (torchrun of G ranks, or a plain process at world 1).
+
+    python benchmarks/mesh_scaling_worker.py SPEC_JSON        # started by mesh_scaling.py, one per layout and model
+
+SPEC_JSON (a JSON string): the model's dims and config folder (random weights, `model.load_format=dummy`), the
+layout (tp, pp, ep), the batches, prompt and output lengths, the prefill shape, `ab` (world 1: the plain engine and
+the mesh's path at degree 1, `parallel.force_mesh`, in one process, timed A B B A) and `out`, where rank 0 writes
+per engine the decode and prefill timings and, on several ranks, the raw collectives of the same run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+
+def gen_ids(seed: int, b: int, n: int, vocab: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (b, n), generator=gen).tolist()
+
+
+def timed_generate(llm, prompts, new: int, device) -> float:
+    from moe_infer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
+    """Median seconds of an all-reduce of [T, hidden] over the stage (eager, and per call inside a CUDA graph of 20)
+    and of a point-to-point [T, hidden] from stage 0 to stage 1, per T; every rank takes part."""
+    import torch.distributed as dist
+
+    out = {}
+    stage = ctx.stage_axis().group  # the group the engine's stage collectives use
+    cuda = device.type == "cuda"
+
+    def clock(fn, reps=20):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    for T in sizes:
+        x = torch.ones(T, hidden, dtype=dtype, device=device)
+        row = {}
+        if ctx.dims.stage_size > 1:
+            row["all_reduce_s"] = clock(lambda: dist.all_reduce(x, group=stage))
+            if cuda:
+                graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    dist.all_reduce(x, group=stage)
+                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    for _ in range(20):
+                        dist.all_reduce(x, group=stage)
+                row["all_reduce_graph_s"] = clock(graph.replay, reps=10) / 20
+        if ctx.dims.pp > 1:
+            first, second = ctx.dims.rank_of(0, ctx.stage_index), ctx.dims.rank_of(1, ctx.stage_index)
+
+            def p2p():
+                if ctx.rank == first:
+                    dist.send(x, second)
+                elif ctx.rank == second:
+                    dist.recv(x, first)
+            row["p2p_s"] = clock(p2p)
+        out[str(T)] = row
+    return out
+
+
+def run_layout(spec: dict) -> None:
+    """One layout (or, at world 1, the plain engine and the mesh path in A B B A order) on one model."""
+    from moe_infer import LLM
+
+    dims, tp, pp, ep = spec["dims"], spec["tp"], spec["pp"], spec["ep"]
+    device = torch.device("cuda" if spec["device"] == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches, P, N = spec["batches"], spec["prompt_len"], spec["new_tokens"]
+    pf_seqs, pf_len = spec["prefill"]
+    blocks = max(max(batches) * (P + N + 16), pf_seqs * (pf_len + 16)) // 16 + 64
+    kw = dict(model=spec["ckpt"], load_format="dummy", dtype=str(dtype).split(".")[-1], device=str(device),
+              max_num_seqs=max(batches), max_num_batched_tokens=max(pf_seqs * pf_len, 2048),
+              max_model_len=max(P + N, pf_len + 1) + 16, num_kv_blocks=blocks, enable_prefix_caching=False,
+              cuda_graph_max_batch=max(batches), tp=tp, pp=pp, ep=ep)
+    if spec["ab"]:  # world 1: the plain engine (A) and the mesh's code path at degree 1 (B), one process
+        engines = {"one GPU": LLM(**kw), "mesh x1": LLM(**kw, force_mesh=True)}
+        order = ["one GPU", "mesh x1", "mesh x1", "one GPU"]
+    else:
+        engines = {spec["name"]: LLM(**kw)}
+        order = [spec["name"]]
+    first = next(iter(engines.values()))
+    ctx = first.engine.parallel
+    V = dims["vocab_size"]
+    for llm in engines.values():  # warm-up: every batch shape and the prefill shape (compiles, graph captures)
+        for b in batches:
+            timed_generate(llm, gen_ids(1000 + b, b, P, V), 3, device)
+        timed_generate(llm, gen_ids(999, pf_seqs, pf_len, V), 1, device)
+    rows = {name: {"decode": {}, "prefill": {}} for name in engines}
+    for b in batches:
+        prompts = gen_ids(b, b, P, V)
+        for name in order:
+            full = timed_generate(engines[name], prompts, N, device)
+            prefill = timed_generate(engines[name], prompts, 1, device)
+            rows[name]["decode"].setdefault(str(b), []).append(dict(full_s=full, prefill_s=prefill))
+    for name in order:
+        prompts = gen_ids(7, pf_seqs, pf_len, V)
+        rows[name]["prefill"].setdefault("s", []).append(
+            statistics.median(timed_generate(engines[name], prompts, 1, device) for _ in range(3)))
+    result = {}
+    for name, row in rows.items():
+        decode = {}
+        for b, runs in row["decode"].items():
+            full = statistics.mean(r["full_s"] for r in runs)
+            prefill = statistics.mean(r["prefill_s"] for r in runs)
+            decode[b] = dict(tok_s=int(b) * N / full, full_s=full, step_ms=1e3 * max(full - prefill, 0.0) / (N - 1),
+                             runs=len(runs), runs_full_s=[r["full_s"] for r in runs])
+        pf = statistics.mean(row["prefill"]["s"])
+        result[name] = dict(decode=decode, prefill=dict(tok_s=pf_seqs * pf_len / pf, s=pf))
+    raw = {}
+    if ctx.is_distributed and ctx.dims.world_size > 1:
+        raw = raw_collectives(ctx, batches + [pf_seqs * pf_len], dims["hidden_size"], dtype, device)
+    if ctx.rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(dict(rows=result, raw=raw, world=ctx.dims.world_size if ctx.is_distributed else 1), f)
+    for llm in engines.values():
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    run_layout(json.loads(sys.argv[1]))
