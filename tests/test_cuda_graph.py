@@ -13,7 +13,8 @@ import torch
 
 from engine_fixtures import checkpoint
 from moe_infer import LLM, SamplingParams
-from moe_infer.engine.cuda_graph import DecodeGraphs, capture_sizes, context_blocks
+from moe_infer.engine.cuda_graph import DecodeGraphs, capture_sizes, context_blocks, replay_graph
+from moe_infer.parallel.health import MeshError
 
 PROMPTS = [[7, 19, 33, 41, 58, 62, 77, 80, 91, 15, 23], [11, 12, 13], list(range(40, 70))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -37,6 +38,20 @@ def _generate(llm):
     tokens = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in tokens] == [PARAMS.max_tokens] * len(PROMPTS), [o.outputs[0].error for o in outs]
     return tokens
+
+
+def test_failed_capture_under_a_mesh_stops_the_engine():
+    """Under a mesh a rank whose capture fails must not fall back to eager steps (its collectives would leave the
+    others' graphs waiting): the failure is the mesh's error, and nothing is marked as captured."""
+    class Owner:
+        graphs, runs, disabled, mesh = {}, 0, None, True
+
+    def capture():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(MeshError, match="capture failed under a mesh for a decode step.*not permitted"):
+        replay_graph(Owner, (8, 1, True), capture, "a decode step")
+    assert Owner.graphs == {} and Owner.disabled is None
 
 
 @pytest.mark.parametrize("family,lm_head", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])

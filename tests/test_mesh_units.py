@@ -185,3 +185,27 @@ def test_loader_reads_each_ranks_slices(family, tmp_path):
     assert not model.lm_head.weight[80:].any()  # padding row (vocab 161 over 2 ranks)
     if family == "olmoe":  # q/k norm over the whole projection: this rank's slice of the weights
         assert torch.equal(att.q_norm.weight, sd["model.layers.2.self_attn.q_norm.weight"][H * d:])
+
+
+def test_force_mesh_runs_the_one_rank_collectives_and_the_same_tokens(monkeypatch, tmp_path):
+    """parallel.force_mesh at tp = pp = ep = 1: the mesh's path with process groups of one rank whose collectives
+    still run (what benchmarks/mesh_scaling.py measures the mesh's cost with), greedy tokens of the plain engine."""
+    import torch.distributed as dist
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "force_mesh", seed=7)
+    want = [o.outputs[0].token_ids for o in LLM(model=path, device="cpu", dtype="float32").generate(
+        prompts, params, use_tqdm=False)]
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    llm = LLM(model=path, device="cpu", dtype="float32", force_mesh=True)
+    try:
+        assert llm.engine.parallel.is_distributed and llm.engine.executor.lookahead
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()  # the process group of one rank goes: the tests after this one run without it
+    assert got == want
+    layers = llm.engine.runner.arch.num_layers
+    assert len(calls) >= 2 * layers * 7  # each step: attention's and the MoE layer's all-reduce in every layer
