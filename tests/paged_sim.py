@@ -12,14 +12,9 @@ from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 
 class PagedSim:
     def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, device="cpu") -> None:
-        arch = model.arch
         self.model, self.block_size, self.device = model, block_size, torch.device(device)
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv = [
-            (torch.full(shape, float("nan"), dtype=model.dtype, device=device),
-             torch.full(shape, float("nan"), dtype=model.dtype, device=device))
-            for _ in range(arch.num_layers)
-        ]  # NaN: reading a slot never written poisons the output
+        # NaN: reading a slot never written poisons the output
+        self.kv = model.allocate_kv_cache(num_blocks, block_size, device, fill=float("nan"))
         model.bind_kv_cache(self.kv)
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=g).tolist()

@@ -31,6 +31,16 @@ CASES: Dict[str, Tuple[str, dict]] = {
                             "original_max_position_embeddings": 128},
     }),
     "olmoe": ("olmoe", {}),
+    "deepseek_v2": ("deepseek_v2", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    # DeepSeek-V3's own rotary: YaRN with the mscale softmax factor (mscale_all_dim), attention biases, the
+    # rotary pairs not interleaved, two dense layers first
+    "deepseek_v3_yarn_bias": ("deepseek_v3", {
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                            "beta_fast": 32.0, "beta_slow": 1.0},
+        "attention_bias": True, "rope_interleave": False, "first_k_dense_replace": 2, "num_hidden_layers": 4,
+    }),
 }
 
 

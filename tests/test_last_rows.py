@@ -63,7 +63,7 @@ def _context(model, block_size: int, device: torch.device) -> None:
         model(torch.arange(30, 37, **i64), meta.positions_T)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
 def test_last_rows_forward_equals_the_full_forward_cpu(family):
     llm = LLM(model=checkpoint(family), dtype="float32", device="cpu", block_size=4, num_kv_blocks=8)
     runner = llm.engine.runner
@@ -72,17 +72,17 @@ def test_last_rows_forward_equals_the_full_forward_cpu(family):
     ids_T, meta, last_B = _step(4, dev)
     outs, caches = [], []
     for pruned in (False, True):
-        for k, v in runner.kv_caches:
-            k.zero_(), v.zero_()
+        for t in (t for kv in runner.kv_caches for t in kv):  # K and V, or MLA's latent rows
+            t.zero_()
         _context(model, 4, dev)
         with torch.inference_mode(), forward_context(meta, last_rows=pruned):
             outs.append(model(ids_T, meta.positions_T))
-        caches.append([(k.clone(), v.clone()) for k, v in runner.kv_caches])
+        caches.append([t.clone() for kv in runner.kv_caches for t in kv])
     full_TD, pruned_BD = outs
     assert full_TD.shape[0] == 16 and pruned_BD.shape[0] == 3
     torch.testing.assert_close(pruned_BD, full_TD[last_B], rtol=1e-5, atol=1e-5)
-    for (k0, v0), (k1, v1) in zip(*caches):  # every row's K/V, in every layer (the last one included)
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    for t0, t1 in zip(*caches):  # every row's K/V, in every layer (the last one included)
+        assert torch.equal(t0, t1)
 
 
 def _generate(llm, prompts=PROMPTS, params=PARAMS):
@@ -103,10 +103,10 @@ def _run(kw: dict, prune: bool, static_buffers: bool):
     assert llm.engine.scheduler.num_chunked_prefills > 0 and llm.engine.block_manager.num_prefix_hits > 0
     if static_buffers:
         assert runner.extend_graphs.runs > 0
-    return tokens, runner.stats.routed_LE.sum(dim=1) // runner.arch.top_k
+    return tokens, runner.stats.routed_LE.sum(dim=1)[runner.arch.moe_layer_ids] // runner.arch.top_k  # MoE layers
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v2"])
 def test_engine_tokens_equal_with_and_without_cpu(family):
     kw = dict(model=checkpoint(family), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
               max_num_batched_tokens=16, max_num_seqs=3)

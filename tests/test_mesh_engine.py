@@ -4,8 +4,8 @@ Layouts (tp, pp, ep): (2,1,1) is tensor-parallel MoE (each expert's F split), (1
 (2,1,2) experts over the tensor-parallel ranks, (1,2,2) stages of two attention replicas with experts
 over them, (2,2,2) all three, (4,1,4) more ranks than KV heads (replicated KV heads). Families: Mixtral
 and Qwen3-MoE in every layout; Qwen2-MoE (3 layers: an uneven pipeline split, a dense layer, a gated
-shared expert) and OLMoE (whole-projection q/k norm over the ranks, a vocabulary padded to 4 ranks)
-in some. Every case runs with a cache small enough to preempt and a token budget that chunks every
+shared expert), OLMoE (whole-projection q/k norm over the ranks, a vocabulary padded to 4 ranks) and
+DeepSeek-V3 (MLA heads split over tp, the latent cache replicated; a dense first layer) in some. Every case runs with a cache small enough to preempt and a token budget that chunks every
 prompt. One torchrun launch per world size; about 2.5 CPU-minutes in all.
 """
 import json
@@ -28,14 +28,15 @@ CHECKPOINTS = {  # family -> checkpoint overrides (2-3 layers, hidden 64)
     "qwen3_moe": dict(num_hidden_layers=2),
     "qwen2_moe": dict(num_hidden_layers=3),
     "olmoe": dict(num_hidden_layers=2, vocab_size=162),
+    "deepseek_v3": dict(num_hidden_layers=3),  # MLA heads split, latent cache replicated; a dense first layer
 }
 LAYOUTS = {  # (tp, pp, ep) -> families
-    (2, 1, 1): ["mixtral", "qwen3_moe", "qwen2_moe"],
-    (1, 2, 1): ["mixtral", "qwen3_moe", "qwen2_moe"],
-    (2, 1, 2): ["mixtral", "qwen3_moe", "qwen2_moe"],
+    (2, 1, 1): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"],
+    (1, 2, 1): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"],
+    (2, 1, 2): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"],
     (1, 2, 2): ["mixtral", "qwen3_moe"],
     (2, 2, 2): ["mixtral", "qwen3_moe"],
-    (4, 1, 4): ["mixtral", "qwen3_moe", "olmoe"],
+    (4, 1, 4): ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"],
 }
 # the same layouts with every step through the CUDA-graph paths' static buffers (run eagerly: no GPU here)
 STATIC_BUFFERS = {(2, 1, 1): ["qwen3_moe"], (1, 2, 1): ["qwen2_moe"], (2, 1, 2): ["mixtral"], (2, 2, 2): ["qwen3_moe"]}

@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 
 _COMMON = dict(
     vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -40,6 +40,20 @@ _FAMILY_KWARGS: Dict[str, dict] = {
     "olmoe": dict(  # whole-projection q/k norm, clip_qkv
         intermediate_size=32, num_experts=8, clip_qkv=2.5, norm_topk_prob=False,
     ),
+    # MLA: a latent of 32 + a rotary key of 8 cached; heads of 16 + 8 (q, k) and 12 (v); the first layer dense;
+    # shared experts; V2: plain q_proj, softmax router with group-limited top-k; V3: q-LoRA, sigmoid router with
+    # the correction bias (randomised below), grouped top-k, renormalised and scaled weights
+    "deepseek_v2": dict(
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=2,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, topk_method="group_limited_greedy", n_group=4, topk_group=2, norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -51,6 +65,8 @@ def _hf_classes(family: str):
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+        "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     }
     if family not in names:
         raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
@@ -70,6 +86,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             else:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / fan_in**0.5))
+        for name, b in model.named_buffers():  # DeepSeek-V3: a bias that changes which experts are chosen
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 _PER_EXPERT_RE = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")

@@ -172,11 +172,14 @@ class ModelRunner:
         if self._extend_tokens is not None:
             return self._extend_tokens
         max_tokens = min(self.cfg.model.cuda_graph_max_tokens, self.cfg.scheduler.max_num_batched_tokens)
-        attn = self.model.layers[self.model.local_layers[0]].self_attn.backend
+        layer_attn = self.model.layers[self.model.local_layers[0]].self_attn
+        attn = layer_attn.backend
+        static = getattr(layer_attn, "static_launch", None)  # MLA layers say it themselves
         why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed)
         if why_not is None and max_tokens == 0:
             why_not = "model.cuda_graph_max_tokens=0"
-        if why_not is None and not getattr(ATTENTION_BACKENDS.get(attn), "static_launch", False):
+        if why_not is None and not (static if static is not None
+                                    else getattr(ATTENTION_BACKENDS.get(attn), "static_launch", False)):
             why_not = f"attention backend {attn!r} sizes its launches from the data"
         if why_not:
             logger.info("prefill and mixed steps run eagerly: %s", why_not)
@@ -223,11 +226,19 @@ class ModelRunner:
         return int(T * (16 * D + 6 * self.arch.top_k * F) * elem + self.cfg.scheduler.max_num_seqs
                    * self.arch.vocab_size * (4 * 4 + elem)) + (512 << 20)  # + the decode graphs' logits buffer
 
-    def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """One (K, V) pair per layer of this rank's stage, for its KV heads."""
-        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.arch.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.model.local_layers]
+    def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, ...]]:
+        """The cache tensors of each layer of this rank's stage: a (K, V) pair for its KV heads, or MLA's latent
+        rows; logs what a token costs."""
+        caches = self.model.allocate_kv_cache(num_blocks, self.block_size, self.device)
+        per_token = self.model.kv_cache_bytes_per_block(self.block_size) // self.block_size
+        mla, what = self.arch.mla, "per-head K/V"
+        if mla is not None:  # what the same heads' K/V would take, per layer and token
+            mha = self.model.layers[self.model.local_layers[0]].self_attn.num_heads * (mla.qk_head_dim + mla.v_head_dim)
+            what = (f"MLA latent rows of {mla.cache_dim} values a layer; per-head K/V of the same heads would take "
+                    f"{mha} ({mha / mla.cache_dim:.0f}x)")
+        logger.info("KV cache: %d blocks of %d tokens, %d bytes a token on this rank (%s)", num_blocks,
+                    self.block_size, per_token, what)
+        return caches
 
     # ------------------------------------------------------------------ the step (one rank)
     def prepare(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> StepInputs:

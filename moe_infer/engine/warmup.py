@@ -164,7 +164,11 @@ def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]], List[Tuple[in
     config_of = moe_config_of(runner.model.moe_layers(), EXPERT_BACKENDS.get(runner.backends.experts))
     max_context = -(-runner.max_model_len // runner.block_size) * runner.block_size
     key_bytes = runner.arch.head_dim * torch.finfo(runner.dtype).bits // 8
-    variant_of = decode_variant_of(runner.model.num_kv_heads, key_bytes, runner.device)
+    layer_attn = runner.model.layers[runner.model.local_layers[0]].self_attn
+    if hasattr(layer_attn, "decode_variant"):  # MLA: its own kernel's variants
+        variant_of = lambda B, L: layer_attn.decode_variant(B, L, runner.device)  # noqa: E731
+    else:
+        variant_of = decode_variant_of(runner.model.num_kv_heads, key_bytes, runner.device)
     last_row_batch = 1 << cfg.scheduler.max_num_seqs.bit_length()  # next_pow2(max_num_seqs + 1): ExtendGraphs' Bp
     return (warmup_token_counts(max_tokens, runner.arch.top_k, config_of),
             warmup_decode_shapes(cfg.scheduler.max_num_seqs, max_context, variant_of),

@@ -44,10 +44,7 @@ class PrefillScorer:
         backends.trace = self.trace
         self.blocks_per_window = math.ceil(seq_len / BLOCK_SIZE)
         num_blocks = windows_per_forward * self.blocks_per_window
-        shape = (num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
-        self.model.bind_kv_cache([(torch.zeros(shape, dtype=dtype, device=self.device),
-                                   torch.zeros(shape, dtype=dtype, device=self.device))
-                                  for _ in range(arch.num_layers)])
+        self.model.bind_kv_cache(self.model.allocate_kv_cache(num_blocks, BLOCK_SIZE, self.device))
 
     def _metadata(self, W: int) -> AttentionMetadata:
         Q, M, dev = self.seq_len, self.blocks_per_window, self.device

@@ -104,6 +104,11 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
+    def cache_shapes(self, num_blocks: int, block_size: int) -> Tuple[Tuple[int, ...], ...]:
+        """This layer's cache tensors: K and V, [Nb, S, Hkv, d] each (this rank's KV heads)."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return (shape, shape)
+
     @property
     def supports_last_rows(self) -> bool:
         """Whether `forward` can take `rows`: the backend's attend-only part is at hand."""

@@ -85,13 +85,15 @@ class MoELayer(nn.Module):
         tp: ShardGroup = SINGLE,
         moe_tp: ShardGroup = SINGLE,
         stage: ShardGroup = SINGLE,
+        router_dtype: Optional[torch.dtype] = None,
     ) -> None:
+        """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's."""
         super().__init__()
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
         self.tp, self.moe_tp, self.stage = tp, moe_tp, stage
         intermediate_size = moe_tp.split(intermediate_size, "moe_intermediate_size")
         self.dispatcher = (backends.dispatcher or LocalDispatcher(spec.num_experts)).for_layer(layer_idx)
-        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=dtype)
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=router_dtype or dtype)
         if spec.has_score_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         else:
@@ -115,7 +117,8 @@ class MoELayer(nn.Module):
 
     def route(self, x_TD: torch.Tensor) -> tuple:
         """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""
-        logits_TE = linear(x_TD, self.gate.weight)
+        w_ED = self.gate.weight
+        logits_TE = linear(x_TD if x_TD.dtype == w_ED.dtype else x_TD.to(w_ED.dtype), w_ED)
         topk_weights_TK, topk_ids_TK = self._select(logits_TE, self.spec, self.e_score_correction_bias)
         return logits_TE, topk_weights_TK, topk_ids_TK
 

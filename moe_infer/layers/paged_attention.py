@@ -43,9 +43,18 @@ def store_kv(
         raise ValueError(
             f"k {tuple(k_THd.shape)} / v {tuple(v_THd.shape)} do not fit cache {tuple(k_cache_NbSHd.shape)}"
         )
-    if slot_mapping_T.shape != k_THd.shape[:1]:
-        raise ValueError(f"slot_mapping {tuple(slot_mapping_T.shape)} does not match {k_THd.shape[0]} tokens")
-    if k_THd.shape[0] == 0:
+    for new_THd, cache in ((k_THd, k_cache_NbSHd), (v_THd, v_cache_NbSHd)):
+        store_rows(new_THd, cache, slot_mapping_T)
+
+
+def store_rows(new_THd: torch.Tensor, cache_NbSHd: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """Write each token's rows [H, d] into one cache at its slot (in place); negative slots are skipped (K and V
+    each, or MLA's one latent cache)."""
+    if new_THd.shape[1:] != cache_NbSHd.shape[2:]:
+        raise ValueError(f"rows {tuple(new_THd.shape)} do not fit cache {tuple(cache_NbSHd.shape)}")
+    if slot_mapping_T.shape != new_THd.shape[:1]:
+        raise ValueError(f"slot_mapping {tuple(slot_mapping_T.shape)} does not match {new_THd.shape[0]} tokens")
+    if new_THd.shape[0] == 0:
         return
     slots_T = slot_mapping_T.long()
     # No host sync (CUDA-graph safe): a padding row repeats the first valid row's write (same slot,
@@ -57,12 +66,11 @@ def store_kv(
     any_valid_1 = valid_T.index_select(0, first_1)
     fill_slot_1 = torch.where(any_valid_1, slots_T.index_select(0, first_1), torch.zeros_like(first_1))
     dst_T = torch.where(valid_T, slots_T, fill_slot_1)
-    for new_THd, cache in ((k_THd, k_cache_NbSHd), (v_THd, v_cache_NbSHd)):
-        flat = cache.view(-1, *cache.shape[2:])
-        new_THd = new_THd.to(flat.dtype)
-        fill_1Hd = torch.where(any_valid_1[:, None, None], new_THd.index_select(0, first_1),
-                               flat.index_select(0, fill_slot_1))
-        flat.index_put_((dst_T,), torch.where(valid_T[:, None, None], new_THd, fill_1Hd))
+    flat = cache_NbSHd.view(-1, *cache_NbSHd.shape[2:])
+    new_THd = new_THd.to(flat.dtype)
+    fill_1Hd = torch.where(any_valid_1[:, None, None], new_THd.index_select(0, first_1),
+                           flat.index_select(0, fill_slot_1))
+    flat.index_put_((dst_T,), torch.where(valid_T[:, None, None], new_THd, fill_1Hd))
 
 
 def paged_attention_ref(
@@ -78,7 +86,9 @@ def paged_attention_ref(
     max_seq_len: int,
     sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 math)."""
+    """q [T, H, d] -> out [T, H, dv] over the cached keys of each token's sequence (float32 math). The value
+    cache may be narrower than the key cache (dv <= d: MLA reads its values as the first kv_lora_rank entries of
+    the latent row, a view of the key cache)."""
     return _paged(_dense_fp32, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
                   query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window)
 
@@ -106,8 +116,8 @@ def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens
            positions_T, scale, max_query_len, max_seq_len, sliding_window) -> torch.Tensor:
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
-    B = seq_lens_B.shape[0]
-    if dk != d or H % Hkv:
+    B, dv = seq_lens_B.shape[0], v_cache_NbSHd.shape[-1]
+    if dk != d or H % Hkv or v_cache_NbSHd.shape[:3] != k_cache_NbSHd.shape[:3]:
         raise ValueError(
             f"q {tuple(q_THd.shape)} does not fit cache {tuple(k_cache_NbSHd.shape)} (GQA needs H % Hkv == 0)"
         )
@@ -125,7 +135,7 @@ def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens
         is_multi_B = (starts_B1[1:] - starts_B1[:-1]) > 1
         num_multi = int(is_multi_B.sum())  # the one host sync, in steps with a prefill chunk only
         if 0 < num_multi < B:
-            out_THd = torch.empty_like(q_THd)
+            out_THd = q_THd.new_empty(T, H, dv)
             for group_B, group_Qmax in ((~is_multi_B, 1), (is_multi_B, Qmax)):
                 seqs_b = group_B.nonzero().squeeze(1)
                 tok_t = group_B[seq_T].nonzero().squeeze(1)
@@ -147,6 +157,7 @@ def _attend_padded(
     """Queries scattered to [B, Qmax] (token t at row_T[t] of sequence seq_T[t]), keys gathered to [B, L]."""
     T, H, d = q_THd.shape
     Nb, S, Hkv, _ = k_cache_NbSHd.shape
+    dv = v_cache_NbSHd.shape[-1]
     B, dev = block_tables_BM.shape[0], q_THd.device
     q_BQHd = q_THd.new_zeros(B, Qmax, H, d)
     q_BQHd[seq_T, row_T] = q_THd
@@ -161,7 +172,7 @@ def _attend_padded(
     # slots past a sequence's end were never written (garbage, even NaN): zero them so 0 * x stays 0
     not_key_BL11 = ~is_key_BL[:, :, None, None]
     k_BLHd = k_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].masked_fill(not_key_BL11, 0.0)
-    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].masked_fill(not_key_BL11, 0.0)
+    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, dv)[slots_BL].masked_fill(not_key_BL11, 0.0)
 
     key_pos_BQL = key_L[None, None, :]
     visible_BQL = (key_pos_BQL <= pos_BQ[:, :, None]) & is_key_BL[:, None, :]
@@ -175,12 +186,12 @@ def _attend_padded(
 def _dense_fp32(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:
     """Masked attention in float32; scores [B, Hkv, G, Qmax, L] without repeating K/V per group."""
     B, Qmax, H, d = q_BQHd.shape
-    Hkv = k_BLHd.shape[2]
+    Hkv, dv = k_BLHd.shape[2], v_BLHd.shape[-1]
     q_BHkvGQd = q_BQHd.float().view(B, Qmax, Hkv, H // Hkv, d).permute(0, 2, 3, 1, 4)
     scores = torch.matmul(q_BHkvGQd, k_BLHd.float().permute(0, 2, 3, 1)[:, :, None]) * scale
     scores = scores.masked_fill(~visible_BQL[:, None, None], float("-inf"))
     out_BHkvGQd = torch.matmul(torch.softmax(scores, dim=-1), v_BLHd.float().permute(0, 2, 1, 3)[:, :, None])
-    return out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, d)
+    return out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, dv)
 
 
 def _dense_sdpa(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:

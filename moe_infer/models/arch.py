@@ -13,15 +13,37 @@ from typing import Any, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
+class MLADims:
+    """Multi-head latent attention (DeepSeek-V2/V3): the widths of its projections and of its cache row."""
+
+    q_lora_rank: Optional[int]  # None: a plain q_proj
+    kv_lora_rank: int  # the latent c_kv a token caches (512)
+    qk_nope_head_dim: int  # per head: query/key part without position (128)
+    qk_rope_head_dim: int  # per head: the rotary part; its key is shared by all heads and cached (64)
+    v_head_dim: int  # per head value width (128)
+    rope_interleave: bool  # the checkpoint's rotary pairs are interleaved (x0, x1), (x2, x3), ...
+    softmax_scale: float  # qk_head_dim^-0.5, times the YaRN mscale squared where the config asks
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values a token caches per layer: the latent and the rotary key (576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelArch:
-    family: str  # mixtral | qwen2_moe | qwen3_moe | olmoe
+    family: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v2 | deepseek_v3
     architecture: str  # the HF `architectures[0]`, e.g. "Qwen3MoeForCausalLM"
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # MLA: 1 (the latent row is one "head" every query head reads)
+    head_dim: int  # MLA: the cache row's width (kv_lora_rank + qk_rope_head_dim)
     max_position_embeddings: int
     eos_token_ids: List[int]
     num_experts: int
@@ -43,6 +65,14 @@ class ModelArch:
     bos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
     rope_parameters: dict = field(default_factory=dict)
+    mla: Optional[MLADims] = None  # multi-head latent attention in place of per-head K/V
+    scoring: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
+    num_expert_group: int = 1  # grouped top-k (DeepSeek): n_group, topk_group
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    has_score_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
+    router_fp32: bool = False  # the router's weight and logits in float32 (DeepSeek)
+    shared_expert_name: str = "shared_expert"  # checkpoint name of the shared expert (DeepSeek: shared_experts)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -62,6 +92,11 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions the rotary embedding turns: the head (MLA: its rotary part)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.moe_layer_ids

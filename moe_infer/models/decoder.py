@@ -14,6 +14,7 @@ Legend: T tokens, D hidden, V vocab, B rows to compute logits for.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from moe_infer.layers.attention import Attention
 from moe_infer.layers.forward_context import current_forward_context, fewer_rows
 from moe_infer.layers.last_rows import LastRows, last_rows
+from moe_infer.layers.mla import MLAttention
 from moe_infer.layers.mlp import DenseMLP
 from moe_infer.layers.moe import MoEBackends, MoELayer
 from moe_infer.layers.norm import RMSNorm
@@ -39,16 +41,20 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, layer_idx, rotary, dtype, attn_backend, shard.tp)
+        attention = MLAttention if arch.mla is not None else Attention
+        self.self_attn = attention(arch, layer_idx, rotary, dtype, attn_backend, shard.tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.is_moe = arch.is_moe_layer(layer_idx)
         if self.is_moe:
-            spec = RoutingSpec(num_experts=arch.num_experts, top_k=arch.top_k, renormalize=arch.norm_topk_prob)
+            spec = RoutingSpec(num_experts=arch.num_experts, top_k=arch.top_k, renormalize=arch.norm_topk_prob,
+                               scoring=arch.scoring, num_expert_group=arch.num_expert_group,
+                               topk_group=arch.topk_group, routed_scaling_factor=arch.routed_scaling_factor,
+                               has_score_bias=arch.has_score_bias)
             self.mlp: nn.Module = MoELayer(
                 layer_idx, arch.hidden_size, arch.moe_intermediate_size, spec, backends, dtype,
                 shared_intermediate_size=arch.shared_expert_intermediate_size,
                 shared_gated=arch.shared_expert_gated, tp=shard.tp, moe_tp=shard.moe_tp,
-                stage=shard.stage_axis,
+                stage=shard.stage_axis, router_dtype=torch.float32 if arch.router_fp32 else None,
             )
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype, shard.tp)
@@ -91,7 +97,7 @@ class MoEModel(nn.Module):
         super().__init__()
         self.arch, self.hf_config, self.dtype, self.shard = arch, hf_config, dtype, shard
         self.backends = backends or MoEBackends()
-        self.rotary = RotaryEmbedding(hf_config, arch.head_dim)
+        self.rotary = RotaryEmbedding(hf_config, arch.rope_dim)
         self.local_layers = shard.layer_range(arch.num_layers)
         V, D, tp = arch.vocab_size, arch.hidden_size, shard.tp
         self.embed_tokens = VocabParallelEmbedding(V, D, dtype, tp) if shard.is_first_stage else None
@@ -181,27 +187,39 @@ class MoEModel(nn.Module):
         """KV heads held on this rank (tensor parallel: its share)."""
         return self.layers[self.local_layers[0]].self_attn.num_kv_heads
 
-    def bind_kv_cache(self, kv_caches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One (k_cache, v_cache) per layer of this stage, each [num_blocks, block_size, Hkv, d] in the model
-        dtype (Hkv: this rank's KV heads)."""
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> List[Tuple[Tuple[int, ...], ...]]:
+        """Per layer of this stage, the shapes of its cache tensors: (K, V) [Nb, S, Hkv, d] each (Hkv: this rank's
+        KV heads), or MLA's one latent cache [Nb, S, 1, kv_lora_rank + qk_rope_head_dim]."""
+        return [self.layers[i].self_attn.cache_shapes(num_blocks, block_size) for i in self.local_layers]
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device,
+                          fill: float = 0.0) -> List[Tuple[torch.Tensor, ...]]:
+        """The cache tensors of `kv_cache_shapes`, in the model dtype, filled with `fill`."""
+        return [tuple(torch.full(shape, fill, dtype=self.dtype, device=device) for shape in shapes)
+                for shapes in self.kv_cache_shapes(num_blocks, block_size)]
+
+    def bind_kv_cache(self, kv_caches: Sequence[Tuple[torch.Tensor, ...]]) -> None:
+        """One tuple of cache tensors per layer of this stage, shaped as `kv_cache_shapes` says (any block count
+        and block size, the same for all), in the model dtype."""
         if len(kv_caches) != len(self.local_layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.local_layers)} layers")
-        want = (self.num_kv_heads, self.arch.head_dim)
-        for i, (k, v) in enumerate(kv_caches):
-            if k.dim() != 4 or tuple(k.shape[2:]) != want or k.shape != v.shape:
-                raise ValueError(
-                    f"layer {i}: k {tuple(k.shape)} / v {tuple(v.shape)} must both be "
-                    f"[num_blocks, block_size, {want[0]}, {want[1]}]"
-                )
-            if k.dtype != self.dtype or v.dtype != self.dtype:
-                raise ValueError(f"layer {i}: KV cache dtype {k.dtype}/{v.dtype}, model dtype {self.dtype}")
+        for n, (i, kv) in enumerate(zip(self.local_layers, kv_caches)):
+            kv = tuple(kv)
+            if not kv or kv[0].dim() != 4:
+                raise ValueError(f"layer {n}: a KV cache is a tuple of [num_blocks, block_size, heads, dim] tensors")
+            want = self.layers[i].self_attn.cache_shapes(kv[0].shape[0], kv[0].shape[1])
+            got = tuple(tuple(t.shape) for t in kv)
+            if got != want:
+                raise ValueError(f"layer {n}: KV cache tensors {list(got)}, this layer needs {list(want)}")
+            if any(t.dtype != self.dtype for t in kv):
+                raise ValueError(f"layer {n}: KV cache dtype {[t.dtype for t in kv]}, model dtype {self.dtype}")
         for i, kv in zip(self.local_layers, kv_caches):
-            self.layers[i].self_attn.kv_cache = (kv[0], kv[1])
+            self.layers[i].self_attn.kv_cache = tuple(kv)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of K and V of this rank's layers and KV heads for one block of block_size tokens."""
+        """Bytes of this rank's cache (its layers, its KV heads or latent rows) for one block of block_size tokens."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.local_layers) * block_size * self.num_kv_heads * self.arch.head_dim * itemsize
+        return sum(math.prod(shape) for shapes in self.kv_cache_shapes(1, block_size) for shape in shapes) * itemsize
 
     def moe_layers(self) -> List[MoELayer]:
         return [layer.mlp for layer in self.layers if layer.is_moe]

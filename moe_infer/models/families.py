@@ -9,13 +9,19 @@ transformers 5's `modeling_<family>.py`):
   qwen2_moe  none                     yes (config)  sigmoid-gated         mlp_only_layers / sparse step
   qwen3_moe  per head (over head_dim) attention_bias no                   mlp_only_layers / sparse step
   olmoe      whole projection         attention_bias no                   none; clip_qkv after the norm
+  deepseek_v2  MLA (latent KV cache)   attention_bias n_shared_experts x F   first_k_dense_replace; softmax router
+  deepseek_v3  MLA (latent KV cache)   attention_bias n_shared_experts x F   first_k_dense_replace; sigmoid router
+                                                                            with correction bias, grouped top-k
+
+DeepSeek's routers run in float32 (their weight too), then scale the kept weights by routed_scaling_factor.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from moe_infer.models.arch import ModelArch, common_fields
+from moe_infer.models.arch import MLADims, ModelArch, common_fields
 from moe_infer.registry import Registry
 
 
@@ -32,7 +38,8 @@ _BY_MODEL_TYPE = {}  # model_type -> FamilySpec, for configs that list no `archi
 def _family(name: str, *architectures: str):
     def deco(fn: Callable[[Any], dict]) -> Callable[[Any], dict]:
         def parse(cfg: Any) -> ModelArch:
-            return ModelArch(family=name, architecture=_architecture(cfg), **common_fields(cfg), **fn(cfg))
+            _refuse_quantized(cfg)
+            return ModelArch(family=name, architecture=_architecture(cfg), **{**common_fields(cfg), **fn(cfg)})
 
         spec = FamilySpec(name, parse)
         for arch in architectures:
@@ -41,6 +48,17 @@ def _family(name: str, *architectures: str):
         return fn
 
     return deco
+
+
+def _refuse_quantized(cfg: Any) -> None:
+    """A checkpoint whose config declares quantized weights: refused by name (its tensors would be read as
+    bf16 values without their scales)."""
+    qcfg = getattr(cfg, "quantization_config", None)
+    if qcfg:
+        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", "?")
+        raise NotImplementedError(
+            f"quantized checkpoints are not supported yet: config.json has quantization_config "
+            f"(quant_method={method!r}); use the checkpoint's bf16 release (or dequantize it first)")
 
 
 def _architecture(cfg: Any) -> str:
@@ -110,6 +128,63 @@ def _olmoe(cfg: Any) -> dict:
         clip_qkv=getattr(cfg, "clip_qkv", None), shared_expert_intermediate_size=0, shared_expert_gated=False,
         sliding_windows=(None,) * cfg.num_hidden_layers,
     )
+
+
+def _mla_dims(cfg: Any, interleave: bool) -> MLADims:
+    """MLADims of a DeepSeek config; the softmax scale takes YaRN's mscale (mscale_all_dim) squared, as
+    DeepSeek's reference code and transformers do."""
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    scale = qk_head_dim ** -0.5
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope["factor"])
+        if factor > 1:
+            mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    return MLADims(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=interleave,
+                   softmax_scale=scale)
+
+
+def _deepseek(cfg: Any, mla: MLADims) -> dict:
+    """The fields DeepSeek-V2 and V3 read alike: MLA (one cached latent row a token), the first
+    first_k_dense_replace layers dense, n_shared_experts ungated shared experts of the routed experts' width."""
+    bias = bool(getattr(cfg, "attention_bias", False))
+    first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    E = cfg.n_routed_experts
+    return dict(
+        num_experts=E, moe_layer_ids=[i for i in range(first_dense, cfg.num_hidden_layers)] if E else [],
+        moe_intermediate_size=cfg.moe_intermediate_size, intermediate_size=cfg.intermediate_size,
+        qkv_bias=bias, o_bias=bias, qk_norm="none", clip_qkv=None,
+        shared_expert_intermediate_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
+        shared_expert_gated=False, shared_expert_name="shared_experts",
+        sliding_windows=(None,) * cfg.num_hidden_layers, mla=mla, num_kv_heads=1, head_dim=mla.cache_dim,
+        num_expert_group=int(getattr(cfg, "n_group", None) or 1), topk_group=int(getattr(cfg, "topk_group", None) or 1),
+        routed_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0), router_fp32=True,
+    )
+
+
+@_family("deepseek_v2", "DeepseekV2ForCausalLM")
+def _deepseek_v2(cfg: Any) -> dict:
+    method = getattr(cfg, "topk_method", "greedy") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2: topk_method={method!r} is not supported (greedy, group_limited_greedy)")
+    out = _deepseek(cfg, _mla_dims(cfg, interleave=True))  # V2 rotates interleaved pairs (complex form)
+    if method == "greedy":
+        out.update(num_expert_group=1, topk_group=1)
+    return dict(out, scoring="softmax", norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)))
+
+
+@_family("deepseek_v3", "DeepseekV3ForCausalLM")
+def _deepseek_v3(cfg: Any) -> dict:
+    method = getattr(cfg, "topk_method", "noaux_tc") or "noaux_tc"
+    if method != "noaux_tc":
+        raise ValueError(f"deepseek_v3: topk_method={method!r} is not supported (noaux_tc)")
+    scoring = getattr(cfg, "scoring_func", "sigmoid") or "sigmoid"
+    if scoring != "sigmoid":
+        raise ValueError(f"deepseek_v3: scoring_func={scoring!r} is not supported (sigmoid)")
+    out = _deepseek(cfg, _mla_dims(cfg, interleave=bool(getattr(cfg, "rope_interleave", True))))
+    return dict(out, scoring="sigmoid", has_score_bias=True, norm_topk_prob=bool(cfg.norm_topk_prob))
 
 
 def family_for(cfg: Any) -> FamilySpec:

@@ -19,6 +19,7 @@ Legend: E experts, F expert intermediate, D hidden, V vocabulary.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -29,6 +30,8 @@ from safetensors import safe_open
 from moe_infer.layers.attention import head_split
 from moe_infer.layers.tensor_parallel import ShardGroup, padded_vocab
 from moe_infer.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
 _ALL = slice(None)
@@ -103,6 +106,38 @@ def _attn_targets(arch: ModelArch, i: int, tp: ShardGroup) -> Dict[str, _Target]
     elif arch.qk_norm == "proj":
         out[f"{p}.q_norm.weight"] = _Target(f"{t}.q_norm.weight", (arch.q_size,), src=(src["q"],))
         out[f"{p}.k_norm.weight"] = _Target(f"{t}.k_norm.weight", (arch.kv_size,), src=(src["k"],))
+    return out
+
+
+def _mla_targets(arch: ModelArch, i: int, tp: ShardGroup) -> Dict[str, _Target]:
+    """Multi-head latent attention (moe_infer/layers/mla.py): this rank's heads' rows of q_proj / q_b_proj and
+    kv_b_proj and columns of o_proj; the compression and its norms whole."""
+    p, t, D, mla = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn", arch.hidden_size, arch.mla
+    H, c, r = arch.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
+    heads = _part(H, tp)
+    def rows(per_head: int) -> slice:
+        return _ALL if heads == _ALL else slice(heads.start * per_head, heads.stop * per_head)
+    q_rows, kv_rows, o_cols = rows(mla.qk_head_dim), rows(mla.qk_nope_head_dim + mla.v_head_dim), rows(mla.v_head_dim)
+    out = {
+        f"{p}.kv_a_proj_with_mqa.weight": _Target(f"{t}.kv_a_proj_with_mqa.weight", (c + r, D)),
+        f"{p}.kv_a_layernorm.weight": _Target(f"{t}.kv_a_layernorm.weight", (c,)),
+        f"{p}.kv_b_proj.weight": _Target(f"{t}.kv_b_proj.weight", (H * (mla.qk_nope_head_dim + mla.v_head_dim), c),
+                                         src=(kv_rows,)),
+        f"{p}.o_proj.weight": _Target(f"{t}.o_proj.weight", (D, H * mla.v_head_dim), src=(_ALL, o_cols)),
+    }
+    if mla.q_lora_rank is None:
+        out[f"{p}.q_proj.weight"] = _Target(f"{t}.q_proj.weight", (H * mla.qk_head_dim, D), src=(q_rows,))
+    else:
+        Q = mla.q_lora_rank
+        out[f"{p}.q_a_proj.weight"] = _Target(f"{t}.q_a_proj.weight", (Q, D))
+        out[f"{p}.q_a_layernorm.weight"] = _Target(f"{t}.q_a_layernorm.weight", (Q,))
+        out[f"{p}.q_b_proj.weight"] = _Target(f"{t}.q_b_proj.weight", (H * mla.qk_head_dim, Q), src=(q_rows,))
+        if arch.qkv_bias:
+            out[f"{p}.q_a_proj.bias"] = _Target(f"{t}.q_a_proj.bias", (Q,))
+    if arch.qkv_bias:
+        out[f"{p}.kv_a_proj_with_mqa.bias"] = _Target(f"{t}.kv_a_proj_with_mqa.bias", (c + r,))
+    if arch.o_bias:
+        out[f"{p}.o_proj.bias"] = _Target(f"{t}.o_proj.bias", (D,))
     return out
 
 
@@ -202,18 +237,22 @@ def weight_targets(model, names: set) -> Dict[str, _Target]:
             f"model.layers.{i}.post_attention_layernorm.weight": _Target(
                 f"layers.{i}.post_attention_layernorm.weight", (D,)),
         }
-        layer_out.update(_attn_targets(arch, i, tp))
+        layer_out.update(_mla_targets(arch, i, tp) if arch.mla is not None else _attn_targets(arch, i, tp))
         p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
         if not arch.is_moe_layer(i):
             layer_out.update(_swiglu_targets(p, t, D, arch.intermediate_size, tp))
         else:
             layer_out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
+            if arch.has_score_bias:
+                layer_out[f"{p}.gate.e_score_correction_bias"] = _Target(f"{t}.e_score_correction_bias",
+                                                                         (arch.num_experts,))
             local = i in model.local_layers
             expert_ids = local_expert_ids(layer.mlp.dispatcher, arch.num_experts) if local else []
             layer_out.update(_expert_targets(arch, i, expert_ids, names, shard.moe_tp))
             if arch.shared_expert_intermediate_size:
                 shared_F = arch.shared_expert_intermediate_size
-                layer_out.update(_swiglu_targets(f"{p}.shared_expert", f"{t}.shared_expert", D, shared_F, tp))
+                layer_out.update(_swiglu_targets(f"{p}.{arch.shared_expert_name}", f"{t}.shared_expert", D, shared_F,
+                                                 tp))
                 if arch.shared_expert_gated:
                     layer_out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
         if i not in model.local_layers:  # another stage's layer: known, not read
@@ -244,7 +283,9 @@ def load_weights(model, path: str) -> None:
     files = checkpoint_files(path)
     by_canon = {_canonical(n): n for n in files}
     targets = weight_targets(model, set(by_canon))
-    unexpected = sorted(n for c, n in by_canon.items() if c not in targets and not c.endswith("rotary_emb.inv_freq"))
+    extra = _extra_layers(model, by_canon)
+    unexpected = sorted(n for c, n in by_canon.items()
+                        if c not in targets and c not in extra and not c.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint {path!r}: {_few(unexpected)}")
     optional = {"lm_head.weight"} if model.arch.tie_word_embeddings else set()
@@ -252,6 +293,7 @@ def load_weights(model, path: str) -> None:
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors: {_few(missing)}")
     params = dict(model.named_parameters(remove_duplicate=False))
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     covered = {t.param for t in targets.values() if t.param is not None}
     if model.arch.tie_word_embeddings and model.embed_tokens is not None and model.lm_head is not None:
         covered.add("lm_head.weight")  # the same parameter as the embedding
@@ -267,6 +309,22 @@ def load_weights(model, path: str) -> None:
         if file not in handles:
             handles[file] = _open(file)
         _copy_one(handles[file], file, name, tgt, params[tgt.param])
+
+
+def _extra_layers(model, by_canon: Dict[str, str]) -> set:
+    """Tensors of the layers after the decoder's last that the config declares as multi-token-prediction
+    (MTP) layers (DeepSeek-V3's `num_nextn_predict_layers`, `model.layers.61.*`): known and not read (logged).
+    Speculative decoding with them is not built yet."""
+    num_mtp = int(getattr(model.hf_config, "num_nextn_predict_layers", 0) or 0)
+    if not num_mtp:
+        return set()
+    first = model.arch.num_layers
+    prefixes = tuple(f"model.layers.{first + j}." for j in range(num_mtp))
+    extra = {c for c in by_canon if c.startswith(prefixes)}
+    if extra:
+        logger.info("%d tensors of %d multi-token-prediction layer(s) left unread (no MTP speculation yet)",
+                    len(extra), num_mtp)
+    return extra
 
 
 def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -> None:
