@@ -153,3 +153,19 @@ def test_engine_tokens_equal_through_the_triton_kernel(family):
         assert llm.engine.scheduler.num_chunked_prefills > 0
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("block_v", [16, 32])
+@pytest.mark.parametrize("new", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_triton_value_split_over_programs(new, block_v):
+    """The value accumulator in parts of block_v latent columns (one program each): the same output."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
+    from moe_infer.kernels.mla_attention import TileConfig, mla_attention_triton
+
+    q, cache, attn, w_uv, scale, ref = _case(new)
+    for splits in (1, 2):
+        o_lat = mla_attention_triton(q, cache, 32, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
+                                     scale, attn.max_query_len, attn.max_seq_len, splits=splits if new == DECODE else 1,
+                                     config=TileConfig(block_h=2, block_v=block_v, block_n=16, warps=4, block_q=2))
+        torch.testing.assert_close(torch.einsum("thc,hvc->thv", o_lat.float(), w_uv), ref, atol=1e-4, rtol=1e-4)

@@ -1,8 +1,10 @@
 """Launch wrapper of the MLA attention Triton kernel (`mla_attention_kernels`): the signature of
 `moe_infer.layers.mla.mla_attend_torch` (which is its reference) with the attention metadata's fields spelled out.
 
-Tiles: BLOCK_H heads of one query token a program for a decode step (every sequence one query), BLOCK_Q tokens x
-BLOCK_H heads for a step with prompt chunks; key tiles of BLOCK_N rows. A decode whose B x head-group programs leave
+Tiles (`TileConfig`): BLOCK_H heads of one query token a program for a decode step (every sequence one query),
+BLOCK_Q tokens x BLOCK_H heads for a step with prompt chunks; key tiles of BLOCK_N rows; the value accumulator in
+parts of BLOCK_V latent values (one program each). `benchmarks/deepseek_v3.py` times the
+candidates. A decode whose B x head-group programs leave
 SMs idle splits its keys (`num_splits` and `split_workspace` of the paged MHA wrapper; the same merge kernel). No
 host sync: every launch parameter comes from shapes and the metadata's host ints (a decode graph's max_seq_len is its
 context bucket), so steps replay as CUDA graphs.
@@ -12,6 +14,7 @@ Legend: T query tokens, B sequences, H heads, C = C_LAT + C_ROPE the cache row, 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,8 +26,30 @@ from moe_infer.kernels.pdl import use_pdl
 from moe_infer.kernels.sm_count import num_sms as _num_sms
 
 PDL_ENV = "MOE_ATTN_PDL"
-DECODE_BLOCK_H, DECODE_BLOCK_N = 16, 32  # a decode program: 16 heads x 512 latent values accumulated in float32
-PREFILL_BLOCK_Q = 2  # a prompt-chunk program: 2 tokens x 16 heads
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_h: int  # heads a program (x block_q tokens: its rows)
+    block_v: int  # latent values a program accumulates (< kv_lora_rank: the value split over programs)
+    block_n: int  # keys a tile
+    warps: int
+    block_q: int = 1  # query tokens a program (steps with prompt chunks)
+
+
+DECODE_CUDA = TileConfig(block_h=16, block_v=512, block_n=32, warps=4)
+PREFILL_CUDA = TileConfig(block_h=16, block_v=512, block_n=32, warps=8, block_q=2)
+INTERPRETER = TileConfig(block_h=4, block_v=512, block_n=16, warps=4, block_q=2)  # its speed: small tiles
+
+
+def tile_config(is_decode: bool, device: torch.device) -> TileConfig:
+    if device.type != "cuda":
+        return INTERPRETER
+    return DECODE_CUDA if is_decode else PREFILL_CUDA
+
+
+def _programs_per_seq(cfg: TileConfig, num_heads: int, kv_lora_rank: int) -> int:
+    return triton.cdiv(num_heads, cfg.block_h) * triton.cdiv(kv_lora_rank, min(cfg.block_v, kv_lora_rank))
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -32,18 +57,22 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def decode_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
+def decode_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device, kv_lora_rank: int = 512,
+                  cfg: TileConfig | None = None) -> int:
     """The split count of a decode step of `batch` sequences over max_seq_len keys (what the start-up warm-up
     compiles for)."""
-    head_groups = triton.cdiv(num_heads, DECODE_BLOCK_H if device.type == "cuda" else 4)
-    return num_splits(batch * head_groups, max_seq_len, 1, _num_sms(device) if device.type == "cuda" else 4)
+    cfg = cfg or tile_config(True, device)
+    programs = batch * _programs_per_seq(cfg, num_heads, kv_lora_rank)
+    return num_splits(programs, max_seq_len, 1, _num_sms(device) if device.type == "cuda" else 4)
 
 
 def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora_rank: int,
                          block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor,
-                         scale: float, max_query_len: int, max_seq_len: int, splits: int | None = None) -> torch.Tensor:
+                         scale: float, max_query_len: int, max_seq_len: int, splits: int | None = None,
+                         config: TileConfig | None = None) -> torch.Tensor:
     """Absorbed queries [T, H, C] over the latent cache [Nb, S, 1, C] -> [T, H, c] (c = kv_lora_rank) in q's dtype.
-    A sequence's step tokens are its last positions (seq_lens_B - q_len ...). splits: force a split count (tests)."""
+    A sequence's step tokens are its last positions (seq_lens_B - q_len ...). splits, config: force a split count,
+    a tile configuration (tests, benchmarks)."""
     T, H, C = q_THC.shape
     Nb, S, one, C_cache = cache_NbS1C.shape
     B = seq_lens_B.shape[0]
@@ -63,29 +92,28 @@ def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora
     out_THc = q_THC.new_empty(T, H, c)
     if T == 0 or B == 0:
         return out_THc
-    block_h = min(DECODE_BLOCK_H, max(16, triton.next_power_of_2(H))) if q_THC.is_cuda else 4
-    head_groups = triton.cdiv(H, block_h)
-    if max_query_len <= 1:
-        block_q, warps = 1, 4
-        n_split = splits or decode_splits(B, H, max_seq_len, q_THC.device)
-        block_n = DECODE_BLOCK_N if q_THC.is_cuda else 16
-    else:
-        block_q, warps, n_split = PREFILL_BLOCK_Q, 8 if q_THC.is_cuda else 4, splits or 1
-        block_n = DECODE_BLOCK_N if q_THC.is_cuda else 16
-    split_n, part_STHc, m_STH, l_STH = split_workspace(out_THc, n_split, max_seq_len, block_n)
-    num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
+    decode = max_query_len <= 1
+    cfg = config or tile_config(decode, q_THC.device)
     lat_p, rope_p = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(C - c))
-    mla_attention_kernel[(B, num_q_tiles * n_split, head_groups)](
+    block_q = 1 if decode else cfg.block_q
+    block_v = min(cfg.block_v, lat_p)
+    _check(block_v & (block_v - 1) == 0 and cfg.block_h & (cfg.block_h - 1) == 0,
+           f"tile config {cfg}: block_v and block_h must be powers of two")
+    n_split = splits or (decode_splits(B, H, max_seq_len, q_THC.device, c, cfg) if decode else 1)
+    split_n, part_STHc, m_STH, l_STH = split_workspace(out_THc, n_split, max_seq_len, cfg.block_n)
+    num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
+    v_parts = triton.cdiv(c, block_v)
+    mla_attention_kernel[(B, num_q_tiles * n_split, triton.cdiv(H, cfg.block_h) * v_parts)](
         q_THC, cache_NbS1C, out_THc, part_STHc, m_STH, l_STH, bt, seq_lens_B, query_start_loc_B1,
         float(scale), q_THC.stride(0), q_THC.stride(1), out_THc.stride(0), out_THc.stride(1),
         cache_NbS1C.stride(0), cache_NbS1C.stride(1), bt.stride(0),
         part_STHc.stride(0) if n_split > 1 else 0, part_STHc.stride(1) if n_split > 1 else 0,
         part_STHc.stride(2) if n_split > 1 else 0, m_STH.stride(0) if n_split > 1 else 0,
         m_STH.stride(1) if n_split > 1 else 0, split_n,
-        H=H, C_LAT=c, C_ROPE=C - c, LAT_P=lat_p, ROPE_P=rope_p, PAGE=S, BLOCK_Q=block_q, BLOCK_H=block_h,
-        BLOCK_N=block_n, NUM_SPLITS=n_split, DOT_FP32=not q_THC.is_cuda,
+        H=H, C_LAT=c, C_ROPE=C - c, LAT_P=lat_p, ROPE_P=rope_p, PAGE=S, BLOCK_Q=block_q, BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n, BLOCK_V=block_v, V_PARTS=v_parts, NUM_SPLITS=n_split, DOT_FP32=not q_THC.is_cuda,
         DOT_PRECISION="ieee" if q_THC.dtype == torch.float32 or not q_THC.is_cuda else "tf32",
-        num_warps=warps, **use_pdl(q_THC, PDL_ENV),
+        num_warps=cfg.warps, **use_pdl(q_THC, PDL_ENV),
     )
     if n_split > 1:
         paged_attention_reduce_kernel[(T, H)](

@@ -5,7 +5,9 @@ block tables (launch wrapper and checks: `moe_infer.kernels.mla_attention`; PyTo
 Every query head attends over the same cached rows (multi-query attention): a row is [c_kv | k_rot], C_LAT + C_ROPE
 values, the key; its first C_LAT values are the value. One program takes BLOCK_Q query tokens of one sequence for
 BLOCK_H heads: its BLOCK_Q * BLOCK_H rows are (token, head) pairs, so a decode step (one token) fills a tile with
-BLOCK_H heads and every key tile is loaded once for all of them. Scores are the latent product plus the rotary
+BLOCK_H heads and every key tile is loaded once for all of them. The value accumulator may be split over V_PARTS
+programs (each BLOCK_V of the C_LAT values; the scores are computed by each): more heads a program with the same
+registers. Scores are the latent product plus the rotary
 product (two dots: the row is not a power of two wide); the value accumulator is [rows, C_LAT] in float32. Causal
 by position as the paged MHA kernel (`paged_attention_kernels`): the step's q_len tokens of a sequence are its last
 q_len positions. Online softmax in exp2 units. Split-KV for decodes of few programs: split s takes keys
@@ -29,12 +31,14 @@ def mla_attention_kernel(
     SPLIT_N,
     H: tl.constexpr, C_LAT: tl.constexpr, C_ROPE: tl.constexpr, LAT_P: tl.constexpr, ROPE_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_V: tl.constexpr, V_PARTS: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_tile = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
-    head_group = tl.program_id(2)
+    head_group = tl.program_id(2) // V_PARTS
+    v_part = tl.program_id(2) % V_PARTS
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -51,6 +55,8 @@ def mla_attention_kernel(
     offs_r = tl.arange(0, ROPE_P)
     c_ok = offs_c < C_LAT
     r_ok = offs_r < C_ROPE
+    offs_v = v_part * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value columns
+    v_ok = offs_v < C_LAT
     q_row = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
     q_rot = tl.load(q_row + C_LAT + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
@@ -67,7 +73,7 @@ def mla_attention_kernel(
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_H, LAT_P], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_V], dtype=tl.float32)
     for n0 in range(kv_start, kv_end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
@@ -88,19 +94,26 @@ def mla_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if V_PARTS == 1:
+            v = k_lat
+        else:  # this program's columns of the value (the rows' latent part), from L1 / L2 after the key load
+            v = tl.load(row_base + offs_v[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
+            if DOT_FP32:
+                v = v.to(tl.float32)
         if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, k_lat, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     t = q_start + tok
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
     else:
-        tl.store(part_ptr + split * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph + offs_c[None, :],
-                 acc, mask=row_ok[:, None] & c_ok[None, :])
-        tl.store(m_part_ptr + split * stride_ms + t * stride_mt + head, m_i, mask=row_ok)
-        tl.store(l_part_ptr + split * stride_ms + t * stride_mt + head, l_i, mask=row_ok)
+        tl.store(part_ptr + split * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph + offs_v[None, :],
+                 acc, mask=row_ok[:, None] & v_ok[None, :])
+        if v_part == 0:
+            tl.store(m_part_ptr + split * stride_ms + t * stride_mt + head, m_i, mask=row_ok)
+            tl.store(l_part_ptr + split * stride_ms + t * stride_mt + head, l_i, mask=row_ok)

@@ -1,0 +1,291 @@
+"""DeepSeek-V3 shapes on one GPU: the MLA decode attention, and the engine's decode and prefill, against rooflines
+computed from rates measured on the same machine in the same run.
+
+    python benchmarks/deepseek_v3.py            # GPU: 4 layers of DeepSeek-V3's real widths (1 dense, 3 MoE), bf16
+    python benchmarks/deepseek_v3.py --tiny     # CPU smoke run of the same code (tiny widths)
+
+attention: decode (one query a sequence) of DeepSeek-V3's 128 heads over the latent cache (576 values a token), batch
+  1 / 16 / 64 x context 1k / 4k / 16k / 32k: the Triton kernel (moe_infer/kernels/mla_attention.py) against the
+  gathered-latent PyTorch path (each sequence's rows gathered through its block table to [B, L, 576], then bf16
+  matmuls and a float32 softmax); roofline = max(latent bytes read / the measured HBM copy rate, the absorbed
+  FLOPs / the measured bf16 GEMM rate): with 128 heads a row is multiplied 128 times, so long contexts are
+  compute-bound on an H200. Both paths are timed as a decode step's CUDA graph runs them (20 calls in a graph, no
+  host time); the kernel's tile configurations beside its default (the best reported).
+engine: a random-weight model (`model.load_format=dummy`) of DeepSeek-V3's widths cut to 4 layers (hidden 7168,
+  128 heads, q-LoRA 1536, latent 512 + 64, 256 experts top-8 in 8 groups, expert F 2048, one shared expert; the
+  first layer dense, F 18432): about 74 GB of bf16. Decode: batch B, prompt 128, 64 new tokens, output tok/s of the
+  generate call; roofline = B x new tokens / (new tokens x bytes of one decode step / HBM rate), the bytes being
+  every weight a step reads (attention, dense and shared MLPs, router, the experts touched at B tokens under uniform
+  routing: E (1 - (1 - K/E)^B), an estimate, and the LM head) and the latent cache it reads. Prefill: 16 x 1024,
+  prompt tok/s against max(FLOPs / measured bf16 GEMM rate, weights / HBM rate).
+Writes JSON (device named) to --out, else $OUT, else benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+REAL = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=1,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    max_position_embeddings=4096, norm_topk_prob=True, num_nextn_predict_layers=0,
+)
+TINY = dict(REAL, vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+            topk_group=2, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+            max_position_embeddings=512)
+
+
+def device_label(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "_").lower()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(fn, device, reps: int = 10) -> float:
+    """Median seconds of fn() after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def clock_in_graph(fn, device, calls: int = 20) -> float:
+    """Seconds a call of fn as a decode step's CUDA graph runs it: `calls` calls captured in one graph, the graph's
+    median replay time / calls (no host time: the engine replays decode steps as graphs). Eager clock on the CPU."""
+    if device.type != "cuda":
+        return clock(fn, device)
+    fn()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return clock(graph.replay, device, reps=5) / calls
+
+
+def measure_rates(device: torch.device) -> dict:
+    """HBM copy rate (GB/s) and bf16 GEMM rate (TFLOPS) of this device, measured now."""
+    if device.type != "cuda":
+        return dict(hbm_gbps=20.0, tflops=0.5, note="CPU: nominal figures, the rooflines mean nothing here")
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    copy_s = clock(lambda: dst.copy_(src), device)
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    gemm_s = clock(lambda: x @ x, device)
+    return dict(hbm_gbps=2 * n / copy_s / 1e9, tflops=2 * 8192 ** 3 / gemm_s / 1e12)
+
+
+# ---------------------------------------------------------------- attention
+def gathered_latent_attention(q_BHC, cache_NbS1C, tables_BM, L: int, c: int, scale: float) -> torch.Tensor:
+    """The PyTorch path: every sequence's L rows gathered through its block table, bf16 matmuls, float32 softmax."""
+    S = cache_NbS1C.shape[1]
+    keys_L = torch.arange(L, device=q_BHC.device)
+    slots_BL = tables_BM.long()[:, keys_L // S] * S + keys_L % S
+    rows_BLC = cache_NbS1C.view(-1, cache_NbS1C.shape[-1])[slots_BL]
+    scores_BHL = torch.bmm(q_BHC, rows_BLC.transpose(1, 2)).float() * scale
+    return torch.bmm(torch.softmax(scores_BHL, -1).to(q_BHC.dtype), rows_BLC[..., :c])
+
+
+def candidates(device) -> list:
+    """Tile configurations timed beside the default (heads, value columns, keys a tile, warps a program)."""
+    from moe_infer.kernels.mla_attention import TileConfig, tile_config
+
+    default = tile_config(True, device)
+    if device.type != "cuda":
+        return [default, TileConfig(block_h=4, block_v=16, block_n=16, warps=4)]
+    return [default] + [TileConfig(block_h=h, block_v=v, block_n=n, warps=w) for h, v, n, w in (
+        (32, 256, 32, 8), (64, 256, 16, 8), (32, 512, 16, 8))]
+
+
+def bench_attention(dims: dict, batches, contexts, device, hbm: float, flops: float) -> list:
+    from moe_infer.kernels.mla_attention import mla_attention_triton
+
+    H, c, r = dims["num_attention_heads"], dims["kv_lora_rank"], dims["qk_rope_head_dim"]
+    S, dtype, rows = 64, torch.bfloat16 if device.type == "cuda" else torch.float32, []
+    scale = (dims["qk_nope_head_dim"] + r) ** -0.5
+    for L in contexts:
+        for B in batches:
+            blocks = B * -(-L // S)
+            cache = torch.randn(blocks, S, 1, c + r, device=device).to(dtype)
+            tables_BM = torch.randperm(blocks, device=device, dtype=torch.int32).view(B, -1)
+            q_BHC = torch.randn(B, H, c + r, device=device).to(dtype)
+            seq_lens_B = torch.full((B,), L, dtype=torch.int32, device=device)
+            starts_B1 = torch.arange(B + 1, dtype=torch.int32, device=device)
+            args = (q_BHC, cache, c, tables_BM, seq_lens_B, starts_B1, scale, 1, L)
+            tiles = {}
+            for cfg in candidates(device):  # the default first
+                tiles[str(cfg)] = clock_in_graph(lambda: mla_attention_triton(*args, config=cfg), device) * 1e6
+            kernel_us = next(iter(tiles.values()))
+            torch_s = clock_in_graph(lambda: gathered_latent_attention(q_BHC, cache, tables_BM, L, c, scale), device)
+            got = mla_attention_triton(*args).float()
+            want = gathered_latent_attention(q_BHC, cache, tables_BM, L, c, scale).float()
+            # roofline: the latent rows read at the HBM rate, or the absorbed FLOPs (576-wide scores, 512-wide values)
+            roof_s = max(B * L * (c + r) * cache.element_size() / hbm, 2 * B * H * L * (2 * c + r) / flops)
+            rows.append(dict(batch=B, context=L, kernel_us=kernel_us, torch_us=torch_s * 1e6,
+                             speedup=torch_s * 1e6 / kernel_us, roofline_us=roof_s * 1e6,
+                             pct_roofline=roof_s * 1e6 / kernel_us, best_tiles=min(tiles, key=tiles.get),
+                             best_us=min(tiles.values()), tiles_us=tiles, max_abs_diff=(got - want).abs().max().item()))
+    return rows
+
+
+# ---------------------------------------------------------------- engine
+def layer_weights(dims: dict, moe: bool, experts_touched: float, elem: int = 2) -> float:
+    D, H, Q = dims["hidden_size"], dims["num_attention_heads"], dims["q_lora_rank"]
+    c, r, n, v = dims["kv_lora_rank"], dims["qk_rope_head_dim"], dims["qk_nope_head_dim"], dims["v_head_dim"]
+    attn = D * Q + Q * H * (n + r) + D * (c + r) + c * H * (n + v) + H * v * D
+    if not moe:
+        return elem * (attn + 3 * D * dims["intermediate_size"])
+    F, E = dims["moe_intermediate_size"], dims["n_routed_experts"]
+    return elem * (attn + 3 * D * F * (dims["n_shared_experts"] + experts_touched)) + 4 * D * E  # fp32 router
+
+
+def touched(dims: dict, tokens: int) -> float:
+    E, K = dims["n_routed_experts"], dims["num_experts_per_tok"]
+    return E * (1.0 - (1.0 - K / E) ** tokens)
+
+
+def decode_step_bytes(dims: dict, batch: int, context: int) -> float:
+    dense = dims["first_k_dense_replace"]
+    moe = dims["num_hidden_layers"] - dense
+    cache = dims["num_hidden_layers"] * batch * context * (dims["kv_lora_rank"] + dims["qk_rope_head_dim"]) * 2
+    return (dense * layer_weights(dims, False, 0) + moe * layer_weights(dims, True, touched(dims, batch))
+            + 2 * dims["vocab_size"] * dims["hidden_size"] + cache)
+
+
+def prefill_limit_s(dims: dict, seqs: int, length: int, hbm: float, flops: float) -> float:
+    T, H, L = seqs * length, dims["num_attention_heads"], dims["num_hidden_layers"]
+    dense, moe = dims["first_k_dense_replace"], L - dims["first_k_dense_replace"]
+    active = (dense * layer_weights(dims, False, 0) + moe * layer_weights(dims, True, dims["num_experts_per_tok"])) / 2
+    pairs = seqs * length * (length + 1) / 2  # causal (query, key) pairs; absorbed: 576-wide keys, 512-wide values
+    fl = 2 * T * active + 2 * L * H * pairs * (2 * dims["kv_lora_rank"] + dims["qk_rope_head_dim"])
+    weights = dense * layer_weights(dims, False, 0) + moe * layer_weights(dims, True, touched(dims, T))
+    return max(fl / flops, weights / hbm)
+
+
+def write_config(dims: dict, folder: str) -> str:
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.save_pretrained(folder)
+    return folder
+
+
+def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hbm: float, flops: float) -> dict:
+    from moe_infer import LLM, SamplingParams
+
+    seqs, length = prefill
+    folder = write_config(dims, tempfile.mkdtemp(prefix="deepseek_v3_"))
+    start = time.perf_counter()
+    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16" if device.type == "cuda" else "float32",
+              device=str(device), max_num_seqs=max(batches + [seqs]), max_model_len=max(prompt + new, length + 1),
+              max_num_batched_tokens=max(seqs * length // 4, 8), enable_prefix_caching=False)
+    out = dict(startup_s=time.perf_counter() - start, decode=[], kv_bytes_per_token=llm.engine.runner.model
+               .kv_cache_bytes_per_block(1))
+    gen = torch.Generator().manual_seed(0)
+    V = dims["vocab_size"]
+
+    def run(b: int, n: int, tokens: int) -> float:
+        prompts = torch.randint(2, V, (b, n), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        sync(device)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sync(device)
+        return time.perf_counter() - t0
+
+    for b in batches:
+        run(b, prompt, new)  # warm-up: graphs of this batch captured, kernels compiled
+        secs = statistics.median(run(b, prompt, new) for _ in range(3))
+        roof_s = sum(decode_step_bytes(dims, b, prompt + i) for i in range(new)) / hbm
+        out["decode"].append(dict(batch=b, tok_s=b * new / secs, roofline_tok_s=b * new / roof_s,
+                                  pct_roofline=roof_s / secs))
+    run(seqs, length, 1)
+    secs = statistics.median(run(seqs, length, 1) for _ in range(3))
+    limit = prefill_limit_s(dims, seqs, length, hbm, flops)
+    out["prefill"] = dict(seqs=seqs, length=length, tok_s=seqs * length / secs, limit_tok_s=seqs * length / limit,
+                          pct_limit=limit / secs)
+    graphs = llm.engine.runner.graphs
+    out["decode_graphs"] = None if graphs is None else dict(replayed=graphs.runs, disabled=graphs.disabled)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (a smoke run)")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dims = TINY if args.tiny else REAL
+    rates = measure_rates(device)
+    hbm, flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12
+    batches = [1, 2] if args.tiny else [1, 16, 64]
+    contexts = [32, 64] if args.tiny else [1024, 4096, 16384, 32768]
+    result = dict(device=device_label(device), rates=rates, dims=dims,
+                  attention=bench_attention(dims, batches, contexts, device, hbm, flops))
+    if not args.skip_engine:
+        result["engine"] = bench_engine(dims, batches, 8 if args.tiny else 128, 4 if args.tiny else 64,
+                                        (2, 32) if args.tiny else (16, 1024), device, hbm, flops)
+    print_table(result)
+    name = f"deepseek_v3_{result['device']}{'_tiny' if args.tiny else ''}.json"
+    folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    path = args.out or os.path.join(folder, name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+def print_table(result: dict) -> None:
+    r = result["rates"]
+    print(f"\n{result['device']}: HBM copy {r['hbm_gbps']:.0f} GB/s, bf16 GEMM {r['tflops']:.1f} TFLOPS "
+          f"({r.get('note', 'measured in this run')})")
+    print(f"\nMLA decode attention, {result['dims']['num_attention_heads']} heads (us)\n"
+          f" batch context   kernel    torch  speedup  roofline  %roof  max|diff|  best tiles (us)")
+    for a in result["attention"]:
+        print(f"{a['batch']:>6} {a['context']:>7} {a['kernel_us']:>8.1f} {a['torch_us']:>8.1f} {a['speedup']:>7.2f}x "
+              f"{a['roofline_us']:>9.1f} {a['pct_roofline']:>6.0%} {a['max_abs_diff']:>10.2e}  {a['best_us']:.1f} "
+              f"{a['best_tiles']}")
+    eng = result.get("engine")
+    if eng:
+        print(f"\nengine (start-up {eng['startup_s']:.0f} s, KV {eng['kv_bytes_per_token']} bytes a token)\n"
+              f" batch    tok/s  roofline  %roof")
+        for d in eng["decode"]:
+            print(f"{d['batch']:>6} {d['tok_s']:>8.0f} {d['roofline_tok_s']:>9.0f} {d['pct_roofline']:>6.0%}")
+        p = eng["prefill"]
+        print(f"prefill {p['seqs']}x{p['length']}: {p['tok_s']:.0f} tok/s, limit {p['limit_tok_s']:.0f} "
+              f"({p['pct_limit']:.0%})")
+
+
+if __name__ == "__main__":
+    main()
