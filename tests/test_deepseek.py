@@ -58,10 +58,17 @@ def test_mtp_layers_of_a_checkpoint_are_known_not_read(tmp_path):
     load_model(path, torch.float32, "cpu")
 
 
-def test_quantized_checkpoint_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("qcfg,match", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
+    ({"quant_method": "fp8"}, "without weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["model.layers.0.mlp"]},
+     "modules_to_not_convert"),
+])
+def test_unsupported_quantization_is_refused_by_name(tmp_path, qcfg, match):
     path = make_tiny_checkpoint("deepseek_v3", tmp_path / "ds", seed=0)
-    _edit_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(NotImplementedError, match="quant_method='fp8'"):
+    _edit_config(path, quantization_config=qcfg)
+    with pytest.raises(NotImplementedError, match=match):
         load_arch(path)
 
 

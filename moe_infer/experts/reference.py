@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_infer.experts.local_dispatch import DispatchMetadata
+from moe_infer.quant import expert_weight
 from moe_infer.registry import Registry
 
 ExpertsFn = Callable[[torch.Tensor, DispatchMetadata, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,8 +30,9 @@ def experts_torch(
         start, end = offsets[e], offsets[e + 1]
         if start == end:
             continue
-        h_rF2 = x_RD[start:end] @ w13_E2FD[e].t()
+        # quantized weights (moe_infer/quant.py): this expert's dequantized for the call (W8A16)
+        h_rF2 = x_RD[start:end] @ expert_weight(w13_E2FD, e, x_RD.dtype).t()
         a_rF = F.silu(h_rF2[:, :F_]) * h_rF2[:, F_:]
-        y_rD = a_rF @ w2_EDF[e].t()
+        y_rD = a_rF @ expert_weight(w2_EDF, e, x_RD.dtype).t()
         y_RD[start:end] = y_rD * meta.weights_R[start:end, None].to(y_rD.dtype)
     return y_RD

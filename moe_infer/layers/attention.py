@@ -32,6 +32,7 @@ from moe_infer.layers.forward_context import get_forward_context
 from moe_infer.layers.last_rows import LastRows
 from moe_infer.layers.linear import linear
 from moe_infer.layers.norm import RMSNorm, ShardedRMSNorm
+from moe_infer.quant import make_linear
 from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, attend_cached, store_kv
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
@@ -81,8 +82,8 @@ class Attention(nn.Module):
         self.scale = arch.head_dim ** -0.5
         self.clip_qkv = arch.clip_qkv
         self.sliding_window = arch.sliding_windows[layer_idx]
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, dtype, tp)
+        self.qkv_proj = make_linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, dtype, arch.quant)
+        self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, dtype, tp, arch.quant)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)

@@ -41,6 +41,7 @@ from moe_infer.layers.last_rows import LastRows
 from moe_infer.layers.linear import linear
 from moe_infer.layers.norm import RMSNorm
 from moe_infer.layers.paged_attention import paged_attention_ref, store_rows
+from moe_infer.quant import dequantized, make_linear
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.registry import Registry
@@ -105,16 +106,17 @@ class MLAttention(nn.Module):
         self.num_heads = tp.split(arch.num_heads, "num_attention_heads")
         self.num_kv_heads, self.head_dim = 1, mla.cache_dim  # the cache row: one "head" of c + r values
         H, D, c, r = self.num_heads, arch.hidden_size, mla.kv_lora_rank, mla.qk_rope_head_dim
+        quant = arch.quant  # fp8 block-scaled projections (moe_infer/quant.py)
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, H * mla.qk_head_dim, bias=False, dtype=dtype)
+            self.q_proj = make_linear(D, H * mla.qk_head_dim, False, dtype, quant)
         else:
-            self.q_a_proj = nn.Linear(D, mla.q_lora_rank, bias=arch.qkv_bias, dtype=dtype)
+            self.q_a_proj = make_linear(D, mla.q_lora_rank, arch.qkv_bias, dtype, quant)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS, dtype)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, H * mla.qk_head_dim, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = nn.Linear(D, c + r, bias=arch.qkv_bias, dtype=dtype)
+            self.q_b_proj = make_linear(mla.q_lora_rank, H * mla.qk_head_dim, False, dtype, quant)
+        self.kv_a_proj_with_mqa = make_linear(D, c + r, arch.qkv_bias, dtype, quant)
         self.kv_a_layernorm = RMSNorm(c, LORA_NORM_EPS, dtype)
-        self.kv_b_proj = nn.Linear(c, H * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False, dtype=dtype)
-        self.o_proj = RowParallelLinear(H * mla.v_head_dim, D, arch.o_bias, dtype, tp)
+        self.kv_b_proj = make_linear(c, H * (mla.qk_nope_head_dim + mla.v_head_dim), False, dtype, quant)
+        self.o_proj = RowParallelLinear(H * mla.v_head_dim, D, arch.o_bias, dtype, tp, quant)
         self.kv_cache: Optional[Tuple[torch.Tensor]] = None
         self._absorbed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -139,11 +141,12 @@ class MLAttention(nn.Module):
 
     def absorbed(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, n, c], W_UV [H, v, c]) in the backend's compute dtype: views of kv_b_proj's weight where that is
-        its dtype, else a converted copy made once (after the weights are loaded)."""
+        its dtype, else a converted (an fp8 weight: dequantized) copy made once, after the weights are loaded (as
+        vLLM keeps DeepSeek's absorbed kv_b_proj in bf16: 32 MB a layer)."""
         w = self.kv_b_proj.weight
         if w.dtype != self.compute_dtype:
             if self._absorbed is None or self._absorbed[0].device != w.device:
-                self._absorbed = (w.to(self.compute_dtype),)
+                self._absorbed = (dequantized(w, self.compute_dtype),)
             w = self._absorbed[0]
         w_HXc = w.view(self.num_heads, self.mla.qk_nope_head_dim + self.mla.v_head_dim, -1)
         n = self.mla.qk_nope_head_dim

@@ -11,16 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import Optional
+
 from moe_infer.layers.linear import linear
+from moe_infer.quant import QuantSpec, make_linear
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, tp: ShardGroup = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, tp: ShardGroup = SINGLE,
+                 quant: Optional[QuantSpec] = None) -> None:
         super().__init__()
         local = tp.split(intermediate_size, "intermediate_size")
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False, dtype=dtype)
-        self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp)
+        self.gate_up_proj = make_linear(hidden_size, 2 * local, False, dtype, quant)
+        self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp, quant)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         gate_TI, up_TI = linear(x_TD, self.gate_up_proj.weight).chunk(2, dim=-1)

@@ -25,6 +25,7 @@ from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.layers.forward_context import at_forward_end, valid_tokens
 from moe_infer.layers.linear import linear
+from moe_infer.quant import QuantSpec, make_linear
 from moe_infer.offload.compute import slot_experts
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.offload.store import EXPERT_STORES
@@ -54,11 +55,11 @@ class SharedExpert(nn.Module):
     """A dense SwiGLU MLP run on every token (Qwen2-MoE: scaled by sigmoid(gate(x)))."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, gated: bool, dtype: torch.dtype,
-                 tp: ShardGroup = SINGLE) -> None:
+                 tp: ShardGroup = SINGLE, quant: Optional[QuantSpec] = None) -> None:
         super().__init__()
         local = tp.split(intermediate_size, "shared_expert_intermediate_size")
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False, dtype=dtype)
-        self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp)
+        self.gate_up_proj = make_linear(hidden_size, 2 * local, False, dtype, quant)
+        self.down_proj = RowParallelLinear(local, hidden_size, False, dtype, tp, quant)
         self.gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if gated else None
 
     def forward(self, x_TD: torch.Tensor, reduce: bool = True) -> torch.Tensor:
@@ -86,8 +87,10 @@ class MoELayer(nn.Module):
         moe_tp: ShardGroup = SINGLE,
         stage: ShardGroup = SINGLE,
         router_dtype: Optional[torch.dtype] = None,
+        quant: Optional[QuantSpec] = None,
     ) -> None:
-        """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's."""
+        """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's. quant:
+        the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is)."""
         super().__init__()
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
         self.tp, self.moe_tp, self.stage = tp, moe_tp, stage
@@ -101,10 +104,10 @@ class MoELayer(nn.Module):
         self.store = EXPERT_STORES.get(backends.store)(
             self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype, manager=backends.offload,
             expert_ids=getattr(self.dispatcher, "local_expert_ids", None), router=self.route,
-            num_experts=spec.num_experts,
+            num_experts=spec.num_experts, quant=quant,
         )
         self.shared_expert = (
-            SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype, tp)
+            SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype, tp, quant)
             if shared_intermediate_size else None
         )
         self._select = ROUTING_BACKENDS.get(backends.routing)

@@ -88,10 +88,16 @@ class RowParallelLinear(nn.Module):
     """y = x_local @ W_local^T summed over the axis, + bias once. Parameters named as nn.Linear's."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 shard: ShardGroup = SINGLE) -> None:
+                 shard: ShardGroup = SINGLE, quant=None) -> None:
+        """quant: a QuantSpec (moe_infer/quant.py): the weight stored quantized."""
         super().__init__()
         self.shard = shard
-        self.weight = nn.Parameter(torch.empty(out_features, in_local, dtype=dtype), requires_grad=False)
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_local, dtype=dtype), requires_grad=False)
+        else:
+            from moe_infer.quant import quantized_param
+
+            quantized_param(self, "weight", (out_features, in_local), quant)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

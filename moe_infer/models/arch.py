@@ -73,6 +73,7 @@ class ModelArch:
     has_score_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
     router_fp32: bool = False  # the router's weight and logits in float32 (DeepSeek)
     shared_expert_name: str = "shared_expert"  # checkpoint name of the shared expert (DeepSeek: shared_experts)
+    quant: Optional[Any] = None  # QuantSpec (moe_infer/quant.py): the checkpoint's weights quantized
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
+from moe_infer.quant import parse_quant
 from moe_infer.models.arch import MLADims, ModelArch, common_fields
 from moe_infer.registry import Registry
 
@@ -38,8 +39,8 @@ _BY_MODEL_TYPE = {}  # model_type -> FamilySpec, for configs that list no `archi
 def _family(name: str, *architectures: str):
     def deco(fn: Callable[[Any], dict]) -> Callable[[Any], dict]:
         def parse(cfg: Any) -> ModelArch:
-            _refuse_quantized(cfg)
-            return ModelArch(family=name, architecture=_architecture(cfg), **{**common_fields(cfg), **fn(cfg)})
+            return ModelArch(family=name, architecture=_architecture(cfg), quant=parse_quant(cfg),
+                             **{**common_fields(cfg), **fn(cfg)})
 
         spec = FamilySpec(name, parse)
         for arch in architectures:
@@ -48,17 +49,6 @@ def _family(name: str, *architectures: str):
         return fn
 
     return deco
-
-
-def _refuse_quantized(cfg: Any) -> None:
-    """A checkpoint whose config declares quantized weights: refused by name (its tensors would be read as
-    bf16 values without their scales)."""
-    qcfg = getattr(cfg, "quantization_config", None)
-    if qcfg:
-        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else getattr(qcfg, "quant_method", "?")
-        raise NotImplementedError(
-            f"quantized checkpoints are not supported yet: config.json has quantization_config "
-            f"(quant_method={method!r}); use the checkpoint's bf16 release (or dequantize it first)")
 
 
 def _architecture(cfg: Any) -> str:

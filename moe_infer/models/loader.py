@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from moe_infer.layers.attention import head_split
+from moe_infer.quant import FP8
 from moe_infer.layers.tensor_parallel import ShardGroup, padded_vocab
 from moe_infer.models.arch import ModelArch
 
@@ -261,6 +262,45 @@ def weight_targets(model, names: set) -> Dict[str, _Target]:
     return out
 
 
+def _block_index(idx: tuple, ndim: int, spec) -> tuple:
+    """An index into a weight [..., N, K] (a tuple over its leading dims) as the index into its scales [..., Nb, Kb]:
+    slices of N and K in whole blocks (a slice that cuts a block is refused: the shard would need part of a scale)."""
+    out = []
+    for dim, ix in enumerate(idx):
+        block = {ndim - 2: spec.block_n, ndim - 1: spec.block_k}.get(dim)
+        if block is None or not isinstance(ix, slice) or ix == _ALL:
+            out.append(ix)
+            continue
+        if ix.start % block or (ix.stop % block and ix.stop is not None):
+            raise ValueError(f"a shard of rows/columns [{ix.start}, {ix.stop}) cuts the fp8 checkpoint's "
+                             f"{block}-wide scale blocks: choose tp / placement so shards align to {block}")
+        out.append(slice(ix.start // block, -(-ix.stop // block)))
+    return tuple(out)
+
+
+def _scale_targets(targets: Dict[str, _Target], params: Dict[str, torch.Tensor], spec) -> Dict[str, _Target]:
+    """The `weight_scale_inv` tensor of every checkpoint weight that lands in a quantized parameter: the same
+    places, in blocks, into the parameter's `<name>_scale_inv` buffer."""
+    out = {}
+    for name, tgt in targets.items():
+        if tgt.param is None:  # another rank's weight: its scales are known and not read either
+            if name.endswith(".weight"):
+                out[name + "_scale_inv"] = _Target(None, ())
+            continue
+        if params[tgt.param].dtype != FP8:
+            continue
+        if not name.endswith(".weight"):
+            raise ValueError(f"fp8 checkpoint: tensor {name!r} (fused expert naming) has no per-weight scales; only "
+                             f"per-expert tensors (experts.<e>.gate_proj.weight ...) are read quantized")
+        n, k = tgt.shape[-2:]
+        shape = tgt.shape[:-2] + spec.scale_shape(n, k)
+        places = [(_block_index(d, len(params[tgt.param].shape), spec), _block_index(s, len(tgt.shape), spec))
+                  for d, s in tgt.places()]
+        out[name + "_scale_inv"] = _Target(tgt.param + "_scale_inv", shape, places[0][0], places[0][1],
+                                           tuple(places[1:]))
+    return out
+
+
 def local_expert_ids(dispatcher, num_experts: int) -> List[int]:
     """Logical expert of each local slot: `local_expert_ids` (EP placements, replicas) or the
     contiguous range [expert_start, expert_start + num_local_experts)."""
@@ -283,6 +323,10 @@ def load_weights(model, path: str) -> None:
     files = checkpoint_files(path)
     by_canon = {_canonical(n): n for n in files}
     targets = weight_targets(model, set(by_canon))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "_scale_inv")))
+    if model.arch.quant is not None:
+        targets.update(_scale_targets(targets, params, model.arch.quant))
     extra = _extra_layers(model, by_canon)
     unexpected = sorted(n for c, n in by_canon.items()
                         if c not in targets and c not in extra and not c.endswith("rotary_emb.inv_freq"))
@@ -292,8 +336,6 @@ def load_weights(model, path: str) -> None:
     missing = sorted(c for c, t in targets.items() if c not in by_canon and t.param is not None and c not in optional)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensors: {_few(missing)}")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     covered = {t.param for t in targets.values() if t.param is not None}
     if model.arch.tie_word_embeddings and model.embed_tokens is not None and model.lm_head is not None:
         covered.add("lm_head.weight")  # the same parameter as the embedding

@@ -40,8 +40,11 @@ class OffloadedExpertStore(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *,
                  manager=None, expert_ids: Optional[List[int]] = None, router: Optional[Router] = None,
-                 num_experts: Optional[int] = None, **_) -> None:
+                 num_experts: Optional[int] = None, quant=None, **_) -> None:
         super().__init__()
+        if quant is not None:
+            raise NotImplementedError("offloaded experts (offload.store=cpu|nvme) of a quantized checkpoint are not "
+                                      "supported yet: use offload.store=resident")
         if manager is None:
             raise ValueError("an offloading expert store needs the engine's OffloadManager (MoEBackends.offload)")
         E, D, F = num_local_experts, hidden_size, intermediate_size

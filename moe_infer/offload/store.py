@@ -26,9 +26,16 @@ class ResidentExpertStore(nn.Module):
     is_resident = True
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 **_) -> None:
+                 quant=None, **_) -> None:
+        """quant: a QuantSpec (moe_infer/quant.py): the weights stored quantized, each with its scales."""
         super().__init__()
         E, D, F = num_local_experts, hidden_size, intermediate_size
+        if quant is not None:
+            from moe_infer.quant import quantized_param
+
+            quantized_param(self, "w13_E2FD", (E, 2 * F, D), quant)
+            quantized_param(self, "w2_EDF", (E, D, F), quant)
+            return
         self.w13_E2FD = nn.Parameter(torch.empty(E, 2 * F, D, dtype=dtype), requires_grad=False)
         self.w2_EDF = nn.Parameter(torch.empty(E, D, F, dtype=dtype), requires_grad=False)
 

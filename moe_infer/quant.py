@@ -1,0 +1,149 @@
+"""Quantized weights: a checkpoint's format, carried by the weight itself.
+
+A quantized weight is a Parameter of the stored dtype (float8_e4m3fn) whose `quant` attribute says how to read it
+(`BlockFp8`: one float32 scale per block_n x block_k block, DeepSeek-V3's and Qwen3's FP8 releases,
+`weight_scale_inv` in the checkpoint). Its scale tensor is a buffer of the owning module beside the weight
+(`<name>_scale_inv`), so the loader fills both and the weight never exists in bf16 in memory. `linear` (layers/
+linear.py) and the experts backends dispatch on it: a W8A8 kernel with per-token-group (1 x block_k) activation
+quantization where FP8_LINEAR_KERNELS has one for the device (Hopper: `moe_infer.layers.quant_triton`), else the
+weight dequantized for the call (W8A16: the CPU, older GPUs; logged once).
+
+`QuantSpec` is the checkpoint's `quantization_config`, parsed into ModelArch.quant; layers build their quantizable
+weights through `make_linear` / `quantized_param`: every linear weight of the decoder layers (attention, dense and
+shared MLPs, experts) except the MoE routers, the embedding and the LM head, and the checkpoint's
+`modules_to_not_convert`.
+
+Legend: N out features, K in features, E experts, Nb = ceil(N / block_n), Kb = ceil(K / block_k).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_infer.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A checkpoint's quantization: method "fp8" with block_n x block_k weight blocks, dynamic activations."""
+
+    method: str
+    block_n: int
+    block_k: int
+
+    def scale_shape(self, n: int, k: int) -> Tuple[int, int]:
+        return -(-n // self.block_n), -(-k // self.block_k)
+
+
+def parse_quant(cfg: Any) -> Optional[QuantSpec]:
+    """The QuantSpec of a transformers config (None: unquantized); a format not built yet is refused by name."""
+    qcfg = getattr(cfg, "quantization_config", None)
+    if not qcfg:
+        return None
+    get = qcfg.get if isinstance(qcfg, dict) else (lambda key, default=None: getattr(qcfg, key, default))
+    method = get("quant_method", "?")
+    if method != "fp8":
+        raise NotImplementedError(f"quantized checkpoints of quant_method={method!r} are not supported yet (fp8 with "
+                                  f"block scales is): use the checkpoint's bf16 release")
+    block = get("weight_block_size", None)
+    if not block or len(block) != 2:
+        raise NotImplementedError("fp8 checkpoints without weight_block_size (per-tensor or per-channel scales) are "
+                                  "not supported yet: only DeepSeek-style block scales (weight_block_size [128, 128])")
+    if get("activation_scheme", "dynamic") != "dynamic":
+        raise NotImplementedError(f"fp8 activation_scheme={get('activation_scheme')!r}: only 'dynamic' is supported")
+    if get("fmt", "e4m3") != "e4m3":
+        raise NotImplementedError(f"fp8 fmt={get('fmt')!r}: only e4m3 is supported")
+    never = ("lm_head", "embed_tokens", "gate")  # the modules this engine never quantizes
+    other = [s for s in get("modules_to_not_convert", None) or () if not any(s == n or s.endswith("." + n)
+                                                                               for n in never)]
+    if other:
+        raise NotImplementedError(f"fp8 checkpoint with modules_to_not_convert {other[:5]}: unquantized layers among "
+                                  f"quantized ones are not supported yet")
+    return QuantSpec("fp8", int(block[0]), int(block[1]))
+
+
+class BlockFp8:
+    """The format of an fp8 weight [..., N, K] with float32 scales [..., Nb, Kb] (scale_inv: the checkpoint's name;
+    the dequantized weight is w * scale)."""
+
+    def __init__(self, scale_inv: torch.Tensor, block_n: int, block_k: int) -> None:
+        self.scale_inv, self.block_n, self.block_k = scale_inv, block_n, block_k
+
+    def dequantize(self, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in dtype (computed in float32)."""
+        n, k = w.shape[-2:]
+        scale = self.scale_inv.repeat_interleave(self.block_n, -2)[..., :n, :]
+        scale = scale.repeat_interleave(self.block_k, -1)[..., :k]
+        return (w.float() * scale).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"BlockFp8(block {self.block_n}x{self.block_k}, scales {tuple(self.scale_inv.shape)})"
+
+
+# (x_TK, w_NK fp8, scale_inv [Nb, Kb], block_n, block_k) -> y_TN in x's dtype, or None where the kernel cannot run
+Fp8LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], Optional[torch.Tensor]]
+FP8_LINEAR_KERNELS: Registry[Fp8LinearFn] = Registry("fp8 linear kernel")
+_fallback_logged: set = set()
+
+
+def quantized_param(module: nn.Module, name: str, shape: Tuple[int, ...], spec: QuantSpec) -> nn.Parameter:
+    """module.<name> becomes an fp8 Parameter of `shape` ([..., N, K]) with its scale buffer <name>_scale_inv."""
+    n, k = shape[-2:]
+    scale = torch.empty(*shape[:-2], *spec.scale_shape(n, k), dtype=torch.float32)
+    weight = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
+    weight.quant = BlockFp8(scale, spec.block_n, spec.block_k)
+    if name in module._parameters:
+        del module._parameters[name]
+    setattr(module, name, weight)
+    module.register_buffer(f"{name}_scale_inv", scale)
+    return weight
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                quant: Optional[QuantSpec] = None) -> nn.Linear:
+    """nn.Linear(in, out, bias, dtype); with quant its weight is fp8 (block scales), never allocated in dtype."""
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="meta")
+    quantized_param(layer, "weight", (out_features, in_features), quant)
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+    return layer
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for an fp8 weight: a registered W8A8 kernel where it runs, else W8A16 (dequantized)."""
+    q: BlockFp8 = weight.quant
+    for name in FP8_LINEAR_KERNELS.names():
+        y = FP8_LINEAR_KERNELS.get(name)(x, weight, q.scale_inv, q.block_n, q.block_k)
+        if y is not None:
+            return y if bias is None else y + bias
+    key = (x.device.type, x.dtype)
+    if key not in _fallback_logged:
+        _fallback_logged.add(key)
+        logger.info("fp8 linear layers on %s run with their weights dequantized per call (no W8A8 kernel there)",
+                    x.device)
+    return F.linear(x, q.dequantize(weight, x.dtype), bias)
+
+
+def expert_weight(w_ENK: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's weight [N, K] of a stacked [E, N, K] in dtype (dequantized where it carries a format)."""
+    q = getattr(w_ENK, "quant", None)
+    if q is None:
+        return w_ENK[e].to(dtype)
+    return BlockFp8(q.scale_inv[e], q.block_n, q.block_k).dequantize(w_ENK[e], dtype)
+
+
+def dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in dtype: dequantized where it carries a format, else cast."""
+    q = getattr(weight, "quant", None)
+    return q.dequantize(weight, dtype) if q is not None else weight.to(dtype)

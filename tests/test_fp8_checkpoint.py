@@ -1,0 +1,75 @@
+"""fp8 block-scaled checkpoints (DeepSeek-V3's and Qwen3's FP8 format): loaded without a bf16 copy of any quantized
+weight, every linear weight of the decoder layers fp8 with its block scales; without a W8A8 kernel (the CPU) each
+GEMM dequantizes its weight, so the model equals the same weights dequantized by the test's own quantizer and saved
+as a float32 checkpoint (tests/fp8_ckpt.py), step by step and in the engine's greedy tokens."""
+import pytest
+import torch
+
+from fp8_ckpt import make_fp8_pair
+from moe_infer.models import load_model
+from paged_sim import PagedSim, run_schedule
+from parity_cases import SCHEDULE, make_tokens
+from tiny_hf import make_tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+FP8 = torch.float8_e4m3fn
+CASES = {  # family -> config overrides whose widths the 16 x 16 blocks divide where a weight is split or fused
+    "deepseek_v3": dict(q_lora_rank=32, moe_intermediate_size=16, intermediate_size=48),
+    "qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, intermediate_size=80),
+}
+
+
+def _pair(family, tmp_path):
+    src = make_tiny_checkpoint(family, tmp_path / "src", seed=3, per_expert_names=True, **CASES[family])
+    return make_fp8_pair(src, str(tmp_path / "fp8"), str(tmp_path / "ref"))
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_fp8_model_equals_its_dequantized_weights(family, tmp_path):
+    fp8_dir, ref_dir = _pair(family, tmp_path)
+    model = load_model(fp8_dir, torch.float32, "cpu")
+    ref = load_model(ref_dir, torch.float32, "cpu")
+    q = model.arch.quant
+    assert (q.method, q.block_n, q.block_k) == ("fp8", 16, 16)
+    layer = model.layers[1]
+    fp8_params = [n for n, p in model.named_parameters() if p.dtype == FP8]
+    assert layer.mlp.store.w13_E2FD.dtype == FP8 and layer.mlp.store.w13_E2FD_scale_inv.dtype == torch.float32
+    assert fp8_params and all(n.startswith("layers.") for n in fp8_params) and not any(n.endswith("mlp.gate.weight") for n in fp8_params)
+    assert model.lm_head.weight.dtype == torch.float32 and layer.mlp.gate.weight.dtype == torch.float32
+    tokens = make_tokens(model.arch.vocab_size, seed=1)
+    ours = run_schedule(PagedSim(model, block_size=4, num_blocks=32), tokens, SCHEDULE)
+    want = run_schedule(PagedSim(ref, block_size=4, num_blocks=32), tokens, SCHEDULE)
+    for s in tokens:
+        assert want[s].std() > 0.5
+        torch.testing.assert_close(ours[s], want[s], atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_engine_tokens_equal_the_dequantized_checkpoint(tmp_path):
+    from moe_infer import LLM, SamplingParams
+
+    fp8_dir, ref_dir = _pair("deepseek_v3", tmp_path)
+    prompts = [[5, 9, 13, 17, 21, 25, 29], [40, 41, 42], [7, 7, 8, 8, 9, 9, 10, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for path in (fp8_dir, ref_dir):
+        llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=32,
+                  max_num_batched_tokens=8)
+        tokens.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                     params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+
+
+def test_fp8_scales_are_read_not_left_at_one(tmp_path):
+    """The scales matter: the same fp8 data with every scale replaced by 1 gives other logits (so the equality
+    above is not two models that both ignore them)."""
+    fp8_dir, _ = _pair("deepseek_v3", tmp_path)
+    model = load_model(fp8_dir, torch.float32, "cpu")
+    tokens = make_tokens(model.arch.vocab_size, seed=1)
+    a = run_schedule(PagedSim(model, block_size=4, num_blocks=32), tokens, SCHEDULE)
+    for name, buf in model.named_buffers():
+        if name.endswith("_scale_inv"):
+            buf.fill_(1.0)
+    model.layers[1].self_attn._absorbed = None
+    b = run_schedule(PagedSim(model, block_size=4, num_blocks=32), tokens, SCHEDULE)
+    assert not torch.allclose(a[0], b[0], atol=1e-2)
