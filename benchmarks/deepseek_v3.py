@@ -156,14 +156,16 @@ def bench_attention(dims: dict, batches, contexts, device, hbm: float, flops: fl
 
 
 # ---------------------------------------------------------------- engine
-def layer_weights(dims: dict, moe: bool, experts_touched: float, elem: int = 2) -> float:
+def layer_weights(dims: dict, moe: bool, experts_touched: float, elem: float = 2) -> float:
+    """Bytes of one layer's weights a step reads; elem: bytes a quantizable weight (fp8: 1 + its block scales).
+    kv_b_proj is read in bf16 either way (the absorbed form keeps it dequantized), the router in float32."""
     D, H, Q = dims["hidden_size"], dims["num_attention_heads"], dims["q_lora_rank"]
     c, r, n, v = dims["kv_lora_rank"], dims["qk_rope_head_dim"], dims["qk_nope_head_dim"], dims["v_head_dim"]
-    attn = D * Q + Q * H * (n + r) + D * (c + r) + c * H * (n + v) + H * v * D
+    attn = elem * (D * Q + Q * H * (n + r) + D * (c + r) + H * v * D) + 2 * c * H * (n + v)
     if not moe:
-        return elem * (attn + 3 * D * dims["intermediate_size"])
+        return attn + elem * 3 * D * dims["intermediate_size"]
     F, E = dims["moe_intermediate_size"], dims["n_routed_experts"]
-    return elem * (attn + 3 * D * F * (dims["n_shared_experts"] + experts_touched)) + 4 * D * E  # fp32 router
+    return attn + elem * 3 * D * F * (dims["n_shared_experts"] + experts_touched) + 4 * D * E
 
 
 def touched(dims: dict, tokens: int) -> float:
@@ -171,38 +173,45 @@ def touched(dims: dict, tokens: int) -> float:
     return E * (1.0 - (1.0 - K / E) ** tokens)
 
 
-def decode_step_bytes(dims: dict, batch: int, context: int) -> float:
+def decode_step_bytes(dims: dict, batch: int, context: int, elem: float = 2) -> float:
     dense = dims["first_k_dense_replace"]
     moe = dims["num_hidden_layers"] - dense
     cache = dims["num_hidden_layers"] * batch * context * (dims["kv_lora_rank"] + dims["qk_rope_head_dim"]) * 2
-    return (dense * layer_weights(dims, False, 0) + moe * layer_weights(dims, True, touched(dims, batch))
+    return (dense * layer_weights(dims, False, 0, elem) + moe * layer_weights(dims, True, touched(dims, batch), elem)
             + 2 * dims["vocab_size"] * dims["hidden_size"] + cache)
 
 
-def prefill_limit_s(dims: dict, seqs: int, length: int, hbm: float, flops: float) -> float:
+def prefill_limit_s(dims: dict, seqs: int, length: int, hbm: float, flops: float, elem: float = 2) -> float:
+    """max(FLOPs at the bf16 GEMM rate, weights touched at the HBM rate) (fp8 GEMMs are held to the bf16 rate too)."""
     T, H, L = seqs * length, dims["num_attention_heads"], dims["num_hidden_layers"]
     dense, moe = dims["first_k_dense_replace"], L - dims["first_k_dense_replace"]
     active = (dense * layer_weights(dims, False, 0) + moe * layer_weights(dims, True, dims["num_experts_per_tok"])) / 2
     pairs = seqs * length * (length + 1) / 2  # causal (query, key) pairs; absorbed: 576-wide keys, 512-wide values
     fl = 2 * T * active + 2 * L * H * pairs * (2 * dims["kv_lora_rank"] + dims["qk_rope_head_dim"])
-    weights = dense * layer_weights(dims, False, 0) + moe * layer_weights(dims, True, touched(dims, T))
+    weights = dense * layer_weights(dims, False, 0, elem) + moe * layer_weights(dims, True, touched(dims, T), elem)
     return max(fl / flops, weights / hbm)
 
 
-def write_config(dims: dict, folder: str) -> str:
+def write_config(dims: dict, folder: str, fp8_block: int = 0) -> str:
+    """config.json of the model (random weights are made at load); fp8_block: DeepSeek's fp8 release format."""
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
     cfg.architectures = ["DeepseekV3ForCausalLM"]
+    if fp8_block:
+        cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [fp8_block, fp8_block]}
     cfg.save_pretrained(folder)
     return folder
 
 
-def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hbm: float, flops: float) -> dict:
+def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hbm: float, flops: float,
+                 fp8_block: int = 0) -> dict:
     from moe_infer import LLM, SamplingParams
 
     seqs, length = prefill
-    folder = write_config(dims, tempfile.mkdtemp(prefix="deepseek_v3_"))
+    folder = write_config(dims, tempfile.mkdtemp(prefix="deepseek_v3_"), fp8_block)
+    elem = 1 + 4 / fp8_block ** 2 if fp8_block else 2  # fp8 bytes and their float32 block scales
     start = time.perf_counter()
     llm = LLM(model=folder, load_format="dummy", dtype="bfloat16" if device.type == "cuda" else "float32",
               device=str(device), max_num_seqs=max(batches + [seqs]), max_model_len=max(prompt + new, length + 1),
@@ -224,16 +233,22 @@ def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hb
     for b in batches:
         run(b, prompt, new)  # warm-up: graphs of this batch captured, kernels compiled
         secs = statistics.median(run(b, prompt, new) for _ in range(3))
-        roof_s = sum(decode_step_bytes(dims, b, prompt + i) for i in range(new)) / hbm
+        roof_s = sum(decode_step_bytes(dims, b, prompt + i, elem) for i in range(new)) / hbm
         out["decode"].append(dict(batch=b, tok_s=b * new / secs, roofline_tok_s=b * new / roof_s,
                                   pct_roofline=roof_s / secs))
     run(seqs, length, 1)
     secs = statistics.median(run(seqs, length, 1) for _ in range(3))
-    limit = prefill_limit_s(dims, seqs, length, hbm, flops)
+    limit = prefill_limit_s(dims, seqs, length, hbm, flops, elem)
     out["prefill"] = dict(seqs=seqs, length=length, tok_s=seqs * length / secs, limit_tok_s=seqs * length / limit,
                           pct_limit=limit / secs)
     graphs = llm.engine.runner.graphs
     out["decode_graphs"] = None if graphs is None else dict(replayed=graphs.runs, disabled=graphs.disabled)
+    del llm
+    if device.type == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     return out
 
 
@@ -241,6 +256,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (a smoke run)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--formats", default="bf16,fp8", help="weight formats of the engine runs (bf16, fp8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -254,8 +270,13 @@ def main() -> None:
     result = dict(device=device_label(device), rates=rates, dims=dims,
                   attention=bench_attention(dims, batches, contexts, device, hbm, flops))
     if not args.skip_engine:
-        result["engine"] = bench_engine(dims, batches, 8 if args.tiny else 128, 4 if args.tiny else 64,
-                                        (2, 32) if args.tiny else (16, 1024), device, hbm, flops)
+        result["engine"] = {fmt: bench_engine(dims, batches, 8 if args.tiny else 128, 4 if args.tiny else 64,
+                                              (2, 32) if args.tiny else (16, 1024), device, hbm, flops,
+                                              fp8_block=(16 if args.tiny else 128) if fmt == "fp8" else 0)
+                            for fmt in args.formats.split(",")}
+        if {"bf16", "fp8"} <= set(result["engine"]):
+            bf16, fp8 = ({d["batch"]: d["tok_s"] for d in result["engine"][f]["decode"]} for f in ("bf16", "fp8"))
+            result["fp8_decode_speedup"] = {b: fp8[b] / bf16[b] for b in bf16}
     print_table(result)
     name = f"deepseek_v3_{result['device']}{'_tiny' if args.tiny else ''}.json"
     folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -276,15 +297,16 @@ def print_table(result: dict) -> None:
         print(f"{a['batch']:>6} {a['context']:>7} {a['kernel_us']:>8.1f} {a['torch_us']:>8.1f} {a['speedup']:>7.2f}x "
               f"{a['roofline_us']:>9.1f} {a['pct_roofline']:>6.0%} {a['max_abs_diff']:>10.2e}  {a['best_us']:.1f} "
               f"{a['best_tiles']}")
-    eng = result.get("engine")
-    if eng:
-        print(f"\nengine (start-up {eng['startup_s']:.0f} s, KV {eng['kv_bytes_per_token']} bytes a token)\n"
-              f" batch    tok/s  roofline  %roof")
+    for fmt, eng in (result.get("engine") or {}).items():
+        print(f"\nengine, {fmt} weights (start-up {eng['startup_s']:.0f} s, KV {eng['kv_bytes_per_token']} bytes a "
+              f"token)\n batch    tok/s  roofline  %roof")
         for d in eng["decode"]:
             print(f"{d['batch']:>6} {d['tok_s']:>8.0f} {d['roofline_tok_s']:>9.0f} {d['pct_roofline']:>6.0%}")
         p = eng["prefill"]
         print(f"prefill {p['seqs']}x{p['length']}: {p['tok_s']:.0f} tok/s, limit {p['limit_tok_s']:.0f} "
               f"({p['pct_limit']:.0%})")
+    if "fp8_decode_speedup" in result:
+        print("fp8 / bf16 decode: " + ", ".join(f"batch {b} {s:.2f}x" for b, s in result["fp8_decode_speedup"].items()))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def test_tiny_run_writes_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert len(result["attention"]) == 4 and all(a["max_abs_diff"] < 1e-4 for a in result["attention"])
-    eng = result["engine"]
-    assert [d["batch"] for d in eng["decode"]] == [1, 2] and all(d["tok_s"] > 0 for d in eng["decode"])
-    assert eng["prefill"]["tok_s"] > 0 and eng["kv_bytes_per_token"] == 4 * (32 + 16) * 4  # 4 layers, fp32 rows
+    assert set(result["engine"]) == {"bf16", "fp8"} and set(result["fp8_decode_speedup"]) == {"1", "2"}
+    for eng in result["engine"].values():
+        assert [d["batch"] for d in eng["decode"]] == [1, 2] and all(d["tok_s"] > 0 for d in eng["decode"])
+        assert eng["prefill"]["tok_s"] > 0 and eng["kv_bytes_per_token"] == 4 * (32 + 16) * 4  # 4 layers, fp32
     assert "MLA decode attention" in proc.stdout

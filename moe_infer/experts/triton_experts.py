@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from moe_infer.experts.local_dispatch import DispatchMetadata
-from moe_infer.experts.reference import EXPERT_BACKENDS
+from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch
+from moe_infer.quant import FP8
 from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up, launch_config, launch_variant
 
 
@@ -31,6 +32,8 @@ def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
 def experts_triton(
     x_RD: torch.Tensor, meta: DispatchMetadata, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor
 ) -> torch.Tensor:
+    if w13_E2FD.dtype == FP8:  # rows an all-to-all dispatcher gathered: each expert dequantized for the call
+        return experts_torch(x_RD, meta, w13_E2FD, w2_EDF)
     R = x_RD.shape[0]
     E = w13_E2FD.shape[0]
     y_RD = torch.zeros_like(x_RD)
@@ -42,6 +45,29 @@ def experts_triton(
     return down(act_PF, w2_EDF, meta.weights_R, sched, cfg.down, y_RD)
 
 
-experts_triton.fused_experts = fused_experts
+def fused_experts_any(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                      w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+    """`fused_experts`, or for fp8 block-scaled experts (moe_infer/quant.py) the W8A8 grouped GEMMs of
+    `moe_infer.kernels.fused_moe_fp8` (ids outside the local experts [expert_start, expert_start + E) skipped)."""
+    if w13_E2FD.dtype != FP8:
+        return fused_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF, expert_start)
+    from moe_infer.kernels.fused_moe_fp8 import fused_moe_fp8
+
+    E = w13_E2FD.shape[0]
+    local_TK = topk_ids_TK.to(torch.int64) - expert_start
+    local_TK = torch.where((local_TK >= 0) & (local_TK < E), local_TK, -1).to(topk_ids_TK.dtype)
+    q13, q2 = w13_E2FD.quant, w2_EDF.quant
+    return fused_moe_fp8(x_TD, local_TK, topk_weights_TK, w13_E2FD, q13.scale_inv, w2_EDF, q2.scale_inv,
+                         q13.block_n, q13.block_k)
+
+
+def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
+    """`launch_variant`; fp8 experts: their token count's power of two (what their kernels' tiles follow)."""
+    if w13_E2FD.dtype == FP8:
+        return ("fp8", max(num_tokens * top_k - 1, 0).bit_length())
+    return launch_variant(num_tokens, top_k, w13_E2FD)
+
+
+experts_triton.fused_experts = fused_experts_any
 experts_triton.launch_config = launch_config
-experts_triton.launch_variant = launch_variant  # which kernel variants a step of T tokens runs (engine warm-up)
+experts_triton.launch_variant = launch_variant_any  # which kernel variants a step of T tokens runs (engine warm-up)

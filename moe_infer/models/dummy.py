@@ -2,7 +2,8 @@
 `--load-format dummy`), for benchmarks of shapes whose checkpoint is not at hand.
 
 Norm weights are 1, every other tensor uniform in +-1/sqrt(fan_in) (routers then pick by margins
-a real model would have). Large tensors (offloaded experts run to tens of GiB) are filled by
+a real model would have). A quantized weight (moe_infer/quant.py) gets fp8 values uniform over e4m3's range and
+every block scale bound / 448, so that it dequantizes to the same spread. Large tensors (offloaded experts run to tens of GiB) are filled by
 repeating one random block, which is memory-bound instead of bound by the random generator.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 _BLOCK = 1 << 22  # elements generated at random; the rest of a tensor repeats them
+E4M3_MAX = 448.0
 
 
 @torch.no_grad()
@@ -20,8 +22,12 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.fill_(1.0)
             continue
         bound = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02
+        quant = getattr(p, "quant", None)
+        if quant is not None:  # values over e4m3's range, the scales bring them back to +-bound
+            quant.scale_inv.fill_(bound / E4M3_MAX)
+            bound = E4M3_MAX
         block = (torch.rand(min(p.numel(), _BLOCK), generator=gen) * 2 - 1).mul_(bound)
-        fill_repeating(p, block.to(p.device, p.dtype))
+        fill_repeating(p, block.to(p.device).to(p.dtype))
 
 
 def fill_repeating(t: torch.Tensor, block: torch.Tensor) -> None:
