@@ -1,5 +1,6 @@
 """The reduce dispatcher's compute/communication overlap: `ShardGroup.all_reduce_async` (single process, the
-collective replaced by a recorder)."""
+collective replaced by a recorder), and the overlapped MoE layer against the same layer unsplit (torchrun, gloo,
+2 ranks: tests/dist/reduce_overlap_worker.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from moe_infer.layers.tensor_parallel import SINGLE, ShardGroup
 from moe_infer.parallel.health import MeshError
+from tests.dist.launch import torchrun
 
 
 class FakeWork:
@@ -58,3 +60,10 @@ def test_all_reduce_async_failure_raises_the_mesh_error(monkeypatch, fail_at):
     with pytest.raises(MeshError, match="rank 1: Connection closed"):
         shard.all_reduce(torch.ones(2))
     assert len(seen) == 2 and seen[0] == seen[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_overlapped_reduce_layer_equals_unsplit_with_m_all_reduces():
+    rc, out = torchrun(2, "reduce_overlap_worker.py", timeout=280)
+    assert rc == 0 and "REDUCE OVERLAP OK 12" in out, out[-4000:]
