@@ -43,17 +43,19 @@ def targets(rows: List[dict]) -> List[dict]:
     return out
 
 
-def overlap_threshold_mb(rows: List[dict], stage: str = "layer_overlap") -> Optional[float]:
-    """Smallest dispatch payload (MB, T*K*D elements as in `parallel.overlap_min_mb`) from which
-    overlap (`stage`) beat no overlap at every larger measured payload; None if it never did."""
+def overlap_threshold_mb(rows: List[dict], stage: str = "layer_overlap", reduce: bool = False) -> Optional[float]:
+    """Smallest payload (MB, as in `parallel.overlap_min_mb`: the all-to-all backends' dispatch, T*K*D
+    elements; reduce=True: the reduce backend's all-reduce, ep*T*D) from which overlap (`stage`) beat
+    no overlap at every larger measured payload; None if it never did."""
     pts = []
     for r in rows:
-        if r["backend"] == "local":
+        if r["backend"] == "local" or (r["backend"] == "reduce") != reduce:
             continue
         _, t = _timing(r)
         if t.get("layer") is None or t.get(stage) is None:
             continue
-        mb = r["tokens_per_rank"] * r["K"] * r["D"] * 2 / 1e6
+        elements = r["ep"] * r["tokens_per_rank"] * r["D"] if reduce else r["tokens_per_rank"] * r["K"] * r["D"]
+        mb = elements * 2 / 1e6
         pts.append((mb, t[stage] < t["layer"]))
     pts.sort()
     threshold = None
@@ -74,13 +76,17 @@ def print_report(rows: List[dict], world: int, device: str) -> dict:
                 continue
             print(f"{r['model'][:13]:<14}{r['tokens_per_rank']:>5} {r['backend']:<9}" + "".join(_fmt(t.get(c)) for c in COLS))
     result = {"targets": targets(rows), "overlap_threshold_mb": overlap_threshold_mb(rows),
-              "overlap4_threshold_mb": overlap_threshold_mb(rows, "layer_overlap4")}
+              "overlap4_threshold_mb": overlap_threshold_mb(rows, "layer_overlap4"),
+              "reduce_overlap_threshold_mb": overlap_threshold_mb(rows, reduce=True),
+              "reduce_overlap4_threshold_mb": overlap_threshold_mb(rows, "layer_overlap4", reduce=True)}
     for c in result["targets"]:
         ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
         print(f"target ep={c['ep']} {c['model']} T={c['T']} {c['backend']} {c['target']} ({c['timing']}): {ratio} "
               f"{'PASS' if c['pass'] else 'FAIL'}")
     print(f"overlap helps from {result['overlap_threshold_mb']} MB of dispatch payload with 2 micro-batches, "
           f"from {result['overlap4_threshold_mb']} MB with 4 (None: never)")
+    print(f"reduce: overlap helps from {result['reduce_overlap_threshold_mb']} MB of all-reduce payload with 2 token "
+          f"chunks, from {result['reduce_overlap4_threshold_mb']} MB with 4 (None: never)")
     for r in rows:
         for e in r.get("errors", []):
             print(f"error {r['model']} T={r['tokens_per_rank']} {r['backend']}: {e}")

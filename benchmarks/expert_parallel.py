@@ -20,7 +20,8 @@ on the received buffer as it lies (no regroup). Timed, each alone:
              received (a variant of `dispatch`; the targets are judged on `dispatch`)
   experts    the fused experts on the received rows (EP=1: the whole fused path on x_TD)
   combine    all-to-all back, top-k sum
-  layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches)
+  layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches; for
+             `reduce` the MoE layer's token chunks, each chunk's all-reduce started under the next one's experts)
   all_gather the ep x T outputs from every rank's T (what an all-to-all costs more with replicated tokens)
   raw_a2a    a bare all_to_all_single of the dispatch payload's bytes (equal splits)
 Two timings of each (benchmarks/ep_timing.py): `graph` = CUDA-graph replay, median (the GPU's
@@ -80,8 +81,19 @@ def stage_fns(disp, x_TD, ids_TK, w_TK, fused_fn, ep: int) -> dict:
             out_TD = reduce_experts()
             dist.all_reduce(out_TD, group=disp.group)
             return out_TD
+
+        def reduce_layer_overlap(M):  # M token chunks, as MoELayer._reduce_stage splits a large step
+            def run():
+                chunks = []
+                for x_CD, ids_CK, w_CK in zip(x_TD.tensor_split(M), ids_TK.tensor_split(M), w_TK.tensor_split(M)):
+                    out_CD = disp.forward_experts(x_CD, ids_CK, w_CK, None, fused_fn)
+                    chunks.append((out_CD, dist.all_reduce(out_CD, group=disp.group, async_op=True)))
+                for _, work in chunks:
+                    work.wait()
+                return torch.cat([out_CD for out_CD, _ in chunks])
+            return run
         return {"experts": reduce_experts, "combine": lambda: dist.all_reduce(partial_TD, group=disp.group),
-                "layer": reduce_layer}
+                "layer": reduce_layer, **{stage: reduce_layer_overlap(m) for stage, m in OVERLAP.items()}}
 
     def dispatch():
         plan = disp._plan(x_TD, ids_TK, w_TK, disp._slot_ranges(1), T)

@@ -172,11 +172,12 @@ class ParallelConfig:
     # are resident; exact otherwise (docs/expert_parallel.md)
     dispatcher: str = "auto"
     overlap: bool = True
-    # micro-batches only when a rank's dispatch payload (T*K*D elements) reaches this many MB: on 2
+    # micro-batches only when a rank's dispatch payload (T*K*D elements; the reduce dispatcher: its all-reduce, T*D)
+    # reaches this many MB. For the all-to-all dispatchers: on 2
     # H200s (CUDA graphs, capacity backend) overlap gained 5-7% from 134 MB (Qwen3 / DeepSeek-V3 at 4096
     # tokens) and lost at 59 MB and below (benchmarks/results/expert_parallel_2xh200_ep2.json); 0 = always
     overlap_min_mb: float = 128.0
-    overlap_micro_batches: int = 2  # micro-batches (expert-slot groups) of an overlapped layer, >= 2
+    overlap_micro_batches: int = 2  # micro-batches of an overlapped layer (expert-slot groups; reduce: token chunks), >= 2
     placement_file: Optional[str] = None
     num_redundant_experts: int = 0  # without a placement file: replica slots (a multiple of ep) to start from
     enable_eplb: bool = False  # online re-balancing: re-plan the placement from live load statistics ...

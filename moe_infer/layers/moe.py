@@ -7,9 +7,11 @@ Tensor parallel: each routed expert's F is split over `moe_tp` (the store holds 
 rows of every local expert; ep = 1, tp > 1 is tensor-parallel MoE) and the shared expert's over `tp`;
 both give partial sums, all-reduced once when the two axes are the same ranks, else one each. With the
 reduce dispatcher (expert parallelism over replicated tokens) the routed partial sums span the whole
-pipeline stage (`stage`): one all-reduce over it, the shared expert's included where tp spans the stage.
+pipeline stage (`stage`): one all-reduce over it, the shared expert's included where tp spans the stage;
+for a large step, as the dispatcher says (`micro_batches`), the tokens routed once run as M contiguous
+chunks whose all-reduces are started asynchronously, each under the next chunk's experts.
 
-Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatched rows.
+Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatched rows, C tokens of a chunk.
 """
 from __future__ import annotations
 
@@ -147,28 +149,47 @@ class MoELayer(nn.Module):
             stats.defer(self.layer_idx, topk_ids_TK, kept_ids_TK, valid_tokens())
             if not at_forward_end(stats, stats.flush):
                 stats.flush()
-        fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
-        if not self.store.is_resident:
-            out_TD = self._offloaded_experts(x_TD, kept_ids_TK, kept_weights_TK)
-        elif fused is not None and type(self.dispatcher) is LocalDispatcher:
-            out_TD = fused(x_TD, kept_ids_TK, kept_weights_TK, *self.store.weights(), self.dispatcher.expert_start)
-        else:  # an EP dispatcher runs a fused backend on its received rows as they lie (ids: local slots)
-            fused_fn = None if fused is None else (lambda x, ids, w: fused(x, ids, w, *self.store.weights(), 0))
-            out_TD = self.dispatcher.forward_experts(x_TD, kept_ids_TK, kept_weights_TK, self._run_experts,
-                                                     fused_fn=fused_fn)
         if getattr(self.dispatcher, "returns_partial", False):  # every rank of the stage holds a part of each sum
-            return self._reduce_stage(out_TD, x_TD)
+            return self._reduce_stage(x_TD, kept_ids_TK, kept_weights_TK)
+        out_TD = self._routed_experts(x_TD, kept_ids_TK, kept_weights_TK)
         if self.shared_expert is None:
             return self.moe_tp.all_reduce(out_TD)
         if self.tp == self.moe_tp:  # the same ranks: one all-reduce of both partial sums
             return self.tp.all_reduce(out_TD + self.shared_expert(x_TD, reduce=False))
         return self.moe_tp.all_reduce(out_TD) + self.shared_expert(x_TD)
 
-    def _reduce_stage(self, out_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
-        """The routed experts' partial sums of every rank of the stage (the reduce dispatcher), summed by one
-        all-reduce, the shared expert's partial sum in it when its tensor-parallel ranks are the stage's."""
-        if self.shared_expert is None:
-            return self.stage.all_reduce(out_TD)
-        if self.tp.size == self.stage.size:
-            return self.stage.all_reduce(out_TD + self.shared_expert(x_TD, reduce=False))
-        return self.stage.all_reduce(out_TD) + self.shared_expert(x_TD)
+    def _routed_experts(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output (this rank's partial sum under tensor or expert parallelism)."""
+        fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
+        if not self.store.is_resident:
+            return self._offloaded_experts(x_TD, ids_TK, weights_TK)
+        if fused is not None and type(self.dispatcher) is LocalDispatcher:
+            return fused(x_TD, ids_TK, weights_TK, *self.store.weights(), self.dispatcher.expert_start)
+        # an EP dispatcher runs a fused backend on its received rows as they lie (ids: local slots)
+        fused_fn = None if fused is None else (lambda x, ids, w: fused(x, ids, w, *self.store.weights(), 0))
+        return self.dispatcher.forward_experts(x_TD, ids_TK, weights_TK, self._run_experts, fused_fn=fused_fn)
+
+    def _reduce_stage(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The routed experts' partial sums of every rank of the stage (the reduce dispatcher), summed over the
+        stage, the shared expert's partial sum in the sum when its tensor-parallel ranks are the stage's. One
+        all-reduce; or, for a large step (the dispatcher's `micro_batches`), M contiguous token chunks, each
+        chunk's all-reduce started as soon as its experts are done, so that it runs under the next chunk's."""
+        merged = self.shared_expert is not None and self.tp.size == self.stage.size
+        T, D = x_TD.shape
+        M = self.dispatcher.micro_batches(T, D, x_TD.element_size()) if self.store.is_resident else 1
+        if M == 1:
+            out_TD = self.stage.all_reduce(self._stage_part(x_TD, ids_TK, weights_TK, merged))
+        else:
+            pending = [self.stage.all_reduce_async(self._stage_part(x_CD, ids_CK, weights_CK, merged))
+                       for x_CD, ids_CK, weights_CK in zip(x_TD.tensor_split(M), ids_TK.tensor_split(M),
+                                                           weights_TK.tensor_split(M))]
+            out_TD = torch.cat([p.wait() for p in pending])
+        if self.shared_expert is None or merged:
+            return out_TD
+        return out_TD + self.shared_expert(x_TD)
+
+    def _stage_part(self, x_CD: torch.Tensor, ids_CK: torch.Tensor, weights_CK: torch.Tensor,
+                    merged: bool) -> torch.Tensor:
+        """This rank's partial sum of C tokens for the stage all-reduce (the shared expert's part in it if merged)."""
+        part_CD = self._routed_experts(x_CD, ids_CK, weights_CK)
+        return part_CD + self.shared_expert(x_CD, reduce=False) if merged else part_CD

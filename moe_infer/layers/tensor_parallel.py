@@ -2,7 +2,8 @@
 
 A layer is handed the `ShardGroup` it splits over (the mesh's "tp" or "moe_tp" axis); it never
 looks up a global group. With size 1 every piece is the plain single-rank op (no collective, no
-extra launch), so tp = 1 runs exactly the code it ran before.
+extra launch), so tp = 1 runs exactly the code it ran before. `all_reduce_async` starts a sum and
+returns a `PendingReduce` to wait on (the MoE layer's micro-batches reduce under the next one's experts).
 
     column parallel   out features split: each rank computes its slice, no communication
     row parallel      in features split: partial outputs, one all-reduce, bias added once after it
@@ -68,6 +69,17 @@ class ShardGroup:
                 raise self._failed("tensor-parallel all-reduce", err) from err
         return x
 
+    def all_reduce_async(self, x: torch.Tensor) -> PendingReduce:
+        """Start the sum over the axis, in place; `wait()` on the result returns x summed. A failure, at the start
+        or at the wait, raises as `all_reduce`'s does (nothing to wait for on a single rank)."""
+        if not self.communicates:
+            return PendingReduce(x, None, self)
+        try:
+            work = dist.all_reduce(x, group=self.group, async_op=True)
+        except RuntimeError as err:
+            raise self._failed("tensor-parallel all-reduce", err) from err
+        return PendingReduce(x, work, self)
+
     def all_gather_last(self, x_TL: torch.Tensor) -> torch.Tensor:
         """[T, L] per rank -> [T, size * L], ranks' slices side by side (identity on a single rank)."""
         if not self.communicates:
@@ -79,6 +91,24 @@ class ShardGroup:
         except RuntimeError as err:
             raise self._failed("tensor-parallel all-gather", err) from err
         return out_RTL.view(self.size, T, L).permute(1, 0, 2).reshape(T, self.size * L)
+
+
+@dataclass
+class PendingReduce:
+    """An all-reduce in flight (`ShardGroup.all_reduce_async`): x is summed once `wait()` returns it."""
+
+    x: torch.Tensor
+    work: Any  # torch.distributed.Work; None: nothing in flight (a single rank)
+    shard: ShardGroup
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as err:
+                raise self.shard._failed("tensor-parallel all-reduce", err) from err
+            self.work = None
+        return self.x
 
 
 SINGLE = ShardGroup()

@@ -21,13 +21,23 @@ mesh is one CUDA graph with it. Every routed row is computed (dropless, exact). 
 rank is the same as with an all-to-all: the rows routed to its experts.
 
 Which rank computes a row: the rank holding the row's expert; with redundant replicas (a placement file
-or online re-balancing), replica n mod M of expert e for routed row n = t*K + k (M: e's replicas). Every
-rank applies the same rule, so each row is computed exactly once. The table behind it
-(`owner_EM`: local slot on this rank of each (expert, replica), -1 elsewhere) is one device tensor of a
-fixed shape, rewritten in place when the placement changes (`set_placement`), so captured graphs stay valid.
+or online re-balancing), replica n mod M of expert e for routed row n = t*K + k (M: e's replicas; t counted
+within the token chunk when the step is overlapped, below). Every rank applies the same rule, so each row
+is computed exactly once. The table behind it (`owner_EM`: local slot on this rank of each (expert,
+replica), -1 elsewhere) is one device tensor of a fixed shape, rewritten in place when the placement
+changes (`set_placement`), so captured graphs stay valid.
 
 The dispatcher returns this rank's partial sum (`returns_partial`); the MoE layer all-reduces it over the
 pipeline stage, together with the shared expert's partial sum where those are the same ranks.
+
+Overlap. On a large step the one all-reduce waits for all experts and the next layer waits for it. With
+`overlap` and an all-reduce payload (T*D elements) of at least `overlap_min_mb`, the layer splits its T
+tokens, routed once, into `overlap_micro_batches` contiguous chunks (`micro_batches` says how many): it
+runs the experts of chunk m on the compute stream while the all-reduce of chunk m-1 is on the wire
+(NCCL's stream on GPU, gloo's thread on CPU), as vLLM's dual-batch / SGLang's two-batch overlap do, and
+waits for all at the end: one all-reduce per chunk instead of one per layer. Decode steps (small T, and
+any step captured in a CUDA graph) keep the single all-reduce. The threshold is the one measured for the
+all-to-all dispatchers' payload (config.py); the token split has no GPU measurement of its own yet.
 
 Legend: T tokens, D hidden, E logical experts, S local slots, M replicas per expert (bound), K top-k,
 N = T*K routed rows.
@@ -42,6 +52,11 @@ import torch
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel.all_to_all import DISPATCHERS, A2ADispatcher, ExpertsCall, FusedCall
 from moe_infer.parallel.placement import ExpertPlacement
+
+
+def _graph_capturing() -> bool:
+    """Whether a CUDA graph is being captured on this thread's stream (decode graphs keep one all-reduce)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def owner_table(placement: ExpertPlacement, rank: int, max_replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +126,16 @@ class ReduceDispatcher(A2ADispatcher):
             pick_N = torch.arange(ids_N.numel(), device=ids_N.device) % num_rep_E[e_N]
             slot_N = owner_EM[e_N, pick_N]
         return torch.where(ids_N >= 0, slot_N, -1).view(topk_ids_TK.shape)
+
+    def micro_batches(self, num_tokens: int, hidden: int, itemsize: int) -> int:
+        """How many token chunks the layer runs a step of T tokens as (the module docstring's Overlap):
+        `overlap_micro_batches` (at most T) where overlap is on and the all-reduce payload T*D*itemsize reaches
+        `overlap_min_mb`, else 1, and 1 while a CUDA graph is captured. From shapes only: every rank of the stage
+        holds the same T, so every rank decides the same without a word exchanged."""
+        payload_mb = num_tokens * hidden * itemsize / 1e6
+        if not self.overlap or payload_mb < self.overlap_min_mb or num_tokens < 2 or _graph_capturing():
+            return 1
+        return min(self.overlap_micro_batches, num_tokens)
 
     def forward_experts(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                         experts_fn: ExpertsCall, fused_fn: Optional[FusedCall] = None) -> torch.Tensor:

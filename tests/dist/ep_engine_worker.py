@@ -30,6 +30,8 @@ CASES = [  # (dispatcher, overlap, replicas, policy)
     ("reduce", False, False, "dropless"),  # no tokens move: local experts on every token, one all-reduce
     ("reduce", False, True, "dropless"),  # replicated experts: replica n mod M computes routed row n
     ("reduce", False, False, "drop"),
+    ("reduce", True, False, "dropless"),  # overlap_min_mb=0: every step of 2+ tokens as micro-batches (token chunks)
+    ("reduce", True, True, "drop"),
 ]
 
 
