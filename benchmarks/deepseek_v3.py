@@ -155,6 +155,60 @@ def bench_attention(dims: dict, batches, contexts, device, hbm: float, flops: fl
     return rows
 
 
+def bench_prefill_attention(dims: dict, shapes, device, flops: float) -> list:
+    """Prompt attention (no cached prefix) of `seqs` x `length` tokens, 128 heads, the two forms the issue names:
+    absorbed (the Triton kernel over the latent rows: 576-wide scores, 512-wide values per head) against
+    up-projected (per-head keys [W_UK c | k_rot] and values W_UV c computed from the latent, then causal SDPA over
+    192-wide heads, the values padded to 192 for the flash kernels), each from the same latent rows and queries,
+    the up-projection's and the absorption's GEMMs included; timed in CUDA graphs."""
+    import torch.nn.functional as F
+
+    from moe_infer.kernels.mla_attention import mla_attention_triton
+
+    H, c, r = dims["num_attention_heads"], dims["kv_lora_rank"], dims["qk_rope_head_dim"]
+    n, v = dims["qk_nope_head_dim"], dims["v_head_dim"]
+    dtype, S, rows = torch.bfloat16 if device.type == "cuda" else torch.float32, 64, []
+    scale = (n + r) ** -0.5
+    w_uk_Hnc = (torch.randn(H, n, c, device=device) / c ** 0.5).to(dtype)
+    w_uv_Hvc = (torch.randn(H, v, c, device=device) / c ** 0.5).to(dtype)
+    for seqs, length in shapes:
+        T = seqs * length
+        lat_TC = torch.randn(T, c + r, device=device).to(dtype)  # the step's rows, also its cache
+        cache = lat_TC.view(T // S, S, 1, c + r) if length % S == 0 else None
+        q_nope_THn, q_rot_THr = torch.randn(T, H, n, device=device).to(dtype), torch.randn(T, H, r, device=device).to(dtype)
+        tables_BM = torch.arange(T // S, device=device, dtype=torch.int32).view(seqs, -1)
+        lens_B = torch.full((seqs,), length, dtype=torch.int32, device=device)
+        starts_B1 = torch.arange(seqs + 1, dtype=torch.int32, device=device) * length
+
+        def absorbed():
+            q_lat_HTc = torch.bmm(q_nope_THn.transpose(0, 1), w_uk_Hnc)
+            q_THC = torch.cat((q_lat_HTc.transpose(0, 1), q_rot_THr), -1)
+            o_THc = mla_attention_triton(q_THC, cache, c, tables_BM, lens_B, starts_B1, scale, length, length)
+            return torch.bmm(o_THc.transpose(0, 1), w_uv_Hvc.transpose(1, 2))
+
+        def up_projected():
+            c_Tc, k_rot_Tr = lat_TC[:, :c], lat_TC[:, c:]
+            k_nope_HTn = torch.matmul(c_Tc, w_uk_Hnc.transpose(1, 2))  # [H, T, n]
+            v_HTv = torch.matmul(c_Tc, w_uv_Hvc.transpose(1, 2))
+            k_HTx = torch.cat((k_nope_HTn, k_rot_Tr.expand(H, T, r)), -1)
+            q_HTx = torch.cat((q_nope_THn, q_rot_THr), -1).transpose(0, 1)
+            v_pad = F.pad(v_HTv, (0, n + r - v))
+            shape = lambda t: t.view(H, seqs, length, -1).transpose(0, 1)  # noqa: E731  [B, H, L, x]
+            o = F.scaled_dot_product_attention(shape(q_HTx), shape(k_HTx), shape(v_pad), is_causal=True, scale=scale)
+            return o[..., :v]
+
+        if cache is None:
+            continue
+        a_s, u_s = clock_in_graph(absorbed, device, calls=3), clock_in_graph(up_projected, device, calls=3)
+        a = absorbed().transpose(0, 1).float()  # [T, H, v]
+        u = up_projected().transpose(1, 2).reshape(T, H, v).float()
+        fl_abs = 2 * seqs * length * (length + 1) / 2 * H * (2 * c + r)
+        rows.append(dict(seqs=seqs, length=length, absorbed_ms=a_s * 1e3, up_projected_ms=u_s * 1e3,
+                         absorbed_tflops=fl_abs / a_s / 1e12, faster="absorbed" if a_s < u_s else "up_projected",
+                         max_abs_diff=(a - u).abs().max().item()))
+    return rows
+
+
 # ---------------------------------------------------------------- engine
 def layer_weights(dims: dict, moe: bool, experts_touched: float, elem: float = 2) -> float:
     """Bytes of one layer's weights a step reads; elem: bytes a quantizable weight (fp8: 1 + its block scales).
@@ -269,6 +323,9 @@ def main() -> None:
     contexts = [32, 64] if args.tiny else [1024, 4096, 16384, 32768]
     result = dict(device=device_label(device), rates=rates, dims=dims,
                   attention=bench_attention(dims, batches, contexts, device, hbm, flops))
+    result["prefill_attention"] = bench_prefill_attention(
+        dims, [(1, 64), (2, 64)] if args.tiny else [(1, 1024), (16, 1024), (1, 8192)], device,
+        flops)
     if not args.skip_engine:
         result["engine"] = {fmt: bench_engine(dims, batches, 8 if args.tiny else 128, 4 if args.tiny else 64,
                                               (2, 32) if args.tiny else (16, 1024), device, hbm, flops,
@@ -297,6 +354,10 @@ def print_table(result: dict) -> None:
         print(f"{a['batch']:>6} {a['context']:>7} {a['kernel_us']:>8.1f} {a['torch_us']:>8.1f} {a['speedup']:>7.2f}x "
               f"{a['roofline_us']:>9.1f} {a['pct_roofline']:>6.0%} {a['max_abs_diff']:>10.2e}  {a['best_us']:.1f} "
               f"{a['best_tiles']}")
+    print("\nMLA prompt attention (ms): absorbed (Triton) vs up-projected (SDPA)")
+    for p in result.get("prefill_attention", []):
+        print(f"  {p['seqs']} x {p['length']}: absorbed {p['absorbed_ms']:.2f} ({p['absorbed_tflops']:.0f} TFLOPS), "
+              f"up-projected {p['up_projected_ms']:.2f}; faster: {p['faster']} (max |diff| {p['max_abs_diff']:.1e})")
     for fmt, eng in (result.get("engine") or {}).items():
         print(f"\nengine, {fmt} weights (start-up {eng['startup_s']:.0f} s, KV {eng['kv_bytes_per_token']} bytes a "
               f"token)\n batch    tok/s  roofline  %roof")
