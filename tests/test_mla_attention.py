@@ -32,15 +32,15 @@ ATTENDS = [mla_attend_torch, _triton(), _triton(2), _triton(4)]
 
 
 def _case(new, cached=(5, 0, 11, 3), H=4, c=32, r=8, n=16, v=12, S=4, Nb=40, dtype=torch.float32,
-          device="cpu", seed=0):
+          device="cpu", seed=0, parts=False):
     """(absorbed queries [T, H, c + r], cache, metadata, W_UV [H, v, c], scale, the up-projected reference
-    output [T, H, v])."""
+    output [T, H, v]); parts: and (q_nope [T, H, n], q_rot [T, H, r], W_UK [H, n, c])."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     w_uk, w_uv = rand(H, n, c) / c ** 0.5, rand(H, v, c) / c ** 0.5
     cache = torch.full((Nb, S, 1, c + r), float("nan"))
     free = torch.randperm(Nb, generator=g).tolist()
-    tables, q_abs, ref, slots, starts, lens = [], [], [], [], [0], []
+    tables, q_abs, ref, slots, starts, lens, q_parts = [], [], [], [], [0], [], []
     scale = (n + r) ** -0.5
     for ctx, m in zip(cached, new):
         L = ctx + m
@@ -58,6 +58,7 @@ def _case(new, cached=(5, 0, 11, 3), H=4, c=32, r=8, n=16, v=12, S=4, Nb=40, dty
         visible = torch.arange(L)[None, :] <= torch.arange(ctx, L)[:, None]
         ref.append(torch.einsum("hql,lhv->qhv", torch.softmax(s.masked_fill(~visible, float("-inf")), -1), v_LHv))
         q_abs.append(torch.cat((torch.einsum("qhn,hnc->qhc", q_nope, w_uk), q_rot), -1))
+        q_parts.append((q_nope, q_rot))
         slots += seq_slots[ctx:].tolist()
         starts.append(starts[-1] + m)
         lens.append(L)
@@ -70,8 +71,12 @@ def _case(new, cached=(5, 0, 11, 3), H=4, c=32, r=8, n=16, v=12, S=4, Nb=40, dty
         query_start_loc_B1=torch.tensor(starts, dtype=torch.int32, device=dev),
         seq_lens_B=torch.tensor(lens, dtype=torch.int32, device=dev), max_query_len=max(new), max_seq_len=max(lens),
         block_size=S)
-    return (torch.cat(q_abs).to(dtype).to(dev), cache.to(dtype).to(dev), attn, w_uv.to(dev), scale,
-            torch.cat(ref).to(dev))
+    out = (torch.cat(q_abs).to(dtype).to(dev), cache.to(dtype).to(dev), attn, w_uv.to(dev), scale,
+           torch.cat(ref).to(dev))
+    if parts:
+        out += (torch.cat([p[0] for p in q_parts]).to(dtype).to(dev), torch.cat([p[1] for p in q_parts]).to(dtype)
+                .to(dev), w_uk.to(dtype).to(dev))
+    return out
 
 
 @pytest.mark.parametrize("new", [MIXED, DECODE, PREFILL], ids=["mixed", "decode", "prefill"])
@@ -82,6 +87,19 @@ def test_absorbed_attention_matches_up_projected(new, attend):
     assert o_lat.shape == (sum(new), 4, 32) and o_lat.dtype == q.dtype
     out = torch.einsum("thc,hvc->thv", o_lat.float(), w_uv)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("new", [MIXED, PREFILL], ids=["mixed", "prefill"])
+def test_up_projected_prompt_attention_matches(new):
+    """The up-projected form of the Triton backend (per-head K/V from the latent rows, the paged MHA kernel) gives
+    the reference's output, from a cached prefix on, beside decode rows."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
+    from moe_infer.layers.mla_triton import up_projected_prompt_attention
+
+    _, cache, attn, w_uv, scale, ref, q_nope, q_rot, w_uk = _case(new, parts=True)
+    out = up_projected_prompt_attention(q_nope, q_rot, cache, w_uk, w_uv, attn, scale)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
@@ -131,9 +149,10 @@ def test_triton_matches_reference_gpu(dtype, new, cached):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
-def test_engine_tokens_equal_through_the_triton_kernel(family):
+def test_engine_tokens_equal_through_the_triton_kernel(family, monkeypatch):
     """The engine on a DeepSeek checkpoint with the Triton MLA kernel (interpreter on CPU) gives the greedy tokens
-    of the reference backend, over chunked prefill, mixed steps and decodes."""
+    of the reference backend, over chunked prefill (the up-projected form for prompt steps), mixed steps and
+    decodes (the absorbed kernel)."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
     from engine_fixtures import checkpoint
@@ -141,6 +160,11 @@ def test_engine_tokens_equal_through_the_triton_kernel(family):
     from moe_infer.plugins import load_plugins
 
     load_plugins()
+    from moe_infer.layers import mla_triton
+
+    up_calls = []
+    real = mla_triton.mla_attend_triton.prompt
+    monkeypatch.setattr(mla_triton.mla_attend_triton, "prompt", lambda *a: up_calls.append(1) or real(*a))
     prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [40, 41, 42], [7, 7, 8, 8, 9, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     tokens = {}
@@ -153,6 +177,7 @@ def test_engine_tokens_equal_through_the_triton_kernel(family):
         assert llm.engine.scheduler.num_chunked_prefills > 0
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert tokens["triton"] == tokens["torch"]
+    assert up_calls  # prompt steps took the up-projected form
 
 
 @pytest.mark.parametrize("block_v", [16, 32])

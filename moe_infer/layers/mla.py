@@ -15,7 +15,10 @@ head h are W_UK[h] [nope, c] (keys) and W_UV[h] [v, c] (values), so
 which is multi-query attention of H queries of 576 values over the cached rows themselves, the values being the
 first kv_lora_rank entries of each row (a view of the same cache), read in place through the block tables: by the
 paged reference attention ("torch", the absorbed products in float32) or the Triton kernel ("triton", the CUDA
-default, moe_infer/kernels/mla_attention.py; the products in the model dtype).
+default, moe_infer/kernels/mla_attention.py; the products in the model dtype). A backend may also attend steps with
+prompt chunks in the up-projected form (`prompt`: per-head keys and values from the latent rows, then the paged MHA
+kernel; "triton" does, where the step's tokens are a large share of its context: `_takes_up_projection`), which
+measured 6-16x faster than the absorbed kernel for prompts.
 
 Rotary: the checkpoint's rotary pairs are interleaved ((x0, x1), (x2, x3), ...: DeepSeek's `rope_interleave`,
 and V2 always); they are gathered to [x0, x2, ... | x1, x3, ...] first, then turned as everywhere else (rotate-half).
@@ -52,6 +55,10 @@ if TYPE_CHECKING:  # a layer takes the parsed arch; it never imports the models 
 logger = logging.getLogger(__name__)
 
 LORA_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm keep the RMSNorm default, not rms_norm_eps
+# A step with prompt chunks attends up-projected where its tokens are >= 1/8 of the rows its block tables span: a
+# fresh prompt (tokens ~ rows) does; a few prompt rows beside long decode contexts keep the absorbed kernel, whose
+# cost grows with queries x keys, not with the context rows up-projected (benchmarks/deepseek_v3.py)
+UP_PROJECT_SHARE = 8
 
 # An MLA backend attends H absorbed queries [T, H, C] over the latent cache [Nb, S, 1, C] (values: its first c
 # entries) -> [T, H, c]: (q_THC, cache_NbS1C, kv_lora_rank, attn, positions_T, scale).
@@ -152,6 +159,15 @@ class MLAttention(nn.Module):
         n = self.mla.qk_nope_head_dim
         return w_HXc[:, :n], w_HXc[:, n:]
 
+    def _takes_up_projection(self, attn: AttentionMetadata, num_tokens: int, block_size: int) -> bool:
+        """Whether a step attends in the up-projected form (the backend's `prompt`): a step with prompt chunks
+        whose tokens are at least 1/UP_PROJECT_SHARE of the rows its block tables span (the up-projection costs per
+        row of context; the absorbed form per query and key). From shapes and host ints only (CUDA graphs)."""
+        if getattr(self._attend, "prompt", None) is None or attn.max_query_len <= 1:
+            return False
+        B, M = attn.block_tables_BM.shape
+        return num_tokens * UP_PROJECT_SHARE >= B * M * block_size
+
     def _query(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.mla.q_lora_rank is None:
             return linear(x_TD, self.q_proj.weight)
@@ -178,6 +194,10 @@ class MLAttention(nn.Module):
         store_rows(torch.cat((c_Tc[:, None], k_rot_T1r), dim=-1), cache_NbS1C, attn.slot_mapping_T)
         w_uk_Hnc, w_uv_Hvc = self.absorbed()
         cd = self.compute_dtype
+        if rows is None and self._takes_up_projection(attn, T, cache_NbS1C.shape[1]):
+            o_THv = self._attend.prompt(q_nope_THn.to(cd), q_rot_THr.to(cd), cache_NbS1C, w_uk_Hnc, w_uv_Hvc, attn,
+                                        mla.softmax_scale)
+            return self.o_proj(o_THv.reshape(T, H * mla.v_head_dim).to(x_TD.dtype))
         q_lat_HTc = torch.bmm(q_nope_THn.transpose(0, 1).to(cd), w_uk_Hnc)
         q_THC = torch.cat((q_lat_HTc.transpose(0, 1), q_rot_THr.to(cd)), dim=-1)
         if rows is not None:  # the rows attended: one query a sequence, its own metadata
