@@ -223,7 +223,13 @@ class ModelRunner:
         D = getattr(hf, "hidden_size", 4096)
         F = max(getattr(hf, "moe_intermediate_size", 0) or 0, getattr(hf, "intermediate_size", 0) or 0)
         elem = torch.finfo(self.dtype).bits // 8
-        return int(T * (16 * D + 6 * self.arch.top_k * F) * elem + self.cfg.scheduler.max_num_seqs
+        mla, up_projected = self.arch.mla, 0
+        if mla is not None:  # an up-projected prompt step's per-head K and V (moe_infer/layers/mla.py), at most
+            from moe_infer.layers.mla import UP_PROJECT_SHARE
+
+            heads = self.model.layers[self.model.local_layers[0]].self_attn.num_heads
+            up_projected = UP_PROJECT_SHARE * T * heads * mla.qk_head_dim * 2 * elem
+        return up_projected + int(T * (16 * D + 6 * self.arch.top_k * F) * elem + self.cfg.scheduler.max_num_seqs
                    * self.arch.vocab_size * (4 * 4 + elem)) + (512 << 20)  # + the decode graphs' logits buffer
 
     def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, ...]]:
