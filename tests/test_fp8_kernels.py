@@ -1,0 +1,142 @@
+"""Block-scaled FP8 (W8A8) kernels (fp8_gemm.py, fused_moe_fp8.py) against their PyTorch references
+(fp8_ref.py), and the references against independent checks.
+
+CPU: the Triton interpreter at tiny shapes (its dots run in float32 on the fp8 values, exact). The kernels
+quantize exactly as the references do (IEEE division, round to nearest even), so quantization is compared
+bit for bit and the GEMMs up to float32 summation order. GPU (`-m gpu`, H100/H200): DeepSeek-V3 shapes,
+fp8 tensor-core dots.
+"""
+import os
+
+import pytest
+import torch
+
+from moe_infer.kernels.fp8_ref import (
+    FP8_DTYPE, FP8_MAX, dequant_block_fp8_ref, fused_moe_fp8_ref, per_token_group_quant_fp8_ref, w8a8_block_gemm_ref,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# float32 sums in another order: each of the <= K products and block partial sums is rounded at most
+# K + 2 times (the two scale products), so |error| <= (K + 2) * 2^-24 * sum|terms|: 4e-6 at K = 64.
+FP32_ORDER_RTOL = 1e-5
+# One rounding to a 16-bit output on each side: the two may land one unit apart (2^-7 relative for bf16).
+BF16_ULP = 2.0 ** -7
+# Hopper's fp8 tensor cores accumulate a K block with about 14 bits of mantissa (DeepSeek-V3 report,
+# section 3.3.2) before the float32 promotion at the scale multiply: 2^-14 relative to sum|terms| per
+# block; 2^-10 leaves margin.
+FP8_MMA_RTOL = 2.0 ** -10
+# The fused MoE requantizes the intermediate: where the kernel's float32 value and the reference's fall on
+# either side of an e4m3 rounding midpoint (GPU accumulation order), that element moves one e4m3 step
+# (<= 1/8 of it). Spread over F products, a few such flips stay far below 2e-2 of the output's norm.
+FUSED_GPU_RTOL = 2e-2
+
+
+def _kernels():
+    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
+    from moe_infer.kernels import fp8_gemm, fused_moe_fp8
+
+    return fp8_gemm, fused_moe_fp8
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _fp8_weight(gen, *shape, device=DEVICE):
+    """fp8 values spread over e4m3's range (as a checkpoint's, |w| up to 448)."""
+    return (torch.randn(*shape, generator=gen, device=device) * 96).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _block_scale(gen, *lead, rows, cols, block_n, block_k, device=DEVICE):
+    """Scales of a [rows, cols] weight: about 1 / (96 sqrt(cols)), so a product of unit inputs is about 1."""
+    shape = (*lead, _cdiv(rows, block_n), _cdiv(cols, block_k))
+    return (torch.rand(*shape, generator=gen, device=device) + 0.5) / (96 * cols ** 0.5)
+
+
+def _fake_quant(x_TK, group):
+    q, s = per_token_group_quant_fp8_ref(x_TK, group)
+    return q.double() * s.double().repeat_interleave(group, dim=1)
+
+
+def _sum_bound(x_TK, w_NK_fp8, scale, block_n, block_k):
+    """sum_k |x_deq[t, k] * w_deq[n, k]| in float64: the scale of float32 summation errors."""
+    w = dequant_block_fp8_ref(w_NK_fp8, scale, block_n, block_k).double()
+    return _fake_quant(x_TK, block_k).abs() @ w.abs().T
+
+
+# ---- references against independent checks -------------------------------------------------------------
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_quant_ref_round_trip_error_bound(group):
+    """|x - x_fp8 * scale| <= max(|x| 2^-4, scale 2^-10): half of e4m3's step (3 mantissa bits: 2^-3 of
+    the value's binade) for normals, half the subnormal step 2^-9 below 2^-6; max |x_fp8| is 448."""
+    gen = torch.Generator().manual_seed(group)
+    x = torch.randn(6, 128, generator=gen) * torch.logspace(-6, 3, 128)  # groups of very different sizes
+    x[2, :group] = 0.0  # an all-zero group: a tiny finite scale, zeros back
+    q, s = per_token_group_quant_fp8_ref(x, group)
+    assert q.dtype == FP8_DTYPE and s.shape == (6, 128 // group) and s.dtype == torch.float32
+    s_full = s.repeat_interleave(group, dim=1)
+    err = (x - q.float() * s_full).abs()
+    assert (err <= torch.maximum(x.abs() * 2.0 ** -4, s_full * 2.0 ** -10) * (1 + 1e-6)).all()
+    assert torch.isfinite(s).all() and (q.float()[2, :group] == 0).all()
+    amax = q.float().abs().reshape(6, -1, group).amax(-1)
+    assert (amax[s > 1e-9] == FP8_MAX).all()  # the largest value of each non-zero group maps to 448
+    with pytest.raises(ValueError, match="multiple of the group"):
+        per_token_group_quant_fp8_ref(x[:, :40], 16 if group == 32 else 32)
+
+
+def test_dequant_ref_against_a_loop_with_partial_blocks():
+    gen = torch.Generator().manual_seed(1)
+    N, K, bn, bk = 40, 48, 16, 32  # 3 x 2 blocks, the last of each partial
+    w = _fp8_weight(gen, N, K, device="cpu")
+    s = torch.rand(3, 2, generator=gen)
+    out = dequant_block_fp8_ref(w, s, bn, bk)
+    want = torch.tensor([[float(w[n, k]) * float(s[n // bn, k // bk]) for k in range(K)] for n in range(N)])
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        dequant_block_fp8_ref(w, s[:2], bn, bk)
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 16), (32, 32), (48, 16)])
+def test_gemm_ref_against_a_float64_matmul_of_dequantized_operands(block_n, block_k):
+    """The per-block formula equals fake-quantized x times the dequantized weight, up to float32 sums."""
+    gen = torch.Generator().manual_seed(block_n + block_k)
+    T, N, K = 5, 40, 64
+    x = torch.randn(T, K, generator=gen)
+    w = _fp8_weight(gen, N, K, device="cpu")
+    s = _block_scale(gen, rows=N, cols=K, block_n=block_n, block_k=block_k, device="cpu")
+    y = w8a8_block_gemm_ref(x, w, s, block_n, block_k, torch.float32)
+    want = _fake_quant(x, block_k) @ dequant_block_fp8_ref(w, s, block_n, block_k).double().T
+    assert (y.double() - want).abs().max() <= FP32_ORDER_RTOL * _sum_bound(x, w, s, block_n, block_k).max()
+    assert (y.double() - want).abs().max() < 1e-3 * want.abs().max()  # and the bound is not vacuous
+    assert w8a8_block_gemm_ref(x, w, s, block_n, block_k, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_fused_ref_against_a_dense_float64_moe():
+    """Routing weights, gate rows before up rows, SiLU, -1 ids: each expert as float64 matmuls of the
+    dequantized weights and fake-quantized inputs."""
+    gen = torch.Generator().manual_seed(3)
+    T, D, F, E, K, bn, bk = 4, 64, 32, 4, 2, 32, 16
+    x = torch.randn(T, D, generator=gen)
+    w13, w2 = _fp8_weight(gen, E, 2 * F, D, device="cpu"), _fp8_weight(gen, E, D, F, device="cpu")
+    s13 = _block_scale(gen, E, rows=2 * F, cols=D, block_n=bn, block_k=bk, device="cpu")
+    s2 = _block_scale(gen, E, rows=D, cols=F, block_n=bn, block_k=bk, device="cpu")
+    ids = torch.tensor([[0, 3], [2, -1], [-1, -1], [1, 1]])
+    wts = torch.rand(T, K, generator=gen)
+    out = fused_moe_fp8_ref(x, ids, wts, w13, s13, w2, s2, bn, bk)
+    want = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e >= 0:
+                gu = _fake_quant(x[t:t + 1], bk) @ dequant_block_fp8_ref(w13[e], s13[e], bn, bk).double().T
+                act = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]
+                down = _fake_quant(act.float(), bk) @ dequant_block_fp8_ref(w2[e], s2[e], bn, bk).double().T
+                want[t] += float(wts[t, k]) * down[0]
+    assert (out[2] == 0).all()
+    assert (out.double() - want).abs().max() <= 1e-4 * want.abs().max()  # float32 vs float64 sums, 2 GEMMs
+
