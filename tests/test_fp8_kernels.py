@@ -140,3 +140,87 @@ def test_fused_ref_against_a_dense_float64_moe():
     assert (out[2] == 0).all()
     assert (out.double() - want).abs().max() <= 1e-4 * want.abs().max()  # float32 vs float64 sums, 2 GEMMs
 
+
+# ---- Triton kernels against the references ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T,group", [(0, 16), (1, 16), (3, 32), (5, 16)])
+def test_quant_kernel_equals_ref(dtype, T, group):
+    """Bit for bit (values: e4m3 has a -0 the interpreter writes as +0): scales and fp8 values."""
+    fp8_gemm, _ = _kernels()
+    gen = torch.Generator().manual_seed(T)
+    x = (torch.randn(T, 64, generator=gen) * torch.logspace(-3, 2, 64)).to(DEVICE, dtype)
+    if T:
+        x[0, :group] = 0.0  # an all-zero group
+    q, s = fp8_gemm.per_token_group_quant_fp8(x, group)
+    q_ref, s_ref = per_token_group_quant_fp8_ref(x, group)
+    assert q.dtype == FP8_DTYPE and q.shape == (T, 64) and s.shape == (T, 64 // group)
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+
+
+def test_quant_kernel_rounds_ties_to_even_and_carries_into_the_exponent():
+    """One group whose max is 448 (scale 1): ties (1.0625 -> 1, 1.1875 -> 1.25, subnormal 3 * 2^-10 -> 2^-8)
+    and values that round up into the next binade (31.9 -> 32, 0.01560 -> 2^-6) as torch rounds them."""
+    fp8_gemm, _ = _kernels()
+    vals = [448.0, 1.0625, 1.1875, 31.9, -31.9, 0.0156, 3 * 2.0 ** -10, 5 * 2.0 ** -10, -1.0625, 240.0, 232.0,
+            0.0, 7.9, 0.3, -100.0, 2.0 ** -12]
+    x = torch.tensor([vals], device=DEVICE)
+    q, s = fp8_gemm.per_token_group_quant_fp8(x, 16)
+    q_ref, s_ref = per_token_group_quant_fp8_ref(x, 16)
+    assert float(s) == 1.0 and torch.equal(q.float(), q_ref.float())
+    assert q.float()[0, :4].tolist() == [448.0, 1.0, 1.25, 32.0]
+
+
+def _assert_gemm_close(y, y_ref, bound):
+    """float32 summation order (FP32_ORDER_RTOL of sum|terms|), plus a unit of a 16-bit output."""
+    tol = FP32_ORDER_RTOL * bound
+    if y.dtype != torch.float32:
+        tol = tol + BF16_ULP * y_ref.double().abs()
+    diff = (y.double() - y_ref.double()).abs()
+    assert (diff <= tol).all(), f"max diff {diff.max():.3g}, tolerance there {tol.flatten()[diff.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 16), (32, 32), (48, 16)])
+@pytest.mark.parametrize("T", [0, 1, 3, 5, 20])
+def test_gemm_kernel_matches_ref(T, block_n, block_k):
+    """N = 40: partial last weight block and column tile; T = 20 takes the 64-row tiles."""
+    fp8_gemm, _ = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(T * 7 + block_n)
+    N, K = 40, 64
+    w = _fp8_weight(gen, N, K)
+    s = _block_scale(gen, rows=N, cols=K, block_n=block_n, block_k=block_k)
+    x = torch.randn(T, K, generator=gen, device=DEVICE)
+    bound = _sum_bound(x, w, s, block_n, block_k)
+    for dtype, out_dtype in ((torch.float32, None), (torch.bfloat16, torch.float32), (torch.bfloat16, None)):
+        y = fp8_gemm.w8a8_block_gemm(x.to(dtype), w, s, block_n, block_k, out_dtype)
+        y_ref = w8a8_block_gemm_ref(x.to(dtype), w, s, block_n, block_k, out_dtype or dtype)
+        assert y.shape == (T, N) and y.dtype == (out_dtype or dtype)
+        _assert_gemm_close(y, y_ref, bound)
+
+
+def test_gemm_kernel_reads_strided_rows():
+    fp8_gemm, _ = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    w = _fp8_weight(gen, 32, 64)
+    s = _block_scale(gen, rows=32, cols=64, block_n=16, block_k=32)
+    x = torch.randn(3, 100, generator=gen, device=DEVICE)[:, 20:84]  # row stride 100
+    y = fp8_gemm.w8a8_block_gemm(x, w, s, 16, 32)
+    _assert_gemm_close(y, w8a8_block_gemm_ref(x, w, s, 16, 32, torch.float32), _sum_bound(x, w, s, 16, 32))
+
+
+def test_gemm_wrapper_rejects_bad_inputs():
+    fp8_gemm, _ = _kernels()
+    w = torch.zeros(32, 64, device=DEVICE).to(FP8_DTYPE)
+    s = torch.ones(2, 2, device=DEVICE)
+    x = torch.zeros(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm.w8a8_block_gemm(x, w.float(), s, 16, 32)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        fp8_gemm.w8a8_block_gemm(x, w, s, 16, 16)
+    with pytest.raises(ValueError, match="multiple of the group"):
+        fp8_gemm.w8a8_block_gemm(x[:, :48], w[:, :48], s, 16, 32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_gemm.w8a8_block_gemm(x, w, s, 16, 24)
+    with pytest.raises(ValueError, match=r"x must be one of"):
+        fp8_gemm.per_token_group_quant_fp8(x.to(torch.int32), 32)
+
