@@ -58,7 +58,8 @@ def per_token_group_quant_fp8_ref(x_TK: torch.Tensor, group: int) -> tuple[torch
     T, K = x_TK.shape
     _check(group >= 1 and K % group == 0, f"K={K} must be a multiple of the group size {group}")
     x_TGC = x_TK.float().reshape(T, K // group, group)
-    scale_TG = x_TGC.abs().amax(dim=-1).clamp_min(SCALE_EPS) / FP8_MAX
+    amax_TG = x_TGC.abs().amax(dim=-1).clamp_min(SCALE_EPS)
+    scale_TG = amax_TG / torch.full_like(amax_TG, FP8_MAX)  # a tensor divisor: CUDA multiplies by 1/448 for a scalar
     x_fp8 = (x_TGC / scale_TG[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_fp8.reshape(T, K), scale_TG
 
