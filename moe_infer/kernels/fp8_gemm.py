@@ -1,0 +1,118 @@
+"""Block-scaled FP8 (W8A8) launch wrappers: per-token-group quantization and the dense GEMM.
+
+    per_token_group_quant_fp8(x_TK, group) -> (x_fp8_TK, scale_TG)
+    w8a8_block_gemm(x_TK, w_NK_fp8, scale_inv, block_n, block_k, out_dtype=None) -> y_TN
+    gemm_tiles(T, N, block_k) -> GemmTiles                    the tile rule (no autotuning)
+
+Same signatures as the references in fp8_ref.py (there: the formulas). No host sync, grids from shapes:
+both capture in a CUDA graph. Kernels: fp8_kernels.py.
+
+Legend: T tokens, K reduction dim, N output columns, G = K / group groups, n, k weight scale blocks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from moe_infer.kernels.fp8_kernels import per_token_group_quant_kernel, w8a8_block_gemm_kernel
+from moe_infer.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, SCALE_EPS, check_block_scale
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_FP8_DOT_K = 32  # the K tile an fp8 tensor-core dot needs on sm_89/sm_90; smaller blocks dot in bf16
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_upcast(t: torch.Tensor, block_k: int) -> int:
+    """DOT_UPCAST of the kernels: 2 (float32) under the interpreter, 1 (bf16) for K tiles below the fp8
+    dot's minimum, else 0 (fp8 operands)."""
+    if is_interpreter() or not t.is_cuda:
+        return 2
+    return 1 if block_k < MIN_FP8_DOT_K else 0
+
+
+def check_device(t: torch.Tensor) -> None:
+    _check(t.is_cuda or is_interpreter(), f"the Triton kernels need CUDA tensors or TRITON_INTERPRET=1, got {t.device}")
+
+
+def per_token_group_quant_fp8(x_TK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8_TK float8_e4m3fn, scale_TG float32) with x_TK ~= x_fp8 * scale per group of `group` values."""
+    _check(x_TK.dim() == 2, f"x must be 2-D [T, K], got {tuple(x_TK.shape)}")
+    _check(x_TK.dtype in ACT_DTYPES, f"x must be one of {ACT_DTYPES}, got {x_TK.dtype}")
+    T, K = x_TK.shape
+    _check(group >= 1 and K % group == 0, f"K={K} must be a multiple of the group size {group}")
+    _check(x_TK.stride(1) == 1 or K <= 1, f"x needs a unit stride along K, got strides {x_TK.stride()}")
+    check_device(x_TK)
+    G = K // group
+    x_fp8 = torch.empty(T, K, dtype=FP8_DTYPE, device=x_TK.device)
+    scale_TG = torch.empty(T, G, dtype=torch.float32, device=x_TK.device)
+    if T == 0 or K == 0:
+        return x_fp8, scale_TG
+    group_pad = triton.next_power_of_2(group)
+    block_g = min(triton.next_power_of_2(G), max(1, 4096 // group_pad))  # up to 4k values a program
+    per_token_group_quant_kernel[(T, triton.cdiv(G, block_g))](
+        x_TK, x_fp8, scale_TG, T, G, x_TK.stride(0), x_fp8.stride(0), scale_TG.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_G=block_g, FP8_MAX=FP8_MAX, SCALE_EPS=SCALE_EPS,
+        EXACT_RNE=is_interpreter(), num_warps=4,
+    )
+    return x_fp8, scale_TG
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_m: int
+    block_n: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemm_tiles(T: int, N: int, block_k: int) -> GemmTiles:
+    """Few tokens: 16-row tiles (weight-bound; more programs along N); more: 64, then 128 rows, 128 columns.
+    The K tile is block_k (one scale per K step). Untuned: a rule in the spirit of vLLM's fp8 defaults."""
+    if T <= 16:
+        return GemmTiles(16, 64 if N <= 4096 else 128, num_stages=4 if block_k <= 128 else 3)
+    if T <= 256:
+        return GemmTiles(64, 128)
+    return GemmTiles(128, 128, num_warps=8)
+
+
+def w8a8_block_gemm(x_TK: torch.Tensor, w_NK_fp8: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
+                    block_k: int, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y_TN = x_TK @ dequant(w_NK_fp8)^T, W8A8: x quantized per token group of block_k (this module), then
+    one GEMM with an fp8 dot per K block, the block scales applied to each block's float32 partial sum.
+    out_dtype: x's dtype by default. K must be a multiple of block_k; N need not be of block_n."""
+    _check(x_TK.dim() == 2 and w_NK_fp8.dim() == 2, f"x {tuple(x_TK.shape)} and w {tuple(w_NK_fp8.shape)} must be 2-D")
+    (T, K), N = x_TK.shape, w_NK_fp8.shape[0]
+    _check(w_NK_fp8.shape[1] == K, f"x is [T, {K}] but w is {tuple(w_NK_fp8.shape)}")
+    check_block_scale(w_NK_fp8, scale_inv, block_n, block_k, "w")
+    _check(block_k & (block_k - 1) == 0, f"the Triton GEMM's K tile is block_k: a power of two, got {block_k}")
+    _check(w_NK_fp8.stride(1) == 1 and scale_inv.stride(1) == 1, "w and its scale need a unit last stride")
+    _check(x_TK.device == w_NK_fp8.device, f"x on {x_TK.device}, w on {w_NK_fp8.device}")
+    out_dtype = out_dtype or x_TK.dtype
+    _check(out_dtype in ACT_DTYPES, f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
+    x_fp8, x_scale_TG = per_token_group_quant_fp8(x_TK, block_k)  # checks K % block_k, dtype, device
+    y_TN = torch.empty(T, N, dtype=out_dtype, device=x_TK.device)
+    if T == 0 or N == 0:
+        return y_TN
+    tiles = gemm_tiles(T, N, block_k)
+    grid = (triton.cdiv(T, tiles.block_m) * triton.cdiv(N, tiles.block_n),)
+    w8a8_block_gemm_kernel[grid](
+        x_fp8, x_scale_TG, w_NK_fp8, scale_inv, y_TN, T, N, K,
+        x_fp8.stride(0), x_scale_TG.stride(0), w_NK_fp8.stride(0), scale_inv.stride(0), y_TN.stride(0),
+        SCALE_BLOCK_N=block_n, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        GROUP_M=tiles.group_m, DOT_UPCAST=dot_upcast(x_TK, block_k),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return y_TN
