@@ -17,6 +17,7 @@ PLUGIN_MODULES = (
     "moe_infer.experts.triton_experts",  # EXPERT_BACKENDS["triton"]
     "moe_infer.layers.attention_triton",  # ATTENTION_BACKENDS["triton"]: paged attention reading K/V in place
     "moe_infer.layers.mla_triton",  # MLA_BACKENDS["triton"]: MLA attention reading the latent cache in place
+    "moe_infer.layers.quant_triton",  # FP8_LINEAR_KERNELS["triton"]: W8A8 block-scaled GEMMs of fp8 weights
     "moe_infer.layers.norm_triton",  # RMS_NORM_KERNELS["triton"]: RMSNorm (+ residual add) in one launch
     "moe_infer.routing.load_count_triton",  # LOAD_COUNT_KERNELS["triton"]: a layer's expert-load counts, one launch
     "moe_infer.layers.linear_triton",  # LINEAR_KERNELS["triton"]: decode-sized linear layers (skinny GEMM)

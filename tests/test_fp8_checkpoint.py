@@ -73,3 +73,64 @@ def test_fp8_scales_are_read_not_left_at_one(tmp_path):
     model.layers[1].self_attn._absorbed = None
     b = run_schedule(PagedSim(model, block_size=4, num_blocks=32), tokens, SCHEDULE)
     assert not torch.allclose(a[0], b[0], atol=1e-2)
+
+
+def _w8a8_errors(fp8_dir, ref_dir, device, experts):
+    """Mean |logit error| of the fp8 model (W8A8 where the kernels run) and of the dequantized-weights model in
+    bf16, both against the dequantized-weights model in float32, over the parity schedule."""
+    from moe_infer.layers.moe import MoEBackends
+
+    tokens = None
+    out = {}
+    for name, path, dtype, backends in (("fp8", fp8_dir, torch.bfloat16, MoEBackends(experts=experts)),
+                                        ("bf16", ref_dir, torch.bfloat16, MoEBackends(experts=experts)),
+                                        ("fp32", ref_dir, torch.float32, None)):
+        model = load_model(path, dtype, device, backends)
+        tokens = tokens or make_tokens(model.arch.vocab_size, seed=1)
+        out[name] = torch.cat(list(run_schedule(PagedSim(model, block_size=4, num_blocks=32, device=device), tokens,
+                                                SCHEDULE).values())).float().cpu()
+    err = {k: (out[k] - out["fp32"]).abs().mean().item() for k in ("fp8", "bf16")}
+    err["scale"] = out["fp32"].abs().mean().item()
+    return err
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_fp8_w8a8_experts_kernel_tracks_the_dequantized_model(family, tmp_path, monkeypatch):
+    """The W8A8 grouped experts kernel (interpreter on CPU; activations quantized per token group, so not equal
+    to the dequantized model): its error against the float32 model stays within a few times bf16's own."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
+    from moe_infer.plugins import load_plugins
+
+    load_plugins()
+    from moe_infer.kernels import fused_moe_fp8 as kernel
+
+    calls, real = [], kernel.fused_moe_fp8
+    monkeypatch.setattr(kernel, "fused_moe_fp8", lambda *a: calls.append(1) or real(*a))
+    fp8_dir, ref_dir = _pair(family, tmp_path)
+    err = _w8a8_errors(fp8_dir, ref_dir, "cuda" if torch.cuda.is_available() else "cpu", "triton")
+    assert calls and err["fp8"] <= 4 * err["bf16"] + 0.02 * err["scale"], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(CASES))
+def test_fp8_w8a8_linear_kernel_runs_on_the_gpu(family, tmp_path):
+    """On the GPU the dense fp8 layers take the W8A8 kernel (not the dequantizing fallback)."""
+    from moe_infer.layers.quant_triton import has_fp8_dot
+    from moe_infer.plugins import load_plugins
+    from moe_infer.quant import FP8_LINEAR_KERNELS
+
+    load_plugins()
+    if not has_fp8_dot(0):
+        pytest.skip("fp8 tensor-core dots need compute capability 8.9+")
+    calls = []
+    real = FP8_LINEAR_KERNELS.get("triton")
+    FP8_LINEAR_KERNELS._entries["triton"] = lambda *a: calls.append(1) or real(*a)
+    try:
+        fp8_dir, ref_dir = _pair(family, tmp_path)
+        err = _w8a8_errors(fp8_dir, ref_dir, "cuda", "triton")
+    finally:
+        FP8_LINEAR_KERNELS._entries["triton"] = real
+    assert calls and err["fp8"] <= 4 * err["bf16"] + 0.02 * err["scale"], err
