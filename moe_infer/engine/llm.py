@@ -7,10 +7,12 @@ Keyword arguments are the fields of the EngineConfig groups (`block_size`, `max_
 `gpu_memory_utilization`, `enable_chunked_prefill`, `policy`, ...); a name two groups share is
 written `<group>_<field>` (`routing_backend`, `experts_backend`), which also works for every field.
 `offload="cpu"` (or "nvme") picks the expert store: `LLM(model=..., offload="cpu", gpu_expert_budget_gb=20)`.
-A request that cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
+A prompt of a shape the API does not take raises before any request starts (`check_prompts`); a request that
+cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -50,6 +52,38 @@ def build_config(model: Optional[str] = None, seed: int = 0, **kwargs) -> Engine
         per_group[group][name] = value
     parts = {g: type(EngineConfig.__dataclass_fields__[g].default_factory())(**v) for g, v in per_group.items()}
     return EngineConfig(seed=seed, **parts)
+
+
+_PROMPT_SHAPES = ('a prompt is a str, {"prompt": str} or {"prompt_token_ids": [int, ...]} (token ids); '
+                  '`prompts` is one prompt or a list of them')
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def check_prompts(prompts) -> List[PromptType]:
+    """`generate`'s prompts as a list, or TypeError / ValueError before any request starts: a prompt of a type the
+    API does not take, a prompt dict with both keys (which one runs?) or an unknown key (a typo, or another
+    API's field). What a prompt holds (ids in the vocabulary, its length) is checked per request: that request
+    fails alone."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, collections.abc.Iterable):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}: "
+                        f"{_PROMPT_SHAPES}")
+    prompts = list(prompts)
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, dict):
+            unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompts[{i}] has unknown keys {unknown}: {_PROMPT_SHAPES}")
+            if all(k in prompt for k in _PROMPT_KEYS):
+                raise ValueError(f'prompts[{i}] has both "prompt" and "prompt_token_ids": give one '
+                                 f"(text is tokenized, token ids run as they are)")
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is an empty dict: {_PROMPT_SHAPES}")
+        elif not isinstance(prompt, str):
+            hint = " (token ids go in {'prompt_token_ids': [...]})" if isinstance(prompt, (list, tuple)) else ""
+            raise TypeError(f"prompts[{i}] is of type {type(prompt).__name__}{hint}: {_PROMPT_SHAPES}")
+    return prompts
 
 
 class _ProgressBar:
@@ -154,9 +188,7 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _normalize(prompts, sampling_params) -> Tuple[List[PromptType], List[SamplingParams]]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = check_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
