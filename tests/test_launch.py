@@ -53,6 +53,16 @@ def test_main_job_exits_non_zero_when_a_request_fails():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("override, error", [("+foo=1", "unknown config keys ['foo']"),
+                                             ("prompts=[]", "prompts is empty")])
+def test_main_job_refuses_an_added_key_and_no_prompts(override, error):
+    code = "import sys\nfrom moe_infer.launch import main\nsys.argv = ['moe-infer'] + sys.argv[1:]\nmain()"
+    proc = _python(code, override, "show_progress=false")
+    assert proc.returncode == 1 and error in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens/s" not in proc.stdout  # refused before any engine was built
+
+
+@pytest.mark.timeout(60)
 def test_the_launcher_composes_its_job_before_torch_loads():
     """The offload host threads' wait policy must be in the environment before torch loads (libgomp reads it
     then): `import moe_infer` and the launcher's configuration import no torch."""
