@@ -17,6 +17,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from moe_infer.config import EngineConfig
+from moe_infer.engine.chat_template import ChatTemplateError, render_chat
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
@@ -143,6 +144,34 @@ class LLM:
         if not self.engine.parallel.is_driver:  # under a mesh: run the driver's steps, return its outputs
             return serve(self.engine.parallel, self.engine.runner)
         prompts, params = self._normalize(prompts, sampling_params)
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict] = None) -> List[RequestOutput]:
+        """vLLM's chat: one conversation (a list of {"role", "content"} messages) or a list of conversations,
+        each through the tokenizer's chat template (or `chat_template`, a Jinja string) and generated as by
+        `generate`; one RequestOutput per conversation, its `prompt` the templated text. A malformed message or
+        a tokenizer without a template raises ValueError (moe_infer/engine/chat_template.py) before any request
+        starts."""
+        if not self.engine.parallel.is_driver:  # under a mesh: run the driver's steps, return its outputs
+            return serve(self.engine.parallel, self.engine.runner)
+        is_batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        conversations = list(messages) if is_batch else [messages]
+        tok = self.engine.tokenizer
+        prompts: List[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text = render_chat(tok, conversation, chat_template, add_generation_prompt,
+                                   **(chat_template_kwargs or {}))
+            except ChatTemplateError as err:
+                raise ChatTemplateError(f"conversation {i}: {err}" if is_batch else str(err)) from None
+            prompts.append({"prompt_token_ids": list(tok(text, add_special_tokens=False)["input_ids"]),
+                            "prompt": text})  # the engine's own form: ids run, text reported
+        return self._run(prompts, self._params(sampling_params, len(prompts), "conversations"), use_tqdm)
+
+    def _run(self, prompts: List[PromptType], params: List[SamplingParams], use_tqdm: bool) -> List[RequestOutput]:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: Dict[str, RequestOutput] = {}
         bar = _ProgressBar(len(ids)) if use_tqdm else None
@@ -189,16 +218,21 @@ class LLM:
     @staticmethod
     def _normalize(prompts, sampling_params) -> Tuple[List[PromptType], List[SamplingParams]]:
         prompts = check_prompts(prompts)
+        return prompts, LLM._params(sampling_params, len(prompts))
+
+    @staticmethod
+    def _params(sampling_params, num_prompts: int, what: str = "prompts") -> List[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return prompts, [sampling_params] * len(prompts)
+            return [sampling_params] * num_prompts
         params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: pass one, or one per prompt")
+        if len(params) != num_prompts:
+            raise ValueError(f"{len(params)} sampling params for {num_prompts} {what}: pass one, or one per "
+                             f"{what[:-1]}")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("sampling_params must be SamplingParams objects")
-        return prompts, params
+        return params
 
     def get_tokenizer(self):
         return self.engine.tokenizer
