@@ -56,9 +56,9 @@ def run(job: JobConfig):
     from moe_infer import LLM, SamplingParams
 
     is_printer = int(os.environ.get("RANK", "0")) == 0
-    llm = LLM.from_config(job.engine_config())
     params = SamplingParams(**vars(job.sampling))
-    prompts = job.prompt_list()
+    prompts = job.prompt_list() if is_printer else []  # rank 0 schedules; the others run its steps (and get no stdin)
+    llm = LLM.from_config(job.engine_config())
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=is_printer and job.show_progress)
     elapsed = time.perf_counter() - start

@@ -8,6 +8,8 @@ stray attribute: `to_job` refuses it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -40,6 +42,7 @@ class JobConfig(EngineConfig):
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: List[str] = field(default_factory=lambda: ["def fibonacci(n):"])
     prompt: Optional[str] = None  # a single prompt from the command line: replaces `prompts`
+    prompt_file: Optional[str] = None  # a file whose text is the one prompt ("-": stdin): replaces `prompts`
     show_expert_load: bool = True
     show_progress: bool = True  # vLLM's progress bar (finished requests, input/output tokens/s) on stderr
     serve: ServeConfig = field(default_factory=ServeConfig)  # `moe-infer serve` (the OpenAI server)
@@ -50,8 +53,13 @@ class JobConfig(EngineConfig):
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
             raise ValueError(f"task={self.task!r} is not one of {', '.join(TASK_NAMES)}")
-        if self.task == "generate" and self.prompt is None and not self.prompts:
-            raise ValueError("prompts is empty: give at least one prompt (prompts='[\"a\", \"b\"]' or prompt=...)")
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError("prompt and prompt_file are both set: give one")
+        if self.prompt_file not in (None, "-") and not os.path.isfile(self.prompt_file):
+            raise ValueError(f"prompt_file={self.prompt_file!r}: no such file")
+        if self.task == "generate" and self.prompt is None and self.prompt_file is None and not self.prompts:
+            raise ValueError("prompts is empty: give at least one prompt (prompts='[\"a\", \"b\"]', prompt=... "
+                             "or prompt_file=...)")
 
     def engine_config(self) -> EngineConfig:
         routing = dataclasses.replace(self.routing, trace=True) if self.trace_out else self.routing
@@ -61,6 +69,15 @@ class JobConfig(EngineConfig):
         )
 
     def prompt_list(self) -> List[str]:
+        """The prompts to run. prompt_file is read here (stdin for "-"), its one trailing newline dropped (what
+        `echo` and editors add); a prompt with shell or Hydra syntax in it ("def f(x):") needs no quoting there."""
+        if self.prompt_file is not None:
+            if self.prompt_file == "-":
+                text = sys.stdin.read()
+            else:
+                with open(self.prompt_file, encoding="utf-8") as f:
+                    text = f.read()
+            return [text.removesuffix("\n")]
         return [self.prompt] if self.prompt is not None else list(self.prompts)
 
 

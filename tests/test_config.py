@@ -1,4 +1,5 @@
 """Every Hydra config group option and experiment composes into the typed JobConfig."""
+import io
 import os
 
 import pytest
@@ -97,3 +98,16 @@ def test_an_empty_prompt_list_is_refused():
         to_job(_compose(["prompts=[]"]))
     assert to_job(_compose(["prompts=[]", "prompt=x"])).prompt_list() == ["x"]
     assert to_job(_compose(["prompts=[]", "+experiment=cf_sweep"])).task == "cf_sweep"  # a lab task needs none
+
+
+def test_prompt_file_is_the_one_prompt(tmp_path, monkeypatch):
+    path = tmp_path / "p.txt"
+    path.write_text('def quicksort(xs):\n    """sort (a list)"""\n')
+    job = to_job(_compose([f"prompt_file={path}", "prompts=[]"]))
+    assert job.prompt_list() == ['def quicksort(xs):\n    """sort (a list)"""']  # one trailing newline dropped
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):"))
+    assert to_job(_compose(["prompt_file=-"])).prompt_list() == ["def f(x):"]
+    with pytest.raises(ValueError, match="prompt_file='/no/such/file': no such file"):
+        to_job(_compose(["prompt_file=/no/such/file"]))
+    with pytest.raises(ValueError, match="prompt and prompt_file are both set"):
+        to_job(_compose([f"prompt_file={path}", "prompt=x"]))
