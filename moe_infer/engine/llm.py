@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.chat_template import ChatTemplateError, render_chat
+from moe_infer.engine.encode import encode
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
@@ -167,7 +168,7 @@ class LLM:
                                    **(chat_template_kwargs or {}))
             except ChatTemplateError as err:
                 raise ChatTemplateError(f"conversation {i}: {err}" if is_batch else str(err)) from None
-            prompts.append({"prompt_token_ids": list(tok(text, add_special_tokens=False)["input_ids"]),
+            prompts.append({"prompt_token_ids": encode(tok, text, add_special_tokens=False),
                             "prompt": text})  # the engine's own form: ids run, text reported
         return self._run(prompts, self._params(sampling_params, len(prompts), "conversations"), use_tqdm)
 
