@@ -84,3 +84,12 @@ def test_a_long_prompt_and_an_offload_run_say_nothing_misleading(capfd, caplog):
     assert LENGTH_WARNING not in capfd.readouterr().err
     llm.get_tokenizer()(text)  # the control: transformers' own call warns, and this test would see it
     assert LENGTH_WARNING in capfd.readouterr().err
+
+
+def test_gpu_only_notes_are_debug_on_the_cpu(caplog):
+    with caplog.at_level(logging.DEBUG, logger="moe_infer"):
+        LLM(device="cpu", dtype="float32", num_kv_blocks=16)
+    notes = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records
+             if "eagerly" in r.getMessage() or "warm-up" in r.getMessage()}
+    assert notes == {"decode steps run eagerly": logging.DEBUG, "prefill and mixed steps run eagerly": logging.DEBUG,
+                     "no start-up warm-up of the Triton kernels": logging.DEBUG}
