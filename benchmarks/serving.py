@@ -22,7 +22,11 @@ Target: at saturation the server delivers >= 90 % of the offline output tok/s. A
 process loop only): the first of them gets the rate sweep, the others the saturation level only, in the
 same run (`--engine-loops process,thread`: the engine core process against the design before it, a thread
 of the server's process; `--api-server-counts 2,1`: two HTTP processes against one). The decode roofline
-(HBM bytes per step at the batch size, H100's measured 2.99 TB/s) is printed for scale.
+(HBM bytes per step at the batch size, at the copy bandwidth measured on this GPU by the offline child) is
+printed for scale; on the CPU there is none. Both sides run torch with the same thread count: on the CPU
+the engine core leaves a core to each HTTP process (moe_infer/engine/core_proc.py), so OMP_NUM_THREADS is
+set to that count for the offline child and the server alike (a --tiny run on a busy 2-core machine, one
+thread in the server's engine against two offline, printed "server = 1013% of offline").
 
 Why servebench: an OpenAI-compatible load generator with Poisson rate sweeps, goodput and a local HF
 tokenizer, in ~100 kB over aiohttp/pydantic/typer/rich; guidellm, inference-perf, aiperf, genai-bench
@@ -46,6 +50,7 @@ import socket
 import sys
 import tempfile
 import time
+from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -54,7 +59,35 @@ sys.path.insert(0, HERE)
 from e2e_generate import REAL, TINY, build_checkpoint  # noqa: E402
 from serving_load import prompts_from, sweep, warm_load, warm_server  # noqa: E402
 
-H100_HBM_BYTES_S = 2.99e12  # design.md: measured copy bandwidth
+
+
+def copy_bytes_per_s(device: str) -> Optional[float]:
+    """The device's measured copy bandwidth (bytes read + written per second; the best of 5 copies of 1 GiB),
+    the decode roofline's rate; None on the CPU (no roofline there)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):  # the first one warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / best
+
+
+def bench_threads(device: str, api_server_counts: List[int]) -> Optional[int]:
+    """torch's intra-op threads for both sides on the CPU: what the engine core keeps beside the most HTTP
+    processes of the run (None on a GPU: the core keeps its default there, as the offline engine does)."""
+    if device != "cpu":
+        return None
+    return int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else max(
+        1, (os.cpu_count() or 1) - max(api_server_counts))
 
 
 def engine_kwargs(args) -> dict:
@@ -104,7 +137,8 @@ def _offline(ckpt: str, kw: dict, warm: list, warm_prompts: list, prompt_sets: l
                            prompt_tokens=sum(len(o.prompt_token_ids) for o in outs)))
     median = sorted(passes, key=lambda p: p["output_tok_s"])[len(passes) // 2]
     queue.put(dict(median, repeats_output_tok_s=[p["output_tok_s"] for p in passes],
-                   device=torch.cuda.get_device_name() if kw["device"] != "cpu" else "cpu", torch=torch.__version__))
+                   device=torch.cuda.get_device_name() if kw["device"] != "cpu" else "cpu", torch=torch.__version__,
+                   torch_threads=torch.get_num_threads(), copy_bytes_per_s=copy_bytes_per_s(kw["device"])))
 
 
 def _server(ckpt: str, kw: dict, port: int, max_queued: int, switch_s: float, engine_loop: str,
@@ -144,15 +178,18 @@ def wait_healthy(url: str, proc, timeout: float = 600) -> None:
     raise RuntimeError("the server did not come up")
 
 
-def decode_roofline_tok_s(dims: dict, batch: int, context: int) -> float:
-    """Tokens/s if a decode step of `batch` sequences only read its bytes from HBM (bf16): attention and
-    router weights, the experts the batch touches (expected distinct of E with K picks each), lm_head, KV."""
+def decode_roofline_tok_s(dims: dict, batch: int, context: int, bytes_per_s: Optional[float]) -> Optional[float]:
+    """Tokens/s if a decode step of `batch` sequences only read its bytes at bytes_per_s (bf16): attention and
+    router weights, the experts the batch touches (expected distinct of E with K picks each), lm_head, KV.
+    None without a measured rate (the CPU)."""
+    if bytes_per_s is None:
+        return None
     D, E, K, F = dims["hidden_size"], dims["num_experts"], dims["num_experts_per_tok"], dims["moe_intermediate_size"]
     H, Hkv, hd, L, V = (dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"],
                         dims["num_hidden_layers"], dims["vocab_size"])
     experts = E * (1 - (1 - K / E) ** batch)
     per_layer = D * hd * (2 * H + 2 * Hkv) + D * E + experts * 3 * D * F + batch * context * 2 * Hkv * hd
-    return batch / ((L * per_layer + V * D) * 2 / H100_HBM_BYTES_S)
+    return batch / ((L * per_layer + V * D) * 2 / bytes_per_s)
 
 
 def summary_row(rate: float, level) -> dict:
@@ -205,6 +242,9 @@ def main() -> None:
     # (the first H100 run, 2026-11-23: 80 % of the requests "failed" that way; the offline count was by ids)
     dims = dict(TINY if tiny else REAL, vocab_size=6144)
     kw = engine_kwargs(args)
+    threads = bench_threads(args.device, [int(c) for c in args.api_server_counts.split(",")])
+    if threads is not None:  # inherited by every child (spawn): the offline engine and the server's engine alike
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving_ckpt_") as ckpt:
         proc, _ = run_child(_build, dims, args.device, ckpt)
@@ -239,7 +279,8 @@ def main() -> None:
     rows = by_loop[loops[0]]
     sat = rows[-1]
     ratio = sat["output_tok_s"] / offline["output_tok_s"]
-    roofline = decode_roofline_tok_s(dims, args.max_num_seqs, args.input_len + args.output_len // 2)
+    roofline = decode_roofline_tok_s(dims, args.max_num_seqs, args.input_len + args.output_len // 2,
+                                     offline["copy_bytes_per_s"])
     import servebench
 
     result = dict(
@@ -250,7 +291,7 @@ def main() -> None:
                   saturation_client_procs=args.client_procs[0]),
         slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), offline=offline, rates=rows,
         server_over_offline_at_saturation=ratio, target=0.9, meets_target=ratio >= 0.9,
-        decode_roofline_tok_s_h100=roofline, uvicorn_extras=_uvicorn_extras(),
+        decode_roofline_tok_s=roofline, torch_threads=threads, uvicorn_extras=_uvicorn_extras(),
         gil_switch_interval_s=args.gil_switch_interval_s, server=loops[0],
         saturation_by_server={loop: dict(row, over_offline=row["output_tok_s"] / offline["output_tok_s"])
                               for loop, row in [(k, v[-1]) for k, v in by_loop.items()] + list(other_clients.items())},
@@ -269,8 +310,8 @@ def main() -> None:
         print(f"{loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline "
               f"(median of {[round(x) for x in r['repeats_output_tok_s']]})")
     print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation {sat['output_tok_s']:.0f} "
-          f"tok/s = {ratio:.1%} of offline (target >= 90%); decode roofline at batch {args.max_num_seqs} "
-          f"(H100 HBM) {roofline:.0f} tok/s; wall {result['wall_s']:.0f} s")
+          f"tok/s = {ratio:.1%} of offline (target >= 90%); {_roofline_text(roofline, offline, args.max_num_seqs)}; "
+          f"torch threads {'default' if threads is None else threads} both sides; wall {result['wall_s']:.0f} s")
     name = f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json"
     out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), name)
     if os.path.isdir(out):  # --out DIR, as the other benchmarks take it
@@ -279,6 +320,13 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
+
+
+def _roofline_text(roofline: Optional[float], offline: dict, batch: int) -> str:
+    if roofline is None:
+        return "no decode roofline (no GPU)"
+    return (f"decode roofline at batch {batch} ({offline['device']}, {offline['copy_bytes_per_s'] / 1e12:.2f} TB/s "
+            f"measured) {roofline:.0f} tok/s")
 
 
 def server_label(engine_loop: str, api_servers: int) -> str:

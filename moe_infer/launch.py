@@ -14,10 +14,10 @@ import time
 from typing import List
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from moe_infer import host_threads
-from moe_infer.launch_config import JobConfig
+from moe_infer.launch_config import JobConfig, to_job
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # package data: ships with `pip install .`
 
@@ -56,9 +56,9 @@ def run(job: JobConfig):
     from moe_infer import LLM, SamplingParams
 
     is_printer = int(os.environ.get("RANK", "0")) == 0
-    llm = LLM.from_config(job.engine_config())
     params = SamplingParams(**vars(job.sampling))
-    prompts = job.prompt_list()
+    prompts = job.prompt_list() if is_printer else []  # rank 0 schedules; the others run its steps (and get no stdin)
+    llm = LLM.from_config(job.engine_config())
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=is_printer and job.show_progress)
     elapsed = time.perf_counter() - start
@@ -91,8 +91,7 @@ def run(job: JobConfig):
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    job = OmegaConf.to_object(cfg)
-    assert isinstance(job, JobConfig)
+    job = to_job(cfg)
     outputs = run(job)
     if job.task != "generate":  # a lab task: it raised if it failed
         return

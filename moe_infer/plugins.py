@@ -1,13 +1,15 @@
 """Optional backends that register themselves on import (Triton kernels, all-to-all dispatchers).
 
 `load_plugins()` imports each module once; a module whose optional dependency (triton) is not
-installed is skipped, any other import error is raised.
+installed is skipped, any other import error is raised. The skipped modules are reported in one line,
+once: at INFO where a CUDA device is present (its Triton kernels would have run), at DEBUG otherwise (a CPU
+install without triton is the expected case, not news).
 """
 from __future__ import annotations
 
 import importlib
 import logging
-from typing import List
+from typing import Dict, List
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +26,12 @@ PLUGIN_MODULES = (
 )
 
 _loaded: List[str] = []
+_missing: Dict[str, str] = {}  # module -> why it was skipped
+_done: List[bool] = []
 
 
 def load_plugins() -> List[str]:
-    if _loaded:
+    if _done:
         return list(_loaded)
     for name in PLUGIN_MODULES:
         try:
@@ -35,7 +39,15 @@ def load_plugins() -> List[str]:
         except ModuleNotFoundError as err:
             if err.name not in ("triton", name) and not (err.name and name.startswith(err.name)):
                 raise
-            logger.info("backend module %s not available (%s)", name, err)
+            _missing[name] = str(err)
             continue
         _loaded.append(name)
+    _done.append(True)
+    if _missing:
+        import torch
+
+        level = logging.INFO if torch.cuda.is_available() else logging.DEBUG
+        reasons = sorted(set(_missing.values()))
+        logger.log(level, "%d backend modules not loaded (%s), their torch paths run: %s", len(_missing),
+                   "; ".join(reasons), ", ".join(n.rsplit(".", 1)[-1] for n in _missing))
     return list(_loaded)

@@ -1,4 +1,5 @@
 """Every Hydra config group option and experiment composes into the typed JobConfig."""
+import io
 import os
 
 import pytest
@@ -11,7 +12,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from moe_infer.config import EngineConfig  # noqa: E402
 from moe_infer.launch import CONF_DIR  # noqa: E402
-from moe_infer.launch_config import JobConfig  # noqa: E402
+from moe_infer.launch_config import JobConfig, to_job  # noqa: E402
 
 GROUPS = sorted(
     d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d)) and d != "experiment"
@@ -78,3 +79,35 @@ def test_invalid_value_is_rejected_by_the_dataclass():
 def test_single_prompt_replaces_list():
     job = OmegaConf.to_object(_compose(["prompt=hello"]))
     assert job.prompt_list() == ["hello"]
+
+
+@pytest.mark.parametrize("overrides", [[], ["offload=cpu", "parallel=tp"]]
+                         + [[f"+experiment={e}"] for e in _options("experiment")])
+def test_composed_configs_have_no_unknown_keys(overrides):
+    assert isinstance(to_job(_compose(overrides)), JobConfig)
+
+
+def test_a_key_added_with_plus_is_refused_by_name():
+    """`+foo=1` passes Hydra (adding keys is what + does) and OmegaConf.to_object kept it as a stray attribute."""
+    with pytest.raises(ValueError, match=r"unknown config keys \['routing.bar', 'foo'\]"):
+        to_job(_compose(["+foo=1", "+routing.bar=2"]))
+
+
+def test_an_empty_prompt_list_is_refused():
+    with pytest.raises(ValueError, match="prompts is empty"):
+        to_job(_compose(["prompts=[]"]))
+    assert to_job(_compose(["prompts=[]", "prompt=x"])).prompt_list() == ["x"]
+    assert to_job(_compose(["prompts=[]", "+experiment=cf_sweep"])).task == "cf_sweep"  # a lab task needs none
+
+
+def test_prompt_file_is_the_one_prompt(tmp_path, monkeypatch):
+    path = tmp_path / "p.txt"
+    path.write_text('def quicksort(xs):\n    """sort (a list)"""\n')
+    job = to_job(_compose([f"prompt_file={path}", "prompts=[]"]))
+    assert job.prompt_list() == ['def quicksort(xs):\n    """sort (a list)"""']  # one trailing newline dropped
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):"))
+    assert to_job(_compose(["prompt_file=-"])).prompt_list() == ["def f(x):"]
+    with pytest.raises(ValueError, match="prompt_file='/no/such/file': no such file"):
+        to_job(_compose(["prompt_file=/no/such/file"]))
+    with pytest.raises(ValueError, match="prompt and prompt_file are both set"):
+        to_job(_compose([f"prompt_file={path}", "prompt=x"]))

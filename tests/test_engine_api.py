@@ -29,7 +29,7 @@ def ids(*tokens):
 
 def test_bad_requests_fail_alone(llm):
     prompts = [ids(5, 6, 7), ids(*range(3, 60)), ids(8, 9, 500), "text but no tokenizer", ids(4, 5, 6, 7),
-               {"text": "x"}, ids(), ids(*range(3, 51))]
+               {"prompt": 5}, ids(), ids(*range(3, 51))]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "length",
                                                          "error", "error", "error"]
@@ -37,7 +37,7 @@ def test_bad_requests_fail_alone(llm):
     assert "max_model_len is 48" in errors[1] and "max_model_len is 48" in errors[7]
     assert "outside the vocabulary" in errors[2] and "[500]" in errors[2]
     assert "needs a tokenizer" in errors[3]
-    assert "{'prompt': str}" in errors[5] and "keys ['text']" in errors[5] and "empty" in errors[6]
+    assert "{'prompt': str}" in errors[5] and "keys ['prompt']" in errors[5] and "empty" in errors[6]
     off = LLM(model=checkpoint("qwen3_moe"), device="cpu", num_kv_blocks=8, collect_stats=False)
     assert off.get_expert_load() == []
     big = off.generate([ids(3, 4)], SamplingParams(logprobs=1000), use_tqdm=False)[0].outputs[0]
@@ -66,6 +66,26 @@ def test_bad_arguments_raise(llm):
         LLM(model="unused", block_size=0)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate([ids(1, 2)], SamplingParams(temperature=-1.0))
+
+
+@pytest.mark.parametrize("prompts, error, match", [
+    (42, TypeError, r"prompts must be a prompt or a list of prompts, got int: a prompt is a str"),
+    (None, TypeError, r"got NoneType"),
+    (b"def f", TypeError, r"got bytes"),
+    (["x", 5], TypeError, r"prompts\[1\] is of type int: a prompt is a str"),
+    ([[1, 2, 3]], TypeError, r"prompts\[0\] is of type list \(token ids go in \{'prompt_token_ids'"),
+    ([ids(1, 2), {"prompt": "x", "prompt_token_ids": [1, 2]}], ValueError,
+     r'prompts\[1\] has both "prompt" and "prompt_token_ids"'),
+    ([{"prompt": "x", "max_tokens": 3}], ValueError, r"prompts\[0\] has unknown keys \['max_tokens'\]"),
+    ([{"text": "x"}], ValueError, r"unknown keys \['text'\]"),
+    ([{}], ValueError, r"prompts\[0\] is an empty dict"),
+])
+def test_malformed_prompts_raise_before_any_request(llm, prompts, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    with pytest.raises(error, match=match):
+        next(llm.generate_stream(prompts, GREEDY))
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
 
 
 def test_a_failing_step_fails_only_its_requests(llm, monkeypatch):

@@ -24,11 +24,11 @@ _NO_TRITON = textwrap.dedent("""
 """)
 
 
-def _python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _python(code: str, *args: str, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a user's shell, not the test's
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, input=stdin)
 
 
 @pytest.mark.timeout(180)
@@ -50,6 +50,26 @@ def test_main_job_exits_non_zero_when_a_request_fails():
     proc = _python(code, "prompt=a b c d e f g h i j k l", "model.max_model_len=8", "show_progress=false")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "too long: max_model_len is 8" in proc.stdout and "1 of 1 requests failed" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override, error", [("+foo=1", "unknown config keys ['foo']"),
+                                             ("prompts=[]", "prompts is empty")])
+def test_main_job_refuses_an_added_key_and_no_prompts(override, error):
+    code = "import sys\nfrom moe_infer.launch import main\nsys.argv = ['moe-infer'] + sys.argv[1:]\nmain()"
+    proc = _python(code, override, "show_progress=false")
+    assert proc.returncode == 1 and error in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens/s" not in proc.stdout  # refused before any engine was built
+
+
+@pytest.mark.timeout(180)
+def test_main_job_reads_a_prompt_from_stdin():
+    """prompt_file=-: a prompt with Hydra syntax in it, no quoting (docs/running.md's quicksort example)."""
+    code = "import sys\nfrom moe_infer.launch import main\nsys.argv = ['moe-infer'] + sys.argv[1:]\nmain()"
+    proc = _python(code, "prompt_file=-", "sampling.max_tokens=4", "show_progress=false", "show_expert_load=false",
+                   stdin="def quicksort(xs):\n")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "prompt: 'def quicksort(xs):'" in proc.stdout and "1 requests, 4 output tokens" in proc.stdout
 
 
 @pytest.mark.timeout(60)

@@ -42,6 +42,33 @@ def test_bad_params_raise_naming_the_field(kw, match):
         SamplingParams(**kw)
 
 
+FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+INTS = ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs")
+
+
+@pytest.mark.parametrize("name, value", [(f, v) for f in FLOATS
+                                         for v in (math.nan, math.inf, -math.inf, "1", True, None)]
+                         + [(f, v) for f in INTS for v in (1.5, 2.0, "10", True, False)]
+                         + [(f, v) for f in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+                            for v in (1, "yes", None)]
+                         + [("stop", 5), ("stop", b"x"), ("stop_token_ids", 3), ("stop_token_ids", [True]),
+                            ("stop_token_ids", [2.0])])
+def test_wrong_types_and_non_finite_numbers_raise_naming_the_field(name, value):
+    """nan compares false to every bound (temperature=nan sampled nothing: empty text); max_tokens=1.5, "10",
+    stop=5 were taken, or failed later with a bare TypeError."""
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be"):
+        SamplingParams(**{name: value})
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    import numpy as np
+
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), max_tokens=np.int32(4), seed=np.int64(7),
+                       stop_token_ids=[np.int64(2)])
+    assert (p.temperature, p.top_k, p.max_tokens, p.seed, p.stop_token_ids) == (0.5, 3, 4, 7, [2])
+    assert type(p.top_k) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
+
+
 def test_stop_string_normalised():
     assert SamplingParams(stop="\n").stop_strings == ["\n"]
     assert SamplingParams(stop=["a", "bc"]).stop_strings == ["a", "bc"]

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from moe_infer.engine.core_proc import CoreInfo
 from moe_infer.engine.core_spawn import CoreEndpoint, CoreProcess, EngineStartError  # noqa: F401 (re-export)
 from moe_infer.engine.detok_assembler import DetokenizingAssembler
+from moe_infer.engine.encode import encode
 from moe_infer.engine.output_delta import OutputAssembler
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.request_streams import EngineClosed, RequestFailed, RequestSlots, StreamingEngine
@@ -150,7 +151,7 @@ class ProcessEngine(StreamingEngine):
             return prompt.get("prompt"), ids, prompt  # not decoded to text, as the offline engine (llm_engine.py)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str) and self.tokenizer is not None:
-            ids = list(self.tokenizer(text)["input_ids"])
+            ids = encode(self.tokenizer, text)
             return text, ids, {"prompt_token_ids": ids, "prompt": text}
         return (text if isinstance(text, str) else None), [], prompt
 

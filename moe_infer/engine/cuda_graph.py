@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids_T, positions_T) -> hidden_TD
 
 
+def gpu_note_level(device: torch.device) -> int:
+    """The level of a note that a GPU-only feature (graphs, the Triton warm-up) is off: DEBUG on the CPU, where it
+    never applies (a CPU run's first lines were three such notes), INFO on a GPU, where it is news."""
+    return logging.DEBUG if device.type == "cpu" else logging.INFO
+
+
 def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True, mesh: bool = False) -> Optional[str]:
     """Why decode steps of this engine cannot be replayed as CUDA graphs; None when they can.
     whole_step=False: why their attention parts cannot (engine/layer_graphs.py: the MoE layers eager).

@@ -7,14 +7,18 @@ Keyword arguments are the fields of the EngineConfig groups (`block_size`, `max_
 `gpu_memory_utilization`, `enable_chunked_prefill`, `policy`, ...); a name two groups share is
 written `<group>_<field>` (`routing_backend`, `experts_backend`), which also works for every field.
 `offload="cpu"` (or "nvme") picks the expert store: `LLM(model=..., offload="cpu", gpu_expert_budget_gb=20)`.
-A request that cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
+A prompt of a shape the API does not take raises before any request starts (`check_prompts`); a request that
+cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from moe_infer.config import EngineConfig
+from moe_infer.engine.chat_template import ChatTemplateError, render_chat
+from moe_infer.engine.encode import encode
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.sampling_params import SamplingParams
@@ -50,6 +54,38 @@ def build_config(model: Optional[str] = None, seed: int = 0, **kwargs) -> Engine
         per_group[group][name] = value
     parts = {g: type(EngineConfig.__dataclass_fields__[g].default_factory())(**v) for g, v in per_group.items()}
     return EngineConfig(seed=seed, **parts)
+
+
+_PROMPT_SHAPES = ('a prompt is a str, {"prompt": str} or {"prompt_token_ids": [int, ...]} (token ids); '
+                  '`prompts` is one prompt or a list of them')
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def check_prompts(prompts) -> List[PromptType]:
+    """`generate`'s prompts as a list, or TypeError / ValueError before any request starts: a prompt of a type the
+    API does not take, a prompt dict with both keys (which one runs?) or an unknown key (a typo, or another
+    API's field). What a prompt holds (ids in the vocabulary, its length) is checked per request: that request
+    fails alone."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, collections.abc.Iterable):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}: "
+                        f"{_PROMPT_SHAPES}")
+    prompts = list(prompts)
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, dict):
+            unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompts[{i}] has unknown keys {unknown}: {_PROMPT_SHAPES}")
+            if all(k in prompt for k in _PROMPT_KEYS):
+                raise ValueError(f'prompts[{i}] has both "prompt" and "prompt_token_ids": give one '
+                                 f"(text is tokenized, token ids run as they are)")
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is an empty dict: {_PROMPT_SHAPES}")
+        elif not isinstance(prompt, str):
+            hint = " (token ids go in {'prompt_token_ids': [...]})" if isinstance(prompt, (list, tuple)) else ""
+            raise TypeError(f"prompts[{i}] is of type {type(prompt).__name__}{hint}: {_PROMPT_SHAPES}")
+    return prompts
 
 
 class _ProgressBar:
@@ -109,6 +145,34 @@ class LLM:
         if not self.engine.parallel.is_driver:  # under a mesh: run the driver's steps, return its outputs
             return serve(self.engine.parallel, self.engine.runner)
         prompts, params = self._normalize(prompts, sampling_params)
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict] = None) -> List[RequestOutput]:
+        """vLLM's chat: one conversation (a list of {"role", "content"} messages) or a list of conversations,
+        each through the tokenizer's chat template (or `chat_template`, a Jinja string) and generated as by
+        `generate`; one RequestOutput per conversation, its `prompt` the templated text. A malformed message or
+        a tokenizer without a template raises ValueError (moe_infer/engine/chat_template.py) before any request
+        starts."""
+        if not self.engine.parallel.is_driver:  # under a mesh: run the driver's steps, return its outputs
+            return serve(self.engine.parallel, self.engine.runner)
+        is_batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        conversations = list(messages) if is_batch else [messages]
+        tok = self.engine.tokenizer
+        prompts: List[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text = render_chat(tok, conversation, chat_template, add_generation_prompt,
+                                   **(chat_template_kwargs or {}))
+            except ChatTemplateError as err:
+                raise ChatTemplateError(f"conversation {i}: {err}" if is_batch else str(err)) from None
+            prompts.append({"prompt_token_ids": encode(tok, text, add_special_tokens=False),
+                            "prompt": text})  # the engine's own form: ids run, text reported
+        return self._run(prompts, self._params(sampling_params, len(prompts), "conversations"), use_tqdm)
+
+    def _run(self, prompts: List[PromptType], params: List[SamplingParams], use_tqdm: bool) -> List[RequestOutput]:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: Dict[str, RequestOutput] = {}
         bar = _ProgressBar(len(ids)) if use_tqdm else None
@@ -154,19 +218,22 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _normalize(prompts, sampling_params) -> Tuple[List[PromptType], List[SamplingParams]]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = check_prompts(prompts)
+        return prompts, LLM._params(sampling_params, len(prompts))
+
+    @staticmethod
+    def _params(sampling_params, num_prompts: int, what: str = "prompts") -> List[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return prompts, [sampling_params] * len(prompts)
+            return [sampling_params] * num_prompts
         params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: pass one, or one per prompt")
+        if len(params) != num_prompts:
+            raise ValueError(f"{len(params)} sampling params for {num_prompts} {what}: pass one, or one per "
+                             f"{what[:-1]}")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("sampling_params must be SamplingParams objects")
-        return prompts, params
+        return params
 
     def get_tokenizer(self):
         return self.engine.tokenizer

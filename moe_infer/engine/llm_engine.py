@@ -27,6 +27,7 @@ import torch
 from moe_infer.config import EngineConfig
 from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
 from moe_infer.engine.block_manager import BlockManager
+from moe_infer.engine.encode import encode
 from moe_infer.engine.model_runner import ModelRunner
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.prompt_limits import int_ids
@@ -263,7 +264,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 return prompt, [], ("a text prompt needs a tokenizer, and this checkpoint folder has none: "
                                     "pass {'prompt_token_ids': [...]} instead")
-            return prompt, list(self.tokenizer(prompt)["input_ids"]), None
+            return prompt, encode(self.tokenizer, prompt), None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt")

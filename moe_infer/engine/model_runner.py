@@ -30,7 +30,7 @@ import torch
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
-from moe_infer.engine.cuda_graph import DecodeGraphs, graph_blocker
+from moe_infer.engine.cuda_graph import DecodeGraphs, gpu_note_level, graph_blocker
 from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.layer_graphs import LayerGraphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler
@@ -126,7 +126,7 @@ class ModelRunner:
         """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
         why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed)
         if why_not:
-            logger.info("decode steps run eagerly: %s", why_not)
+            logger.log(gpu_note_level(self.device), "decode steps run eagerly: %s", why_not)
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
@@ -182,7 +182,7 @@ class ModelRunner:
                                     else getattr(ATTENTION_BACKENDS.get(attn), "static_launch", False)):
             why_not = f"attention backend {attn!r} sizes its launches from the data"
         if why_not:
-            logger.info("prefill and mixed steps run eagerly: %s", why_not)
+            logger.log(gpu_note_level(self.device), "prefill and mixed steps run eagerly: %s", why_not)
         self._extend_tokens = 0 if why_not else max_tokens
         return self._extend_tokens
 

@@ -1,8 +1,24 @@
-"""SamplingParams: vLLM's names and defaults, validated when built (a bad field raises ValueError naming it)."""
+"""SamplingParams: vLLM's names and defaults, validated when built (a bad field raises ValueError naming it).
+
+Types are checked before ranges: a float field takes a finite real number (nan compares false to every bound,
+so it slipped past them: temperature=nan sampled nothing), an int field an int (not a bool, a float or a
+string), a flag a bool. numpy scalars pass and are stored as Python numbers.
+"""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs")
+_FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -27,7 +43,8 @@ class SamplingParams:
     stop_strings: List[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        self._check_types()
+        if self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0.0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
@@ -48,16 +65,37 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"SamplingParams.logprobs must be >= 0, got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"SamplingParams.seed must be an int, got {self.seed!r}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         self.stop_strings = stop
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in ids):
+        if any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+        self.stop_token_ids = [int(t) for t in ids]
+
+    def _check_types(self) -> None:
+        """Every number field of the right type (numpy scalars become Python numbers), before any range check."""
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in _INTS + _OPTIONAL_INTS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INTS:
+                continue
+            if not _is_int(value):
+                kind = "an int or None" if name in _OPTIONAL_INTS else "an int"
+                raise ValueError(f"SamplingParams.{name} must be {kind}, got {value!r} ({type(value).__name__})")
+            setattr(self, name, int(value))
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from moe_infer.engine.cuda_graph import gpu_note_level
 from moe_infer.layers.forward_context import AttentionMetadata, forward_context
 from moe_infer.layers.linear import graph_kernels
 
@@ -179,7 +180,7 @@ def warm_up_runner(runner) -> Optional[float]:
     """A ModelRunner's start-up warm-up (`warmup_plan`): the seconds it took, None where skipped (logged)."""
     why_not = warmup_blocker(runner.device, runner.backends, runner.parallel)
     if why_not:
-        logger.info("no start-up warm-up of the Triton kernels: %s", why_not)
+        logger.log(gpu_note_level(runner.device), "no start-up warm-up of the Triton kernels: %s", why_not)
         return None
     counts, decodes, last_rows = warmup_plan(runner)
     seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device,

@@ -60,7 +60,7 @@ def token_windows(tokenizer, docs: List[Doc], seq_len: int, num_windows: int,
     need = seq_len * num_windows
     stream: List[int] = []
     for _, text in docs:
-        stream += tokenizer(text)["input_ids"]
+        stream += tokenizer(text, verbose=False)["input_ids"]  # whole files: past model_max_length (no warning)
         if eos is not None:
             stream.append(eos)
         if len(stream) >= need:

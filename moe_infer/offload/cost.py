@@ -76,15 +76,18 @@ class CostModel:
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s
 
-    def describe(self, expert_bytes: int) -> str:
+    def describe(self, expert_bytes: int, device_type: str = "cuda") -> str:
+        """One line of the figures; without a GPU (device_type "cpu") no H2D figure: the "device" slots are host
+        memory, and a host-to-host copy's speed said as H2D GB/s misled."""
         cpu = ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu_seconds_at)
         if self.cpu13_seconds_at is not None:
             cpu += " (gate/up alone " + ", ".join(f"{t * 1e3:.2f} ms @{n}" for n, t in self.cpu13_seconds_at)
             cpu += ")"
         read = "" if self.read_bytes_per_s == float("inf") else f", disk read {self.read_bytes_per_s / 1e9:.2f} GB/s"
         scale = "" if self.cpu_scale == 1.0 else f" (x{self.cpu_scale:.2f} as measured in the engine)"
-        return (f"offload cost model: H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.copy_seconds(expert_bytes) * 1e3:.2f}"
-                f" ms per expert), CPU expert {cpu} rows{scale}{read}")
+        link = (f"H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.copy_seconds(expert_bytes) * 1e3:.2f} ms per expert)"
+                if device_type == "cuda" else "no GPU (no H2D link)")
+        return f"offload cost model: {link}, CPU expert {cpu} rows{scale}{read}"
 
     @classmethod
     def measure(cls, host_w13: torch.Tensor, host_w2: torch.Tensor, dev_w13: torch.Tensor, dev_w2: torch.Tensor,

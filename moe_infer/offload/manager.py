@@ -209,7 +209,7 @@ class OffloadManager:
         self.copier.bytes_per_s = self.cost.h2d_bytes_per_s
         self.copier.pending.clear()  # the measurement's copies are done (it synchronized)
         logger.info("%s", self.plan.describe())
-        logger.info("%s", self.cost.describe(self.shape.nbytes))
+        logger.info("%s", self.cost.describe(self.shape.nbytes, self.device.type))
         note = host_threads.start_up_note(self.cfg, self.device.type)
         if note:
             logger.warning("%s", note)

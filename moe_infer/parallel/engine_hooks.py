@@ -5,7 +5,7 @@ Rank 0 (the driver) runs the scheduler; each step's plan goes to the other ranks
 and shards (tp), its experts (ep). Tokens are sampled once, on the first rank of the last stage,
 and come back to the driver, whose scheduler alone appends them: ranks cannot drift apart. The other
 ranks run `serve` inside `LLM.generate` until the driver's END, then return the driver's outputs.
-Rank 0 alone prints (see `moe_infer.launch`).
+Rank 0 alone prints (see `moe_infer.launch`) and logs its INFO notes (`rank_logs.py`).
 
     init_engine_parallel(cfg, path)      LLMEngine.__init__, before anything touches the device
     expert_dispatcher(ctx, cfg, path)    ModelRunner, before load_model: MoEBackends.dispatcher
@@ -24,6 +24,7 @@ from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.parallel.context import ParallelContext
 from moe_infer.parallel.follower import serve
 from moe_infer.parallel.pipeline import LocalExecutor, MeshExecutor
+from moe_infer.parallel.rank_logs import quiet_follower_logs
 from moe_infer.parallel.startup import init
 
 __all__ = ["checkpoint_fingerprint", "expert_dispatcher", "init_engine_parallel", "make_executor", "serve"]
@@ -51,7 +52,10 @@ def init_engine_parallel(cfg: EngineConfig, model_path: Optional[str] = None) ->
     check = asdict(cfg)
     if model_path is not None and os.path.isdir(model_path):
         check["model"]["path"] = checkpoint_fingerprint(model_path)
-    return init(cfg.parallel, cfg.model.device, config_to_check=check)
+    ctx = init(cfg.parallel, cfg.model.device, config_to_check=check)
+    if ctx.is_distributed:
+        quiet_follower_logs(ctx.rank)  # the start-up notes that follow: rank 0's only
+    return ctx
 
 
 def expert_dispatcher(ctx: ParallelContext, cfg: EngineConfig, model_path: str) -> Optional[LocalDispatcher]:

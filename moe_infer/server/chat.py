@@ -11,6 +11,7 @@ from typing import AsyncIterator, Dict, List
 from fastapi import APIRouter, Request
 
 from moe_infer.engine.async_engine import RequestFailed
+from moe_infer.engine.chat_template import ChatTemplateError, render_chat
 from moe_infer.engine.outputs import Logprob
 from moe_infer.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, DeltaMessage,
@@ -51,17 +52,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> str:
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-    messages = []
-    for m in body.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        messages.append({"role": m.role, "content": content})
+    """The prompt text, as LLM.chat makes it (moe_infer/engine/chat_template.py); its errors are 400s."""
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as err:  # the template rejected the conversation (e.g. its role order)
-        raise ApiError(400, f"the chat template failed on these messages: {err}", "messages") from None
+        return render_chat(state.tokenizer, [m.model_dump(include={"role", "content"}) for m in body.messages])
+    except ChatTemplateError as err:
+        raise ApiError(400, str(err), "messages") from None
 
 
 def _logprobs(tokens: List[int], lps: List[Dict[int, Logprob]], k: int) -> ChatLogprobs:

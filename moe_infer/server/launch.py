@@ -121,17 +121,16 @@ def flags_to_overrides(argv: List[str]) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     import hydra
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
     from moe_infer.launch import CONF_DIR
-    from moe_infer.launch_config import JobConfig
+    from moe_infer.launch_config import to_job
 
     sys.argv = [sys.argv[0]] + flags_to_overrides(sys.argv[1:] if argv is None else argv)
 
     @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
     def _serve(cfg: DictConfig) -> None:
-        job = OmegaConf.to_object(cfg)
-        assert isinstance(job, JobConfig)
+        job = to_job(cfg)
         serve(job.engine_config(), job.serve)
 
     _serve()

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moe_infer.engine.request_streams import RequestStream, StreamingEngine
+from moe_infer.engine.encode import encode
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.server.config import ServeConfig
 from moe_infer.server.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, Usage
@@ -120,7 +121,7 @@ def tokenize(state: ServerState, prompt, field: str, add_special_tokens: bool = 
     elif state.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: send token ids", field)
     else:
-        ids = list(state.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        ids = encode(state.tokenizer, prompt, add_special_tokens=add_special_tokens)
     if len(ids) > state.max_prompt_tokens:
         raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this server accepts "
                             f"({state.max_prompt_tokens}; max_model_len is {state.max_model_len})", field)
