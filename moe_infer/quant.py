@@ -10,8 +10,8 @@ weight dequantized for the call (W8A16: the CPU, older GPUs; logged once).
 
 `QuantSpec` is the checkpoint's `quantization_config`, parsed into ModelArch.quant; layers build their quantizable
 weights through `make_linear` / `quantized_param`: every linear weight of the decoder layers (attention, dense and
-shared MLPs, experts) except the MoE routers, the embedding and the LM head, and the checkpoint's
-`modules_to_not_convert`.
+shared MLPs, experts) except the MoE routers, the embedding and the LM head (a `modules_to_not_convert` naming
+anything else is refused: unquantized layers among quantized ones are not built).
 
 Legend: N out features, K in features, E experts, Nb = ceil(N / block_n), Kb = ceil(K / block_k).
 """
