@@ -310,6 +310,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (a smoke run)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true", help="only the engine runs")
     ap.add_argument("--formats", default="bf16,fp8", help="weight formats of the engine runs (bf16, fp8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -321,11 +322,11 @@ def main() -> None:
     hbm, flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12
     batches = [1, 2] if args.tiny else [1, 16, 64]
     contexts = [32, 64] if args.tiny else [1024, 4096, 16384, 32768]
-    result = dict(device=device_label(device), rates=rates, dims=dims,
-                  attention=bench_attention(dims, batches, contexts, device, hbm, flops))
-    result["prefill_attention"] = bench_prefill_attention(
-        dims, [(1, 64), (2, 64)] if args.tiny else [(1, 1024), (16, 1024), (1, 8192)], device,
-        flops)
+    result = dict(device=device_label(device), rates=rates, dims=dims)
+    if not args.skip_attention:
+        result["attention"] = bench_attention(dims, batches, contexts, device, hbm, flops)
+        result["prefill_attention"] = bench_prefill_attention(
+            dims, [(1, 64), (2, 64)] if args.tiny else [(1, 1024), (16, 1024), (1, 8192)], device, flops)
     if not args.skip_engine:
         result["engine"] = {fmt: bench_engine(dims, batches, 8 if args.tiny else 128, 4 if args.tiny else 64,
                                               (2, 32) if args.tiny else (16, 1024), device, hbm, flops,
@@ -350,7 +351,7 @@ def print_table(result: dict) -> None:
           f"({r.get('note', 'measured in this run')})")
     print(f"\nMLA decode attention, {result['dims']['num_attention_heads']} heads (us)\n"
           f" batch context   kernel    torch  speedup  roofline  %roof  max|diff|  best tiles (us)")
-    for a in result["attention"]:
+    for a in result.get("attention", []):
         print(f"{a['batch']:>6} {a['context']:>7} {a['kernel_us']:>8.1f} {a['torch_us']:>8.1f} {a['speedup']:>7.2f}x "
               f"{a['roofline_us']:>9.1f} {a['pct_roofline']:>6.0%} {a['max_abs_diff']:>10.2e}  {a['best_us']:.1f} "
               f"{a['best_tiles']}")
