@@ -17,9 +17,8 @@ import hydra
 from omegaconf import DictConfig
 
 from moe_infer import host_threads
-from moe_infer.launch_config import JobConfig, to_job
+from moe_infer.launch_config import CONF_DIR, JobConfig, to_job
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # package data: ships with `pip install .`
 
 
 def format_expert_load(load: List[dict], max_experts_shown: int = 16) -> str:

@@ -20,6 +20,8 @@ from moe_infer.config import EngineConfig
 from moe_infer.server.config import ServeConfig
 from moe_infer.experiments.config import TASK_NAMES, LabConfig
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # package data: ships with `pip install .`
+
 
 @dataclass
 class SamplingConfig:

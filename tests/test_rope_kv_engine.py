@@ -122,7 +122,7 @@ def test_attention_fuses_the_norm_where_it_can():
     from engine_fixtures import checkpoint
     from moe_infer.layers.attention import Attention
     from moe_infer.layers.tensor_parallel import SINGLE, ShardGroup
-    from moe_infer.models.arch import load_arch
+    from moe_infer.models.hf_config import load_arch
     from moe_infer.plugins import load_plugins
 
     load_plugins()

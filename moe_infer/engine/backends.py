@@ -62,7 +62,7 @@ def offload_manager(cfg: EngineConfig, model_path: str, device: torch.device, dt
     checkpoint's config before the model is built (an impossible budget fails here, naming it)."""
     if backends.store == "resident":
         return None
-    from moe_infer.models.arch import load_arch
+    from moe_infer.models.hf_config import load_arch
     from moe_infer.offload import ExpertShape, OffloadManager, plan_offload
 
     arch, _ = load_arch(model_path)

@@ -56,7 +56,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
                  parallel=None) -> None:
         from moe_infer.models import load_model
-        from moe_infer.models.arch import load_arch
+        from moe_infer.models.hf_config import load_arch
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.block_size = cfg.cache.block_size

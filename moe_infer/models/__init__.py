@@ -12,7 +12,8 @@ import torch
 
 from moe_infer.layers.moe import MoEBackends
 from moe_infer.layers.paged_attention import resolve_attention_backend
-from moe_infer.models.arch import ModelArch, arch_from_config, load_arch
+from moe_infer.models.arch import ModelArch
+from moe_infer.models.hf_config import arch_from_config, load_arch
 from moe_infer.models.decoder import MoEModel
 from moe_infer.models.dummy import init_dummy_weights
 from moe_infer.models.families import MODEL_FAMILIES

@@ -2,13 +2,11 @@
 
 The family registry (`families.py`) says how each supported `architectures` entry differs (q/k norm
 kind, qkv bias, shared expert, dense layers, ...); this file holds the resulting plain dataclass and
-the entry point `load_arch(path)`.
+`load_arch(path)` reads a checkpoint folder into it (hf_config.py).
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 
@@ -145,32 +143,3 @@ def common_fields(cfg: Any) -> dict:
         pad_token_id=getattr(cfg, "pad_token_id", None),
         rope_parameters=dict(rope),
     )
-
-
-def load_hf_config(path: str) -> Any:
-    """transformers.AutoConfig of a LOCAL checkpoint folder (never the Hub)."""
-    from transformers import AutoConfig
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model path {path!r} is not a local folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no config.json in model folder {path!r}")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-def arch_from_config(config: Any, extra_eos: Any = None) -> ModelArch:
-    from moe_infer.models.families import family_for
-
-    arch = family_for(config).parse(config)
-    return replace(arch, eos_token_ids=merge_eos(arch.eos_token_ids, extra_eos))
-
-
-def load_arch(path: str) -> Tuple[ModelArch, Any]:
-    """(ModelArch, transformers config) of a local checkpoint folder."""
-    config = load_hf_config(path)
-    extra_eos = None
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            extra_eos = json.load(f).get("eos_token_id")
-    return arch_from_config(config, extra_eos), config

@@ -62,7 +62,7 @@ def expert_dispatcher(ctx: ParallelContext, cfg: EngineConfig, model_path: str) 
     """The EP dispatcher for the model at model_path, or None without expert parallelism (the layer's default)."""
     if ctx.dims.ep == 1:
         return None
-    from moe_infer.models.arch import load_arch
+    from moe_infer.models.hf_config import load_arch
 
     arch, _ = load_arch(model_path)
     return ctx.make_dispatcher(arch.num_experts, arch.top_k, cfg.routing, tokens_replicated=True,

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import sys
 from typing import List, Optional
 
 from moe_infer.config import EngineConfig
 from moe_infer.server.config import ServeConfig
+from moe_infer.server.uvicorn_run import run_uvicorn
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +51,6 @@ def serve(engine_cfg: EngineConfig, serve_cfg: ServeConfig) -> None:
         run_uvicorn(build_app(engine, serve_cfg, path), serve_cfg)
     finally:
         finish()
-
-
-def run_uvicorn(app, serve_cfg: ServeConfig, sockets=None) -> None:
-    """uvicorn on serve.host/port, or on sockets bound already (moe_infer/server/multi.py), until SIGINT/SIGTERM
-    and a drain of up to serve.drain_timeout_s."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host=serve_cfg.host, port=serve_cfg.port, log_level=serve_cfg.log_level,
-                            access_log=serve_cfg.access_log, timeout_graceful_shutdown=serve_cfg.drain_timeout_s,
-                            backlog=4096)
-    # uvicorn drains on SIGINT/SIGTERM, then raises the signal again; with these handlers in place that
-    # last signal is a no-op, so the ranks are released and the process exits 0 after a clean drain
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        uvicorn.Server(config).run(sockets=sockets)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _driver_engine(engine_cfg: EngineConfig, serve_cfg: ServeConfig, path: str, max_requests: int):
@@ -123,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from moe_infer.launch import CONF_DIR
+    from moe_infer.launch_config import CONF_DIR
     from moe_infer.launch_config import to_job
 
     sys.argv = [sys.argv[0]] + flags_to_overrides(sys.argv[1:] if argv is None else argv)

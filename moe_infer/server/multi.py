@@ -169,7 +169,7 @@ def run_api_server(index: int, endpoint, info, slots_value, max_requests: int, s
     from moe_infer.engine.core_client import ProcessEngine
     from moe_infer.engine.request_streams import RequestSlots
     from moe_infer.server.app import build_app
-    from moe_infer.server.launch import run_uvicorn
+    from moe_infer.server.uvicorn_run import run_uvicorn
 
     sock = shared if shared is not None else listen_socket(serve_cfg.host, port)
     engine = ProcessEngine.attached(endpoint, info, path, RequestSlots(max_requests, shared=slots_value))

@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from moe_infer import LLM, SamplingParams  # noqa: E402
-from moe_infer.models.arch import load_arch  # noqa: E402
+from moe_infer.models.hf_config import load_arch  # noqa: E402
 from moe_infer.parallel import replicate_hot_experts  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(3, 30)), [8, 9, 10, 11, 12], [40, 41]]
