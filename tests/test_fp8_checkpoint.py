@@ -138,3 +138,16 @@ def test_fp8_w8a8_linear_kernel_runs_on_the_gpu(family, tmp_path):
     # 0.02). The kernels' own exactness is checked against their references (test_fp8_kernels.py); this bound
     # catches a path that is wrong (every scale 1.5x off moved them by 0.76 of 1.21 on the CPU).
     assert calls and err["fp8"] <= 0.25 * err["scale"], err
+
+
+def test_shards_are_read_in_whole_scale_blocks():
+    """A tensor-parallel shard of an fp8 weight reads its scales in whole blocks; one that cuts a block is refused."""
+    from moe_infer.models.loader import _ALL, _block_index
+    from moe_infer.quant import QuantSpec
+
+    spec = QuantSpec("fp8", 128, 128)
+    assert _block_index((slice(256, 512), _ALL), 2, spec) == (slice(2, 4), _ALL)  # rows of a [N, K] weight
+    assert _block_index((3, slice(0, 2048)), 3, spec) == (3, slice(0, 16))  # an expert's rows of [E, N, K]
+    assert _block_index((_ALL, slice(128, None)), 2, spec) == (_ALL, slice(1, None))
+    with pytest.raises(ValueError, match="cuts the fp8 checkpoint's 128-wide scale blocks"):
+        _block_index((slice(64, 192),), 2, spec)

@@ -271,10 +271,11 @@ def _block_index(idx: tuple, ndim: int, spec) -> tuple:
         if block is None or not isinstance(ix, slice) or ix == _ALL:
             out.append(ix)
             continue
-        if ix.start % block or (ix.stop % block and ix.stop is not None):
+        start, stop = ix.start or 0, ix.stop
+        if start % block or (stop is not None and stop % block):
             raise ValueError(f"a shard of rows/columns [{ix.start}, {ix.stop}) cuts the fp8 checkpoint's "
                              f"{block}-wide scale blocks: choose tp / placement so shards align to {block}")
-        out.append(slice(ix.start // block, -(-ix.stop // block)))
+        out.append(slice(start // block, None if stop is None else -(-stop // block)))
     return tuple(out)
 
 
