@@ -20,12 +20,10 @@ import torch
 import triton
 
 from moe_infer.kernels.mla_attention_kernels import mla_attention_kernel
-from moe_infer.kernels.paged_attention import num_splits, split_workspace
-from moe_infer.kernels.paged_attention_kernels import paged_attention_reduce_kernel
+from moe_infer.kernels.paged_attention import PDL_ENV, merge_splits, num_splits, split_workspace
 from moe_infer.kernels.pdl import use_pdl
 from moe_infer.kernels.sm_count import num_sms as _num_sms
 
-PDL_ENV = "MOE_ATTN_PDL"
 
 
 @dataclass(frozen=True)
@@ -116,9 +114,5 @@ def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora
         num_warps=cfg.warps, **use_pdl(q_THC, PDL_ENV),
     )
     if n_split > 1:
-        paged_attention_reduce_kernel[(T, H)](
-            part_STHc, m_STH, l_STH, out_THc, part_STHc.stride(0), part_STHc.stride(1), part_STHc.stride(2),
-            m_STH.stride(0), m_STH.stride(1), out_THc.stride(0), out_THc.stride(1),
-            NUM_SPLITS=n_split, HEAD_D=lat_p, D=c, num_warps=4, **use_pdl(q_THC, PDL_ENV),
-        )
+        merge_splits(part_STHc, m_STH, l_STH, out_THc, lat_p)
     return out_THc

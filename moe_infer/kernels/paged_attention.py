@@ -94,6 +94,17 @@ def split_workspace(out_THd: torch.Tensor, n_split: int, max_seq_len: int, block
             torch.empty_like(m_STH))
 
 
+def merge_splits(part_STHd: torch.Tensor, m_STH: torch.Tensor, l_STH: torch.Tensor, out_THd: torch.Tensor,
+                 head_d: int) -> None:
+    """out_THd <- the split-KV partial outputs merged (`paged_attention_reduce_kernel`; head_d: the padded width)."""
+    T, H, d = out_THd.shape
+    paged_attention_reduce_kernel[(T, H)](
+        part_STHd, m_STH, l_STH, out_THd, part_STHd.stride(0), part_STHd.stride(1), part_STHd.stride(2),
+        m_STH.stride(0), m_STH.stride(1), out_THd.stride(0), out_THd.stride(1),
+        NUM_SPLITS=part_STHd.shape[0], HEAD_D=head_d, D=d, num_warps=4, **use_pdl(out_THd, PDL_ENV),
+    )
+
+
 def heavy_tiles_first(num_q_tiles: int, batch_kv_programs: int, num_sms: int) -> bool:
     """Dispatch the last (longest) query tiles first: a prefill whose programs fill the SMs one to four
     times over (with fewer there is no tail to even out; with more the plain order measured faster)."""
@@ -166,9 +177,5 @@ def paged_attention_triton(
         num_warps=warps, **use_pdl(q_THd, PDL_ENV),
     )
     if n_split > 1:
-        paged_attention_reduce_kernel[(T, H)](
-            part_STHd, m_STH, l_STH, out_THd, part_STHd.stride(0), part_STHd.stride(1), part_STHd.stride(2),
-            m_STH.stride(0), m_STH.stride(1), out_THd.stride(0), out_THd.stride(1),
-            NUM_SPLITS=n_split, HEAD_D=head_d, D=d, num_warps=4, **use_pdl(q_THd, PDL_ENV),
-        )
+        merge_splits(part_STHd, m_STH, l_STH, out_THd, head_d)
     return out_THd
