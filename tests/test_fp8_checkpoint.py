@@ -76,8 +76,10 @@ def test_fp8_scales_are_read_not_left_at_one(tmp_path):
 
 
 def _w8a8_errors(fp8_dir, ref_dir, device, experts):
-    """Mean |logit error| of the fp8 model (W8A8 where the kernels run) and of the dequantized-weights model in
-    bf16, both against the dequantized-weights model in float32, over the parity schedule."""
+    """|logit error| of the fp8 model (W8A8 where the kernels run) and of the dequantized-weights model in bf16,
+    both against the dequantized-weights model in float32, over the parity schedule: the median over tokens of the
+    per-token mean (a near-tied router choice flipped by rounding moves a few tokens by O(1): DeepSeek-V3 in bf16
+    alone erred 0.145 in the mean on the H200; parity_cases.low_precision_errors), and the mean |logit| as scale."""
     from moe_infer.layers.moe import MoEBackends
 
     tokens = None
@@ -89,7 +91,7 @@ def _w8a8_errors(fp8_dir, ref_dir, device, experts):
         tokens = tokens or make_tokens(model.arch.vocab_size, seed=1)
         out[name] = torch.cat(list(run_schedule(PagedSim(model, block_size=4, num_blocks=32, device=device), tokens,
                                                 SCHEDULE).values())).float().cpu()
-    err = {k: (out[k] - out["fp32"]).abs().mean().item() for k in ("fp8", "bf16")}
+    err = {k: (out[k] - out["fp32"]).abs().mean(-1).median().item() for k in ("fp8", "bf16")}
     err["scale"] = out["fp32"].abs().mean().item()
     return err
 
