@@ -37,14 +37,16 @@ from moe_infer.routing.spec import RoutingSpec
 class DecoderLayer(nn.Module):
     def __init__(
         self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, backends: MoEBackends, dtype: torch.dtype,
-        attn_backend: str = "torch", shard: ModelShard = WHOLE,
+        attn_backend: str = "torch", shard: ModelShard = WHOLE, moe: Optional[bool] = None,
     ) -> None:
+        """moe: whether the block's MLP is a MoE layer (None: as the arch says for layer_idx; the MTP layers after
+        the decoder's last say it themselves)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         attention = MLAttention if arch.mla is not None else Attention
         self.self_attn = attention(arch, layer_idx, rotary, dtype, attn_backend, shard.tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.is_moe = arch.is_moe_layer(layer_idx)
+        self.is_moe = arch.is_moe_layer(layer_idx) if moe is None else moe
         if self.is_moe:
             spec = RoutingSpec(num_experts=arch.num_experts, top_k=arch.top_k, renormalize=arch.norm_topk_prob,
                                scoring=arch.scoring, num_expert_group=arch.num_expert_group,
@@ -108,6 +110,7 @@ class MoEModel(nn.Module):
         self.norm = RMSNorm(D, arch.rms_norm_eps, dtype) if shard.is_last_stage else None
         tied = self.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(V, D, dtype, tp, tied) if shard.is_last_stage else None
+        self.mtp: Optional[nn.ModuleList] = None  # DeepSeek-V3's MTP layers, where built (moe_infer/models/mtp.py)
         for p in self.parameters():
             p.requires_grad_(False)
 

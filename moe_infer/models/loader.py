@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -233,33 +234,56 @@ def weight_targets(model, names: set) -> Dict[str, _Target]:
         "lm_head.weight": _vocab_target("lm_head.weight" if last and not tied else None, V, D, tp),
     }
     for i, layer in enumerate(model.layers):
-        layer_out = {
-            f"model.layers.{i}.input_layernorm.weight": _Target(f"layers.{i}.input_layernorm.weight", (D,)),
-            f"model.layers.{i}.post_attention_layernorm.weight": _Target(
-                f"layers.{i}.post_attention_layernorm.weight", (D,)),
-        }
-        layer_out.update(_mla_targets(arch, i, tp) if arch.mla is not None else _attn_targets(arch, i, tp))
-        p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
-        if not arch.is_moe_layer(i):
-            layer_out.update(_swiglu_targets(p, t, D, arch.intermediate_size, tp))
-        else:
-            layer_out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
-            if arch.has_score_bias:
-                layer_out[f"{p}.gate.e_score_correction_bias"] = _Target(f"{t}.e_score_correction_bias",
-                                                                         (arch.num_experts,))
-            local = i in model.local_layers
-            expert_ids = local_expert_ids(layer.mlp.dispatcher, arch.num_experts) if local else []
-            layer_out.update(_expert_targets(arch, i, expert_ids, names, shard.moe_tp))
-            if arch.shared_expert_intermediate_size:
-                shared_F = arch.shared_expert_intermediate_size
-                layer_out.update(_swiglu_targets(f"{p}.{arch.shared_expert_name}", f"{t}.shared_expert", D, shared_F,
-                                                 tp))
-                if arch.shared_expert_gated:
-                    layer_out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
-        if i not in model.local_layers:  # another stage's layer: known, not read
-            layer_out = {name: _Target(None, tgt.shape) for name, tgt in layer_out.items()}
-        out.update(layer_out)
+        out.update(_layer_targets(model, i, layer, names, i in model.local_layers))
+    for j, layer in enumerate(model.mtp or ()):  # MTP layers (models/mtp.py): model.layers.{L + j}.* -> mtp.{j}.*
+        out.update(_mtp_targets(model, model.arch.num_layers + j, j, layer, names))
     return out
+
+
+def _mtp_targets(model, i: int, j: int, layer, names: set) -> Dict[str, _Target]:
+    """An MTP layer's tensors: its decoder block's as a decoder layer i's, and the inputs and head around it."""
+    D, V, tp = model.arch.hidden_size, model.arch.vocab_size, model.shard.tp
+    own = {f"layers.{i}.{name}": _Target(f"layers.{i}.{name}", (D,)) for name in ("enorm.weight", "hnorm.weight",
+                                                                               "shared_head.norm.weight")}
+    own[f"layers.{i}.eh_proj.weight"] = _Target(f"layers.{i}.eh_proj.weight", (D, 2 * D))
+    own[f"layers.{i}.embed_tokens.weight"] = _vocab_target(f"layers.{i}.embed_tokens.weight", V, D, tp)
+    own[f"layers.{i}.shared_head.head.weight"] = _vocab_target(f"layers.{i}.shared_head.head.weight", V, D, tp)
+    block = _layer_targets(model, i, layer, names, True)
+    block.update({"model." + name: tgt for name, tgt in own.items()})
+    head, mine = f"layers.{i}.", f"mtp.{j}."
+    return {name: tgt if tgt.param is None else dataclasses.replace(tgt, param=mine + tgt.param[len(head):])
+            for name, tgt in block.items()}
+
+
+def _layer_targets(model, i: int, layer, names: set, local: bool) -> Dict[str, _Target]:
+    """Decoder layer i's tensors; not local: known, not read (another stage's layer, a placeholder)."""
+    arch: ModelArch = model.arch
+    D, tp, shard = arch.hidden_size, model.shard.tp, model.shard
+    layer_out = {
+        f"model.layers.{i}.input_layernorm.weight": _Target(f"layers.{i}.input_layernorm.weight", (D,)),
+        f"model.layers.{i}.post_attention_layernorm.weight": _Target(
+            f"layers.{i}.post_attention_layernorm.weight", (D,)),
+    }
+    layer_out.update(_mla_targets(arch, i, tp) if arch.mla is not None else _attn_targets(arch, i, tp))
+    p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
+    if not (layer.is_moe if local else arch.is_moe_layer(i)):
+        layer_out.update(_swiglu_targets(p, t, D, arch.intermediate_size, tp))
+    else:
+        layer_out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
+        if arch.has_score_bias:
+            layer_out[f"{p}.gate.e_score_correction_bias"] = _Target(f"{t}.e_score_correction_bias",
+                                                                     (arch.num_experts,))
+        expert_ids = local_expert_ids(layer.mlp.dispatcher, arch.num_experts) if local else []
+        layer_out.update(_expert_targets(arch, i, expert_ids, names, shard.moe_tp))
+        if arch.shared_expert_intermediate_size:
+            shared_F = arch.shared_expert_intermediate_size
+            layer_out.update(_swiglu_targets(f"{p}.{arch.shared_expert_name}", f"{t}.shared_expert", D, shared_F,
+                                             tp))
+            if arch.shared_expert_gated:
+                layer_out[f"{p}.shared_expert_gate.weight"] = _Target(f"{t}.shared_expert.gate.weight", (1, D))
+    if not local:  # another stage's layer: known, not read
+        layer_out = {name: _Target(None, tgt.shape) for name, tgt in layer_out.items()}
+    return layer_out
 
 
 def _block_index(idx: tuple, ndim: int, spec) -> tuple:
@@ -356,17 +380,17 @@ def load_weights(model, path: str) -> None:
 
 def _extra_layers(model, by_canon: Dict[str, str]) -> set:
     """Tensors of the layers after the decoder's last that the config declares as multi-token-prediction
-    (MTP) layers (DeepSeek-V3's `num_nextn_predict_layers`, `model.layers.61.*`): known and not read (logged).
-    Speculative decoding with them is not built yet."""
+    (MTP) layers (DeepSeek-V3's `num_nextn_predict_layers`, `model.layers.61.*`): known and not read (logged),
+    unless the model built them (`load_model(..., mtp=True)`: then they are targets, `_mtp_targets`)."""
     num_mtp = int(getattr(model.hf_config, "num_nextn_predict_layers", 0) or 0)
-    if not num_mtp:
+    if not num_mtp or model.mtp is not None:  # built: read as targets (_mtp_targets)
         return set()
     first = model.arch.num_layers
     prefixes = tuple(f"model.layers.{first + j}." for j in range(num_mtp))
     extra = {c for c in by_canon if c.startswith(prefixes)}
     if extra:
-        logger.info("%d tensors of %d multi-token-prediction layer(s) left unread (no MTP speculation yet)",
-                    len(extra), num_mtp)
+        logger.info("%d tensors of %d multi-token-prediction layer(s) left unread (load_model(..., mtp=True) "
+                    "reads them)", len(extra), num_mtp)
     return extra
 
 
