@@ -200,6 +200,25 @@ def test_gemm_kernel_matches_ref(T, block_n, block_k):
         _assert_gemm_close(y, y_ref, bound)
 
 
+@pytest.mark.parametrize("K", [256, 288])  # 16 and 18 K blocks of 16: split 4 ways, evenly and not
+@pytest.mark.parametrize("T", [1, 5])
+def test_gemm_kernel_splits_k_for_few_tokens(T, K):
+    """Few tokens: K split over programs (partial tiles summed after); the result is the unsplit reference's."""
+    fp8_gemm, _ = _kernels()
+    N, block_n, block_k = 40, 16, 16
+    tiles = fp8_gemm.gemm_tiles(T, N, K, block_k, num_sms=8)
+    assert tiles.split_k == 4, tiles
+    gen = torch.Generator(device=DEVICE).manual_seed(T + K)
+    w = _fp8_weight(gen, N, K)
+    s = _block_scale(gen, rows=N, cols=K, block_n=block_n, block_k=block_k)
+    x = torch.randn(T, K, generator=gen, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = fp8_gemm.w8a8_block_gemm(x.to(dtype), w, s, block_n, block_k)
+        assert y.shape == (T, N) and y.dtype == dtype
+        _assert_gemm_close(y, w8a8_block_gemm_ref(x.to(dtype), w, s, block_n, block_k, dtype),
+                           _sum_bound(x, w, s, block_n, block_k))
+
+
 def test_gemm_kernel_reads_strided_rows():
     fp8_gemm, _ = _kernels()
     gen = torch.Generator(device=DEVICE).manual_seed(11)

@@ -2,7 +2,7 @@
 
     per_token_group_quant_fp8(x_TK, group) -> (x_fp8_TK, scale_TG)
     w8a8_block_gemm(x_TK, w_NK_fp8, scale_inv, block_n, block_k, out_dtype=None) -> y_TN
-    gemm_tiles(T, N, block_k) -> GemmTiles                    the tile rule (no autotuning)
+    gemm_tiles(T, N, K, block_k, num_sms) -> GemmTiles        the tile rule (no autotuning)
 
 Same signatures as the references in fp8_ref.py (there: the formulas). No host sync, grids from shapes:
 both capture in a CUDA graph. Kernels: fp8_kernels.py.
@@ -76,16 +76,34 @@ class GemmTiles:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
-def gemm_tiles(T: int, N: int, block_k: int) -> GemmTiles:
-    """Few tokens: 16-row tiles (weight-bound; more programs along N); more: 64, then 128 rows, 128 columns.
-    The K tile is block_k (one scale per K step). Untuned: a rule in the spirit of vLLM's fp8 defaults."""
+SPLIT_K_WAVES = 2  # few tokens: split K until the programs fill the SMs this many times over
+MIN_K_BLOCKS_A_SPLIT = 4  # ... keeping at least this many K blocks a program
+
+
+def gemm_tiles(T: int, N: int, K: int, block_k: int, num_sms: int) -> GemmTiles:
+    """Few tokens: 16-row tiles (weight-bound; more programs along N), K split over programs until they fill the
+    SMs SPLIT_K_WAVES times (a decode GEMM of N 4096 has 64 output tiles for 132 SMs: each would stream a
+    64 x K slice of the weight alone); more tokens: 64, then 128 rows, 128 columns, no split. The K tile is block_k
+    (one scale per K step). Untuned: a rule in the spirit of vLLM's fp8 defaults."""
     if T <= 16:
-        return GemmTiles(16, 64 if N <= 4096 else 128, num_stages=4 if block_k <= 128 else 3)
+        block_n = 64 if N <= 4096 else 128
+        tiles = triton.cdiv(T, 16) * triton.cdiv(N, block_n)
+        split = max(1, min(triton.cdiv(SPLIT_K_WAVES * num_sms, tiles), K // block_k // MIN_K_BLOCKS_A_SPLIT))
+        return GemmTiles(16, block_n, num_stages=4 if block_k <= 128 else 3, split_k=split)
     if T <= 256:
         return GemmTiles(64, 128)
     return GemmTiles(128, 128, num_warps=8)
+
+
+def _num_sms(t: torch.Tensor) -> int:
+    if not t.is_cuda:
+        return 8  # the interpreter's stand-in: small enough that its tests split
+    from moe_infer.kernels.sm_count import num_sms
+
+    return num_sms(t.device)
 
 
 def w8a8_block_gemm(x_TK: torch.Tensor, w_NK_fp8: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
@@ -103,16 +121,18 @@ def w8a8_block_gemm(x_TK: torch.Tensor, w_NK_fp8: torch.Tensor, scale_inv: torch
     out_dtype = out_dtype or x_TK.dtype
     _check(out_dtype in ACT_DTYPES, f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
     x_fp8, x_scale_TG = per_token_group_quant_fp8(x_TK, block_k)  # checks K % block_k, dtype, device
-    y_TN = torch.empty(T, N, dtype=out_dtype, device=x_TK.device)
     if T == 0 or N == 0:
-        return y_TN
-    tiles = gemm_tiles(T, N, block_k)
-    grid = (triton.cdiv(T, tiles.block_m) * triton.cdiv(N, tiles.block_n),)
+        return torch.empty(T, N, dtype=out_dtype, device=x_TK.device)
+    tiles = gemm_tiles(T, N, K, block_k, _num_sms(x_TK))
+    split = tiles.split_k
+    # split: float32 partial tiles [split, T, N], summed below in split order (deterministic)
+    y_STN = torch.empty(split, T, N, dtype=out_dtype if split == 1 else torch.float32, device=x_TK.device)
+    grid = (triton.cdiv(T, tiles.block_m) * triton.cdiv(N, tiles.block_n), split)
     w8a8_block_gemm_kernel[grid](
-        x_fp8, x_scale_TG, w_NK_fp8, scale_inv, y_TN, T, N, K,
-        x_fp8.stride(0), x_scale_TG.stride(0), w_NK_fp8.stride(0), scale_inv.stride(0), y_TN.stride(0),
+        x_fp8, x_scale_TG, w_NK_fp8, scale_inv, y_STN, T, N, K,
+        x_fp8.stride(0), x_scale_TG.stride(0), w_NK_fp8.stride(0), scale_inv.stride(0), y_STN.stride(1),
         SCALE_BLOCK_N=block_n, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        GROUP_M=tiles.group_m, DOT_UPCAST=dot_upcast(x_TK, block_k),
+        GROUP_M=tiles.group_m, DOT_UPCAST=dot_upcast(x_TK, block_k), SPLIT_K=split,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return y_TN
+    return y_STN[0] if split == 1 else y_STN.sum(0).to(out_dtype)

@@ -7,11 +7,14 @@ with IEEE division (tl.div_rn) and round-to-nearest-even, as torch does, so the 
 EXACT_RNE (the CPU interpreter only): the interpreter's float32 -> e4m3 cast rounds ties up and loses the
 carry into the exponent (31.9 -> 16), so `round_e4m3` rounds in float32 first and the cast is then exact.
 
-GEMM (one program: a BLOCK_M x BLOCK_N tile of y; BLOCK_K = the scale group, so one x scale per row and
-one w scale per column a K step): acc += dot(x_fp8, w_fp8^T) * x_scale[:, None] * w_scale[None, :], the
-dot float32-accumulated on fp8 tensor cores (sm_89+). DOT_UPCAST 0: fp8 operands; 1: bfloat16 (exact
+GEMM (one program: a BLOCK_M x BLOCK_N tile of y over K blocks [split * k / SPLIT_K, (split + 1) * k / SPLIT_K);
+BLOCK_K = the scale group, so one x scale per row and one w scale per column a K step):
+acc += dot(x_fp8, w_fp8^T) * x_scale[:, None] * w_scale[None, :], the dot float32-accumulated on fp8 tensor
+cores (sm_89+). DOT_UPCAST 0: fp8 operands; 1: bfloat16 (exact
 for e4m3 values; a GPU whose fp8 dot needs a K tile over BLOCK_K); 2: float32 (the interpreter, whose
-fp8/bf16 dot is wrong).
+fp8/bf16 dot is wrong). SPLIT_K > 1 (few tokens: more programs than output tiles to stream the weight): each split
+writes its float32 partial tile to y[split] of a [SPLIT_K, T, N] buffer, which the wrapper sums in a fixed order
+(no atomics: the result does not depend on the order programs finish).
 
 Legend: T tokens, K reduction dim, N output columns, G groups (K / GROUP), k = K / BLOCK_K blocks.
 """
@@ -87,22 +90,28 @@ def grouped_tile(pid, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 def w8a8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, K,
                            stride_xt, stride_xst, stride_wn, stride_wsn, stride_yt,
                            SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """y_TN = sum_kb dot(x_fp8[:, kb], w_fp8[:, kb]^T) * xs_Tk[:, kb] * ws_nk[n // SCALE_BLOCK_N, kb].
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                           SPLIT_K: tl.constexpr):
+    """y_TN = sum_kb dot(x_fp8[:, kb], w_fp8[:, kb]^T) * xs_Tk[:, kb] * ws_nk[n // SCALE_BLOCK_N, kb]; the K blocks
+    of split program_id(1) of SPLIT_K, written at y_ptr + split * T * stride_yt.
 
     K % BLOCK_K == 0 (the wrapper checks); unit strides along K; ws_nk's column stride is 1."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    num_kb = K // BLOCK_K
+    kb_start = split * num_kb // SPLIT_K
+    kb_end = (split + 1) * num_kb // SPLIT_K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     is_m = offs_m < T
     is_n = offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + kb_start * BLOCK_K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + kb_start * BLOCK_K + offs_k[:, None]
     xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xst
     ws_ptrs = ws_ptr + (offs_n // SCALE_BLOCK_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, K // BLOCK_K):
+    for kb in range(kb_start, kb_end):
         a = tl.load(x_ptrs, mask=is_m[:, None], other=0.0)
         b = tl.load(w_ptrs, mask=is_n[None, :], other=0.0)
         a_s = tl.load(xs_ptrs + kb, mask=is_m, other=0.0)
@@ -111,5 +120,5 @@ def w8a8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, K,
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+    y_ptrs = y_ptr + (split * T + offs_m.to(tl.int64))[:, None] * stride_yt + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=is_m[:, None] & is_n[None, :])
