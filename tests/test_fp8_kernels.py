@@ -201,7 +201,7 @@ def test_gemm_kernel_matches_ref(T, block_n, block_k):
 
 
 @pytest.mark.parametrize("K", [256, 288])  # 16 and 18 K blocks of 16: split 4 ways, evenly and not
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 5, 40])  # 16-row and 64-row tiles
 def test_gemm_kernel_splits_k_for_few_tokens(T, K):
     """Few tokens: K split over programs (partial tiles summed after); the result is the unsplit reference's."""
     fp8_gemm, _ = _kernels()

@@ -12,6 +12,7 @@ Legend: T tokens, K reduction dim, N output columns, G = K / group groups, n, k 
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,18 +85,23 @@ MIN_K_BLOCKS_A_SPLIT = 4  # ... keeping at least this many K blocks a program
 
 
 def gemm_tiles(T: int, N: int, K: int, block_k: int, num_sms: int) -> GemmTiles:
-    """Few tokens: 16-row tiles (weight-bound; more programs along N), K split over programs until they fill the
-    SMs SPLIT_K_WAVES times (a decode GEMM of N 4096 has 64 output tiles for 132 SMs: each would stream a
-    64 x K slice of the weight alone); more tokens: 64, then 128 rows, 128 columns, no split. The K tile is block_k
-    (one scale per K step). Untuned: a rule in the spirit of vLLM's fp8 defaults."""
+    """Few tokens: 16-row tiles (weight-bound; more programs along N); up to 64, 64 x 64; up to 256, 64 x 128; more:
+    128 x 128. Up to 256 tokens, where the output tiles do not fill the SMs, K is split over programs until they
+    fill them SPLIT_K_WAVES times (a GEMM of N 4096 x K 7168 has 64 output tiles at one row, 32 at 64 rows, for 132
+    SMs: each program would stream a whole K slice of the weight alone; on an H200 the split took one row from 25 to
+    16 us, N 7168 x K 16384 from 79 to 41). The K tile is block_k (one scale per K step). Untuned otherwise: a rule in
+    the spirit of vLLM's fp8 defaults."""
+    if T > 256:
+        return GemmTiles(128, 128, num_warps=8)
     if T <= 16:
-        block_n = 64 if N <= 4096 else 128
-        tiles = triton.cdiv(T, 16) * triton.cdiv(N, block_n)
-        split = max(1, min(triton.cdiv(SPLIT_K_WAVES * num_sms, tiles), K // block_k // MIN_K_BLOCKS_A_SPLIT))
-        return GemmTiles(16, block_n, num_stages=4 if block_k <= 128 else 3, split_k=split)
-    if T <= 256:
-        return GemmTiles(64, 128)
-    return GemmTiles(128, 128, num_warps=8)
+        base = GemmTiles(16, 64 if N <= 4096 else 128, num_stages=4 if block_k <= 128 else 3)
+    else:
+        base = GemmTiles(64, 64 if T <= 64 else 128)
+    tiles = triton.cdiv(T, base.block_m) * triton.cdiv(N, base.block_n)
+    if tiles >= num_sms:
+        return base
+    split = max(1, min(triton.cdiv(SPLIT_K_WAVES * num_sms, tiles), K // block_k // MIN_K_BLOCKS_A_SPLIT))
+    return dataclasses.replace(base, split_k=split)
 
 
 def _num_sms(t: torch.Tensor) -> int:
