@@ -15,7 +15,7 @@ import functools
 import pickle
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ class StepInputs:
     sizes: Sizes
     bucket: Optional[Tuple[int, int, int]] = None  # laid out in ExtendGraphs' buffer for this bucket's graph
     decode_bucket: Optional[Tuple[int, int]] = None  # laid out in DecodeGraphs' buffers for this (Bp, Mp) graph
+    dp: Any = None  # attention data parallelism: a `dp_inputs.DPRows` (this is one replica's segment of the step)
 
     @functools.cached_property
     def meta(self) -> AttentionMetadata:
