@@ -36,7 +36,7 @@ from moe_infer.engine.graph_inputs import PinnedStaging
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import Sizes, StepInputs, flat_inputs, host_segments, placeholder_rows
 from moe_infer.engine.step_paths import StepPaths
-from moe_infer.parallel.step_message import PATH_DECODE_GRAPH, PATH_EAGER, PATH_EXTEND_GRAPH
+from moe_infer.parallel.step_message import PATH_DECODE_GRAPH, PATH_EAGER
 
 
 @dataclass(frozen=True)
@@ -133,17 +133,27 @@ class DPPaths:
     def __init__(self, paths: StepPaths, num_replicas: int, replica: int, max_seqs: int) -> None:
         self.paths, self.dp, self.replica = paths, num_replicas, replica
         self.device = paths.device
-        region = 0
-        if paths.graphs is not None:
-            region = paths.graphs.payload_region(paths.graphs.max_batch).numel()
-        if paths.extend_graphs is not None:
-            eg = paths.extend_graphs
-            region = max(region, eg.payload_region(eg.max_tokens, eg.max_seqs).numel())
         # the segments, then the driver's words: 2 per placeholder row and per sampling row of every replica
         self.max_words = 4 * num_replicas * max(max_seqs, 1) + 16
-        self.buffer = (torch.zeros(num_replicas * region + 8 * self.max_words, dtype=torch.uint8, device=self.device)
+        self.buffer: Optional[torch.Tensor] = None
+        self._staging: Optional[PinnedStaging] = None
+        self._sized_for: Optional[tuple] = None
+        self._ensure_buffer()  # now, not inside a graph capture (the prologue reads it)
+
+    def _ensure_buffer(self) -> None:
+        """The DP buffer for the paths' graphs (sized again only where a test swapped them after start-up)."""
+        graphs, eg = self.paths.graphs, self.paths.extend_graphs
+        if self._sized_for == (id(graphs), id(eg)):
+            return
+        region = 0
+        if graphs is not None:
+            region = graphs.payload_region(graphs.max_batch).numel()
+        if eg is not None:
+            region = max(region, eg.payload_region(eg.max_tokens, eg.max_seqs).numel())
+        self.buffer = (torch.zeros(self.dp * region + 8 * self.max_words, dtype=torch.uint8, device=self.device)
                        if region else None)
         self._staging = PinnedStaging(self.buffer) if self.buffer is not None else None
+        self._sized_for = (id(graphs), id(eg))
 
     # ---- what StepPaths answers alike ---------------------------------------------------------------------------
     def choose(self, sizes: Sizes) -> int:
@@ -207,6 +217,7 @@ class DPPaths:
             payload, extra_W, copy_in = dev[:self.dp * n8].view(torch.uint8), dev[self.dp * n8:], None
             words_dev = dev
         else:
+            self._ensure_buffer()
             region = self.region(path, sizes)
             n = region.numel()
             words = self._words(step, n // 8, S)
@@ -256,6 +267,7 @@ class DPPaths:
             fill(buf)
             own = buf[self.replica * n:(self.replica + 1) * n].view(torch.int64)
             return self.paths._eager(own, sizes, 0)[0], none, buf
+        self._ensure_buffer()
         region = self.region(path, sizes)
         if region.numel() != n:
             raise RuntimeError(f"a replica's step segment takes {n} bytes on the driver and {region.numel()} here "

@@ -52,6 +52,7 @@ class DPScheduler:
         self.limits = self.replicas[0].limits
         self.lookahead = self.replicas[0].lookahead
         self._replica_of: Dict[int, int] = {}  # seq id -> replica, while the sequence is not finished
+        self.num_scheduled_tokens = [0] * num_replicas  # per replica, total (metrics, tests)
 
     # ------------------------------------------------------------------ requests
     def choose_replica(self, seq: Sequence) -> int:
@@ -109,7 +110,8 @@ class DPScheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         parts = [r.schedule() for r in self.replicas]
-        for part in parts:
+        for i, part in enumerate(parts):
+            self.num_scheduled_tokens[i] += part.num_tokens
             for seq_id in part.finished_seq_ids:
                 self._replica_of.pop(seq_id, None)
         return SchedulerOutput(seqs=[s for p in parts for s in p.seqs],

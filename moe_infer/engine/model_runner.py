@@ -172,8 +172,8 @@ class ModelRunner:
         """Where decode steps cannot be one graph for their MoE layers' sake (an offloading store, a
         capacity policy, an experts backend that syncs): graphs of each layer's attention part
         (moe_infer/engine/layer_graphs.py)."""
-        if self.graphs is not None or self.dp.communicates or graph_blocker(self.cfg, self.device, self.backends, whole_step=False,
-                                                    mesh=self.parallel.is_distributed):
+        if self.graphs is not None or self.dp.communicates or graph_blocker(
+                self.cfg, self.device, self.backends, whole_step=False, mesh=self.parallel.is_distributed):
             return None
         logger.info("decode steps replay each layer's attention part as a CUDA graph, the MLPs eagerly")
         return LayerGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
@@ -400,6 +400,17 @@ class ModelRunner:
     def hidden_input(self, path: int, inputs: StepInputs) -> torch.Tensor:
         """Where a pipeline stage after the first receives the step's hidden states [T, D]."""
         return self.paths.hidden_input(path, inputs, self.arch.hidden_size, self.dtype)
+
+    def with_replica_samples(self, inputs: StepInputs, counts: List[int]) -> StepInputs:
+        """The sampling rank on a later stage, under attention data parallelism: which of the gathered sampling rows
+        are real (each replica's first counts[r] of sizes' S), from the driver's host ints."""
+        from dataclasses import replace
+
+        from moe_infer.engine.dp_inputs import DPRows
+
+        S = inputs.sizes[2]
+        sel = [r * S + i for r, n in enumerate(counts) for i in range(n)]
+        return replace(inputs, dp=DPRows(sel_S=torch.tensor(sel, dtype=torch.int64, device=self.device)))
 
     # the plan <-> sampled rows mapping and the step message's layout, for the step pipeline (which knows no plan or
     # input format)

@@ -270,6 +270,8 @@ class StepEncoder:
                 new_params[s.seq_id] = s.params
                 self.known.add(s.seq_id)
         host += histories
+        if plan.parts is not None:  # attention data parallelism: each replica's sampling sequences, in order
+            host += [sum(1 for s in part.seqs if s.do_sample) for part in plan.parts]
         return host, pickle.dumps(new_params) if new_params else b""
 
 
@@ -278,6 +280,7 @@ class StepDecoder:
 
     def __init__(self) -> None:
         self.params: Dict[int, SamplingParams] = {}
+        self.replica_samples: List[int] = []  # attention data parallelism: the last message's per-replica counts
 
     def decode(self, msg: StepMessage) -> Tuple[List[int], Optional[List[SampleRequest]]]:
         host = msg.host.tolist()
@@ -296,4 +299,5 @@ class StepDecoder:
             history = host[hist_at:hist_at + num_hist] if num_hist else None
             hist_at += num_hist
             reqs.append(SampleRequest(seq_id, self.params[seq_id], num_prompt, num_output, history))
+        self.replica_samples = host[hist_at:]
         return finished, reqs
