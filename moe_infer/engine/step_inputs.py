@@ -255,7 +255,8 @@ class StepEncoder:
     def _sampler_part(self, plan: SchedulerOutput) -> Tuple[List[int], bytes]:
         """(host ints, pickled new SamplingParams) for a sampler on another rank."""
         self.note_finished(plan.finished_seq_ids)
-        host = [len(self.finished)] + self.finished
+        host = [len(self.finished)] + self.finished + [0]  # then the number of sampling sequences (below)
+        at_count = len(host) - 1
         self.known.difference_update(self.finished)
         self.finished = []
         new_params: Dict[int, SamplingParams] = {}
@@ -269,6 +270,7 @@ class StepEncoder:
             if s.seq_id not in self.known:
                 new_params[s.seq_id] = s.params
                 self.known.add(s.seq_id)
+        host[at_count] = sum(1 for s in plan.seqs if s.do_sample)
         host += histories
         if plan.parts is not None:  # attention data parallelism: each replica's sampling sequences, in order
             host += [sum(1 for s in part.seqs if s.do_sample) for part in plan.parts]
@@ -290,9 +292,10 @@ class StepDecoder:
             self.params.pop(seq_id, None)
         if msg.side.numel():
             self.params.update(pickle.loads(msg.side.numpy().tobytes()))
-        S = msg.field(H_NUM_SAMPLE)
-        rows = host[1 + num_finished:1 + num_finished + 4 * S]
-        hist_at = 1 + num_finished + 4 * S
+        S = host[1 + num_finished]  # the sampling sequences (under attention data parallelism fewer than the
+        # header's S, each replica's sampling rows being padded alike)
+        rows = host[2 + num_finished:2 + num_finished + 4 * S]
+        hist_at = 2 + num_finished + 4 * S
         reqs = []
         for i in range(S):
             seq_id, num_prompt, num_output, num_hist = rows[4 * i:4 * i + 4]
