@@ -190,6 +190,8 @@ class ParallelContext:
         (parallel.dp_attention), else SINGLE."""
         if not self.dims.dp_attention or not self.is_distributed:
             return SINGLE
+        if self.dims.dp == self.dims.stage_size:  # tp = 1: the replicas are the stage, one communicator for both
+            return self.stage_axis()
         return self._axis(self.mesh, "dp", self.dims.dp)
 
     @property
@@ -198,13 +200,18 @@ class ParallelContext:
         return self.dims.coords(self.rank)[1] // self.dims.tp if self.dims.dp_attention else 0
 
     def stage_axis(self, tp: Optional[ShardGroup] = None) -> ShardGroup:
-        """Every rank of this rank's stage as one axis: the tensor-parallel axis itself where it spans the stage, so
+        """Every rank of this rank's stage as one axis: the tensor-parallel axis itself where it spans the stage (the
+        replicas' axis where they do, under attention data parallelism), so
         that a step's graphs hold the collectives of one communicator (NCCL has seen CUDA deadlock when graphs
         holding several communicators' operations are launched from one thread)."""
         if self._stage_axis is None:
             tp = self._axis(self.mesh, "tp", self.dims.tp) if tp is None else tp
-            self._stage_axis = (tp if tp.size == self.dims.stage_size else
-                                self._axis(self.stage_mesh, "stage", self.dims.stage_size))
+            if tp.size == self.dims.stage_size:
+                self._stage_axis = tp
+            elif self.dims.dp_attention and self.dims.dp == self.dims.stage_size:  # the replicas span the stage
+                self._stage_axis = self._axis(self.mesh, "dp", self.dims.dp)
+            else:
+                self._stage_axis = self._axis(self.stage_mesh, "stage", self.dims.stage_size)
         return self._stage_axis
 
     def stage_broadcast(self, tensor: torch.Tensor) -> None:
