@@ -23,13 +23,13 @@ same T rows so that all ranks replay the same graph bucket. What crosses per ste
 D values a replica:
 
     before the experts    all-gather over "dp" of the replicas' hidden states: (dp - 1) * T * D values
-                          received a rank (and the padding mask, T bytes a replica, once per step)
+                          received a rank (and the padding mask, T bytes a replica, once a forward)
     after the experts     reduce-scatter over the stage into its S ranks (replica-major), each replica's
                           T rows then all-gathered over its "tp" ranks: about (S - 1) / S * dp*T*D +
                           (tp - 1) / tp * T*D values sent a rank, where the all-reduce without it sends
                           2 (S - 1) / S * T*D of dp times fewer tokens
     step inputs           every replica's segment (the driver's one broadcast, dp x one replica's bytes)
-    sampling              the sampling rows' hidden states, S x D a replica, all-gathered over "dp";
+    sampling              the sampling rows' hidden states (a replica's padded count x D), gathered over "dp";
                           replica 0 computes the LM head of every replica's rows and the driver samples
 """
 from __future__ import annotations
