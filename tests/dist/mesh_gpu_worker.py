@@ -5,8 +5,9 @@
 
 SPEC_JSON: {"checkpoint", "layouts": [[tp, pp, ep], ...]} (a 4th entry 1: parallel.dp_attention). Per layout
 of this world size every rank builds the engine on its GPU (float32), the driver generates; every torch.distributed
-collective called while the current stream is being captured into a CUDA graph is counted (on each rank). Rank 0 writes per layout the tokens, the
-decode / prefill graph replays, the captured collectives of every rank and whether the driver scheduled ahead.
+collective called while the current stream is being captured into a CUDA graph is counted (on each rank). Rank 0
+writes per layout the tokens, the decode / prefill graph replays, the captured collectives of every rank and whether
+the driver scheduled ahead.
 """
 from __future__ import annotations
 
