@@ -9,8 +9,9 @@ Models (random weights, `model.load_format=dummy`: only a config.json is written
           alone; its one-GPU row is the roofline only
 Layouts, each a fresh process group (torchrun) of G ranks running benchmarks/mesh_scaling_worker.py: "one GPU" (the plain engine, no mesh) and "mesh x1"
 (parallel.force_mesh: the mesh's code path at degree 1, process groups of one rank), measured in one process in the
-order A B B A (the H200's power cap favours whatever runs first); then with N >= 2 GPUs tp=N, ep=N, pp=N and tp=N
-with ep=N (plus pp=2 x tp=N/2 from 4 GPUs). A layout whose weights would not fit its GPUs is skipped.
+order A B B A (the H200's power cap favours whatever runs first); then with N >= 2 GPUs tp=N, ep=N, pp=N, tp=N
+with ep=N and "ep=N dp" (ep=N with attention data parallelism: each GPU's attention runs 1/N of the requests with
+a KV cache of its own) (plus pp=2 x tp=N/2 from 4 GPUs). A layout whose weights would not fit its GPUs is skipped.
 
 Measured per layout (greedy, EOS ignored, prompts of random ids, each shape warmed up first):
   decode   batch 1 / 16 / 64 / 256, prompt 128, 128 new tokens: output tok/s of the whole generate call (prefill
@@ -91,7 +92,8 @@ def layouts(num_gpus: int) -> list:
     rows = [("one GPU", 1, 1, 1), ("mesh x1", 1, 1, 1)]
     n = num_gpus
     if n >= 2:
-        rows += [(f"tp={n}", n, 1, 1), (f"ep={n}", 1, 1, n), (f"pp={n}", 1, n, 1), (f"tp={n} ep={n}", n, 1, n)]
+        rows += [(f"tp={n}", n, 1, 1), (f"ep={n}", 1, 1, n), (f"pp={n}", 1, n, 1), (f"tp={n} ep={n}", n, 1, n),
+                 (f"ep={n} dp", 1, 1, n)]  # "dp": parallel.dp_attention, each GPU's attention its own requests
     if n >= 4:
         rows += [(f"pp=2 tp={n // 2}", n // 2, 2, 1)]
     return rows
@@ -186,6 +188,7 @@ def main() -> None:
                                       gpus=G)
                     continue
                 spec = dict(name=name, model=model, dims=dims, ckpt=ckpt, tp=tp, pp=pp, ep=ep, device=device.type,
+                            dp_attention=name.endswith(" dp"),
                             batches=batches, prompt_len=P, new_tokens=N, prefill=list(prefill), ab=name == "one GPU",
                             out=os.path.join(tmp, f"{model}_{name.replace(' ', '_').replace('=', '')}.json"))
                 print(f"[{model}] {name} ({G} rank{'s' if G > 1 else ''}) ...", flush=True)

@@ -103,7 +103,7 @@ def run_layout(spec: dict) -> None:
     kw = dict(model=spec["ckpt"], load_format="dummy", dtype=str(dtype).split(".")[-1], device=str(device),
               max_num_seqs=max(batches), max_num_batched_tokens=max(pf_seqs * pf_len, 2048),
               max_model_len=max(P + N, pf_len + 1) + 16, num_kv_blocks=blocks, enable_prefix_caching=False,
-              cuda_graph_max_batch=max(batches), tp=tp, pp=pp, ep=ep)
+              cuda_graph_max_batch=max(batches), tp=tp, pp=pp, ep=ep, dp_attention=spec.get("dp_attention", False))
     if spec["ab"]:  # world 1: the plain engine (A) and the mesh's code path at degree 1 (B), one process
         engines = {"one GPU": LLM(**kw), "mesh x1": LLM(**kw, force_mesh=True)}
         order = ["one GPU", "mesh x1", "mesh x1", "one GPU"]

@@ -188,6 +188,10 @@ class ParallelConfig:
     # tp = pp = ep = 1 through the mesh's code path anyway (process groups of one rank, the step sent over them):
     # what benchmarks/mesh_scaling.py measures the mesh's own cost with; under torchrun or in a plain process
     force_mesh: bool = False
+    # attention data parallelism (SGLang's DP attention): where ep > tp a stage holds dp = lcm(tp, ep) / tp attention
+    # replicas; on, each replica runs its own requests with its own KV cache, the MoE layers see every replica's
+    # tokens (docs/expert_parallel.md). Needs dp > 1
+    dp_attention: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):

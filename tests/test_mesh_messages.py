@@ -1,4 +1,5 @@
-"""What crosses between the ranks per decode step under tp=2, pp=2 and ep=2 (torchrun, gloo): at most one host
+"""What crosses between the ranks per decode step under tp=2, pp=2, ep=2 and ep=2 with attention data parallelism
+(torchrun, gloo): at most one host
 message received per rank, the same number for a model of 2 and of 4 layers, and no host read of a tensor in a
 step's device work (each would be a host sync on a GPU). The exact all-to-all dispatcher, which reads its split
 sizes on the host in every MoE layer, is run too: the counters must see its reads (one per MoE layer and step),
@@ -15,7 +16,8 @@ from tests.dist.launch import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "ep2": dict(ep=2)}
+# ep2dp: two attention replicas with requests of their own (parallel.dp_attention; 2 and 1 of the 3 prompts)
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "ep2": dict(ep=2), "ep2dp": dict(ep=2, dp_attention=True)}
 
 
 def test_one_host_message_per_decode_step_and_no_host_sync_in_a_layer(tmp_path):
@@ -40,7 +42,8 @@ def test_one_host_message_per_decode_step_and_no_host_sync_in_a_layer(tmp_path):
                 per_layers[n] = [s.get("host_calls", 0) for s in steps]
                 assert r["tokens"] == ranks[0][f"{name}_L{n}"]["tokens"]  # every rank returned the driver's outputs
             assert max(per_layers[4]) == max(per_layers[2]), (name, rank, per_layers)  # nothing per layer
-    assert ranks[0]["tp2_L2"]["async"] and ranks[0]["ep2_L2"]["async"]  # the driver schedules ahead (pp = 1)
+    for name in ("tp2", "ep2", "ep2dp"):  # the driver schedules ahead (pp = 1)
+        assert ranks[0][f"{name}_L2"]["async"], name
     for rank, results in enumerate(ranks):
         print(rank, {name: results[f"{name}_L4"]["decode_intervals"][-1] for name in LAYOUTS})
     exact = ranks[0]["ep2_exact_L4"]["decode_intervals"]

@@ -254,9 +254,18 @@ class DecodeGraphs:
         """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own), padding included,
         into the static buffers by one copy (`DecodeBuffers`) -> (its inputs for `replay`, the extra entries).
         Every element the bucket reads is written (the staging buffer holds an earlier step)."""
-        T, B, S, m, _, max_seq_len = sizes
+        B, m, max_seq_len = sizes[1], sizes[3], sizes[5]
         Bp, Mp = self._bucket_of(B, m, max_seq_len)
-        v, src = self.bufs.stage(), host_segments(flat, sizes)
+        self.stage_step(self.bufs.stage(), flat, sizes, num_extra)
+        self.bufs.load(Bp)
+        return self._inputs(sizes, Bp, Mp, num_extra)
+
+    def stage_step(self, v, flat: np.ndarray, sizes: Sizes, num_extra: int) -> None:
+        """Writes the step, padding included, into host views `v` laid out as the buffer (`load`'s staging, or a
+        replica's segment under attention data parallelism: moe_infer/engine/dp_inputs.py)."""
+        T, B, S, m, _, max_seq_len = sizes
+        Bp, _ = self._bucket_of(B, m, max_seq_len)
+        src = host_segments(flat, sizes)
         v["ids"][:B], v["ids"][B:Bp] = src.ids_T, 0  # rows B..Bp-1: padding (see `_pad`)
         v["positions"][:B], v["positions"][B:Bp] = src.positions_T, 0
         v["slots"][:B], v["slots"][B:Bp] = src.slots_T, -1
@@ -265,8 +274,6 @@ class DecodeGraphs:
         tables = v["block_tables"]
         tables[:B, :m], tables[:B, m:], tables[B:Bp] = src.block_tables_BM, -1, 0
         v["sample_rows"][:S], v["extra"][:num_extra] = src.sample_rows_S, src.extra
-        self.bufs.load(Bp)
-        return self._inputs(sizes, Bp, Mp, num_extra)
 
     def receive(self, sizes: Sizes, num_extra: int, fill: Callable[[torch.Tensor], None]) -> Tuple[StepInputs, torch.Tensor]:
         """Another rank's `load` of the same step: fill(bytes) writes the bytes that rank loaded (its `payload`,

@@ -52,7 +52,7 @@ class DecodeBuffers:
         for name, np_dt, _, count in _SEGMENTS:
             offsets[name] = (at, count(max_batch))
             at += _aligned(count(max_batch) * np.dtype(np_dt).itemsize)
-        self.tables_at = at
+        self.tables_at, self.offsets = at, offsets
         nbytes = at + max_batch * max_blocks * 4
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.dev: Dict[str, torch.Tensor] = {
@@ -71,6 +71,16 @@ class DecodeBuffers:
         self.dev["query_starts"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
         self.dev["slots"].fill_(-1)
         self.dev["seq_lens"].fill_(1)
+
+    def host_views(self, host: np.ndarray, padded_batch: int) -> Dict[str, np.ndarray]:
+        """numpy views, laid out as the device buffer, of the first nbytes(padded_batch) bytes of a uint8 host array
+        (block tables as [padded_batch, M]; query starts not written: the caller writes every element)."""
+        views = {name: host[off:off + n * np.dtype(np_dt).itemsize].view(np_dt)
+                 for (name, np_dt, _, _), (off, n) in zip(_SEGMENTS, self.offsets.values())}
+        at = self.tables_at
+        views["block_tables"] = host[at:at + padded_batch * self.max_blocks * 4].view(np.int32).reshape(
+            padded_batch, self.max_blocks)
+        return views
 
     def stage(self) -> Dict[str, np.ndarray]:
         """The host views of the staging buffer the next `load` copies. Its bytes are an earlier step's: the caller

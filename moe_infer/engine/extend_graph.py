@@ -128,10 +128,21 @@ class ExtendGraphs:
         layout, padding included, copied to the device in one copy -> (its inputs, the extra entries).
         Rows T..Tp-1 become the padding sequence B, sequences B+1..Bp-1 have no rows. Every element is written
         (the staging buffer holds an earlier step)."""
-        T, B, S, m = sizes[:4]
+        T, S = sizes[0], sizes[2]
         key = Tp, Bp, _ = self.bucket(sizes)
         lay = self.inputs.layout(Tp, Bp, S, num_extra)
-        v, src, pad = self.inputs.stage(lay), host_segments(flat, sizes), Tp - T
+        self.stage_step(self.inputs.stage(lay), flat, sizes)
+        sample_rows_S, extra_X = self.inputs.load(lay)
+        d = self._views(Tp, Bp)
+        return (StepInputs(d["ids"][:T], functools.partial(self._step_meta, d, sizes), sample_rows_S, sizes, key),
+                extra_X)
+
+    def stage_step(self, v, flat: np.ndarray, sizes: Sizes) -> None:
+        """Writes the step, padding included, into host views `v` laid out as its bucket's (`load`'s staging, or a
+        replica's segment under attention data parallelism: moe_infer/engine/dp_inputs.py)."""
+        T, B, m = sizes[0], sizes[1], sizes[3]
+        Tp, _, _ = self.bucket(sizes)
+        src, pad = host_segments(flat, sizes), Tp - T
         v["ids"][:T], v["ids"][T:] = src.ids_T, 0
         v["positions"][:T], v["positions"][T:] = src.positions_T, self._arange[:pad]  # the padding sequence B:
         v["slots"][:T], v["slots"][T:] = src.slots_T, -1  # positions 0..pad-1 over keys of block 0, no K/V written
@@ -140,11 +151,7 @@ class ExtendGraphs:
         v["seq_lens"][:B], v["seq_lens"][B:] = src.seq_lens_B, max(pad, 1)
         tables = v["block_tables"]
         tables[:B, :m], tables[:B, m:], tables[B:] = src.block_tables_BM, -1, 0  # row B: block 0 (zero-filled)
-        v["sample_rows"][:], v["extra"][:] = src.sample_rows_S, src.extra
-        sample_rows_S, extra_X = self.inputs.load(lay)
-        d = self._views(Tp, Bp)
-        return (StepInputs(d["ids"][:T], functools.partial(self._step_meta, d, sizes), sample_rows_S, sizes, key),
-                extra_X)
+        v["sample_rows"][:], v["extra"][:len(src.extra)] = src.sample_rows_S, src.extra
 
     def receive(self, sizes: Sizes, num_extra: int, fill: Callable[[torch.Tensor], None]) -> Tuple[StepInputs, torch.Tensor]:
         """Another rank's `load` of the same step: fill(bytes) writes the bytes it loaded into this rank's buffer."""

@@ -27,6 +27,7 @@ import torch
 from moe_infer.config import EngineConfig
 from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
 from moe_infer.engine.block_manager import BlockManager
+from moe_infer.engine.dp_scheduler import DPScheduler
 from moe_infer.engine.encode import encode
 from moe_infer.engine.model_runner import ModelRunner
 from moe_infer.engine.outputs import RequestOutput
@@ -105,17 +106,24 @@ class LLMEngine:
         arch = self.runner.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, cfg.cache.block_size,
-                                          cfg.cache.enable_prefix_caching)
         why_sync = async_scheduling_blocker(cfg, self.parallel)
         if why_sync is not None and cfg.scheduler.async_scheduling:
             logger.info("steps run synchronously (no async scheduling): %s", why_sync)
-        self.scheduler = Scheduler(
-            self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-            self.runner.max_model_len, cfg.scheduler.enable_chunked_prefill, arch.eos_token_ids,
-            num_batches=self.parallel.dims.pp,  # pipeline stages: pp batches in flight
-            lookahead=why_sync is None,
-        )
+        sched_kwargs = dict(max_num_seqs=cfg.scheduler.max_num_seqs,
+                            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+                            max_model_len=self.runner.max_model_len,
+                            enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill,
+                            eos_token_ids=arch.eos_token_ids,
+                            num_batches=self.parallel.dims.pp,  # pipeline stages: pp batches in flight
+                            lookahead=why_sync is None)
+        if self.parallel.dims.num_replicas > 1:  # attention data parallelism: a scheduler and KV cache a replica
+            self.scheduler = DPScheduler(self.parallel.dims.num_replicas, self.runner.num_kv_blocks,
+                                         cfg.cache.block_size, cfg.cache.enable_prefix_caching, **sched_kwargs)
+            self.block_manager = self.scheduler.block_manager
+        else:
+            self.block_manager = BlockManager(self.runner.num_kv_blocks, cfg.cache.block_size,
+                                              cfg.cache.enable_prefix_caching)
+            self.scheduler = Scheduler(self.block_manager, **sched_kwargs)
         self.limits = replace(self.scheduler.limits, vocab_size=self.vocab_size,
                               has_tokenizer=self.tokenizer is not None)
         if self.parallel.is_distributed:  # the driver's executor (moe_infer/parallel/pipeline.py)

@@ -65,6 +65,8 @@ class ModelRunner:
         self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
         self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
         shard = self.parallel.model_shard(load_arch(model_path)[0].num_layers)
+        self.dp = shard.dp  # attention data parallelism: this stage's replicas, each with its own requests
+        self.dp_paths = None
         self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
                                 load_format=cfg.model.load_format, shard=shard)
         if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
@@ -103,6 +105,12 @@ class ModelRunner:
             self.offload.expert_graphs = None
         self.extend_graphs = self._extend_graphs()
         self.paths = StepPaths(self, device, self.block_size)
+        if self.dp.communicates:  # attention data parallelism: dp segments a step (moe_infer/engine/dp_inputs.py)
+            from moe_infer.engine.dp_inputs import DPPaths, fill_placeholders_dp
+
+            self.paths = self.dp_paths = DPPaths(self.paths, self.dp.size, self.parallel.replica,
+                                                 cfg.scheduler.max_num_seqs)
+            self.fill_placeholders = fill_placeholders_dp
         self.rebalancer = None
         if cfg.parallel.enable_eplb:  # online expert re-balancing (moe_infer/parallel/rebalance.py)
             if self.parallel.dims.ep == 1:
@@ -142,7 +150,11 @@ class ModelRunner:
         """On the first pipeline stage of a mesh: the broadcast of the driver's step inputs over the stage, which the
         graphs run first in every replayed step (no host time of its own); None elsewhere."""
         ctx = self.parallel
-        return ctx.stage_broadcast if ctx.is_distributed and ctx.is_first_stage and ctx.stage_axis().communicates else None
+        if not (ctx.is_distributed and ctx.is_first_stage and ctx.stage_axis().communicates):
+            return None
+        if self.dp.communicates:  # every replica's segment broadcast, this one's copied where the graphs read it
+            return lambda region_U: self.dp_paths.prologue(region_U, ctx.stage_broadcast)
+        return ctx.stage_broadcast
 
     def _hidden_in(self):
         """(hidden size, dtype) of the previous stage's hidden states a stage after the first reads; None on the first."""
@@ -152,14 +164,16 @@ class ModelRunner:
         """The LM head the decode graphs replay too (one that writes into their logits buffer), else None (and
         with MOE_GRAPH_LM_HEAD=0 in the environment: A/B runs)."""
         lm_head = getattr(self.model, "lm_head", None)
+        if self.dp.communicates:  # the LM head runs on every replica's sampling rows, gathered (`sample`)
+            return None
         return lm_head if hasattr(lm_head, "forward_into") and os.environ.get("MOE_GRAPH_LM_HEAD", "1") != "0" else None
 
     def _layer_graphs(self) -> Optional[LayerGraphs]:
         """Where decode steps cannot be one graph for their MoE layers' sake (an offloading store, a
         capacity policy, an experts backend that syncs): graphs of each layer's attention part
         (moe_infer/engine/layer_graphs.py)."""
-        if self.graphs is not None or graph_blocker(self.cfg, self.device, self.backends, whole_step=False,
-                                                    mesh=self.parallel.is_distributed):
+        if self.graphs is not None or self.dp.communicates or graph_blocker(
+                self.cfg, self.device, self.backends, whole_step=False, mesh=self.parallel.is_distributed):
             return None
         logger.info("decode steps replay each layer's attention part as a CUDA graph, the MLPs eagerly")
         return LayerGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
@@ -219,6 +233,7 @@ class ModelRunner:
         """A generous bound on one step's activations (MoE rows dominate), kept out of the KV budget; with
         prefill steps as CUDA graphs, their graph pool holds a second step's worth (up to their token limit)."""
         T = self.cfg.scheduler.max_num_batched_tokens + self._extend_graph_tokens()
+        T *= self.parallel.dims.num_replicas  # attention data parallelism: the MoE layers run every replica's rows
         hf = self.model.hf_config
         D = getattr(hf, "hidden_size", 4096)
         F = max(getattr(hf, "moe_intermediate_size", 0) or 0, getattr(hf, "intermediate_size", 0) or 0)
@@ -244,6 +259,10 @@ class ModelRunner:
                     f"{mha} ({mha / mla.cache_dim:.0f}x)")
         logger.info("KV cache: %d blocks of %d tokens, %d bytes a token on this rank (%s)", num_blocks,
                     self.block_size, per_token, what)
+        if self.dp.communicates:
+            logger.info("attention data parallelism: %d replicas a stage, each with a KV cache of its own for its own "
+                        "requests: the stage holds %d blocks (%d tokens)", self.dp.size, self.dp.size * num_blocks,
+                        self.dp.size * num_blocks * self.block_size)
         return caches
 
     # ------------------------------------------------------------------ the step (one rank)
@@ -261,6 +280,11 @@ class ModelRunner:
     def lay_out(self, plan: SchedulerOutput, prev: Optional[LaunchedStep] = None) -> Tuple[np.ndarray, Sizes, int]:
         """(`flat_inputs`' host buffer, its sizes, the number of extra entries at its end): the step's integer inputs
         and, for rows whose input prev samples, their rows and that token's index in prev's sample."""
+        if self.dp.communicates:  # one segment per attention replica, padded alike (moe_infer/engine/dp_inputs.py)
+            from moe_infer.engine.dp_inputs import dp_lay_out
+
+            step = dp_lay_out(plan.parts, self.block_size, prev)
+            return step, step.sizes, step.num_extra
         rows, src = placeholder_rows(plan, prev)
         flat, sizes = flat_inputs(plan, self.block_size, rows + src)
         return flat, sizes, 2 * len(rows)
@@ -296,6 +320,8 @@ class ModelRunner:
         for them, else the eager forward. hidden_in: the previous pipeline stage's output (stages after the first;
         on a graph path it lies in the graphs' buffer already, `StepPaths.hidden_input`)."""
         hidden_TD = logits_TV = None
+        if inputs.dp is not None and inputs.dp.copy_in is not None:  # no graph prologue: this replica's segment
+            inputs.dp.copy_in[1].copy_(inputs.dp.copy_in[0])
         if inputs.bucket is not None:
             hidden_TD = self.extend_graphs.replay(inputs)  # None: run eagerly
         elif inputs.decode_bucket is not None:  # None: the capture failed, run eagerly
@@ -304,7 +330,9 @@ class ModelRunner:
         elif self.layer_graphs is not None and self.layer_graphs.can_run(inputs.sizes):
             hidden_TD = self.layer_graphs.run(inputs.input_ids_T, inputs.meta)
         if hidden_TD is None and logits_TV is None:
-            with forward_context(inputs.meta, last_rows=self.last_rows):
+            # attention data parallelism: rows without a KV slot are a replica's padding (dp_inputs.py)
+            valid_T = inputs.meta.slot_mapping_T >= 0 if self.dp.communicates else None
+            with forward_context(inputs.meta, valid_T=valid_T, last_rows=self.last_rows):
                 hidden_TD = self.model(inputs.input_ids_T, inputs.meta.positions_T, hidden_in)
         return hidden_TD, logits_TV
 
@@ -331,15 +359,35 @@ class ModelRunner:
         if logits_TV is not None:
             logits_SV = logits_TV[:S] if S == T else logits_TV[inputs.sample_rows_S]
         else:
+            # (attention data parallelism: a replica's sampling rows are padded, not every row even where S == T)
+            in_order = inputs.dp is None and not self.dp.communicates
             if hidden_TD.shape[0] == T:
-                hidden_SD = hidden_TD[:S] if S == T else hidden_TD[inputs.sample_rows_S]
+                hidden_SD = hidden_TD[:S] if S == T and in_order else hidden_TD[inputs.sample_rows_S]
             else:  # one row a sequence, its last (the last layer ran those only: moe_infer/layers/last_rows.py)
-                hidden_SD = hidden_TD[:S] if S == B else hidden_TD.index_select(0, self._sampling_seqs(inputs))
+                hidden_SD = (hidden_TD[:S] if S == B and in_order else
+                             hidden_TD.index_select(0, self._sampling_seqs(inputs)))
+            if self.dp.communicates:
+                return self._sample_dp(inputs, hidden_SD, reqs)
             logits_SV = self.model.compute_logits(hidden_SD, upcast=False)  # the sampler casts where it must
         if reqs is None:
             return None
         on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight
         return self.sampler.sample(logits_SV, reqs, inputs.input_ids_T[inputs.sample_rows_S] if on_device else None)
+
+    def _sample_dp(self, inputs: StepInputs, hidden_SD: torch.Tensor, reqs: Optional[List[SampleRequest]]
+                   ) -> Optional[SampledTokens]:
+        """Attention data parallelism: every replica's sampling rows gathered over dp ([dp * S, D], padded alike);
+        replica 0 computes their logits, the driver samples the real ones (`DPRows.sel_S`, in plan order)."""
+        hidden_ND = self.dp.all_gather_rows(hidden_SD)
+        if self.parallel.replica != 0:
+            return None
+        logits_NV = self.model.compute_logits(hidden_ND, upcast=False)
+        if reqs is None:
+            return None
+        rows = inputs.dp
+        on_device = any(r.last_on_device for r in reqs)
+        ids_S = rows.words.index_select(0, rows.ids_S) if on_device else None
+        return self.sampler.sample(logits_NV.index_select(0, rows.sel_S), reqs, ids_S)
 
     @staticmethod
     def _sampling_seqs(inputs: StepInputs) -> torch.Tensor:
@@ -352,6 +400,17 @@ class ModelRunner:
     def hidden_input(self, path: int, inputs: StepInputs) -> torch.Tensor:
         """Where a pipeline stage after the first receives the step's hidden states [T, D]."""
         return self.paths.hidden_input(path, inputs, self.arch.hidden_size, self.dtype)
+
+    def with_replica_samples(self, inputs: StepInputs, counts: List[int]) -> StepInputs:
+        """The sampling rank on a later stage, under attention data parallelism: which of the gathered sampling rows
+        are real (each replica's first counts[r] of sizes' S), from the driver's host ints."""
+        from dataclasses import replace
+
+        from moe_infer.engine.dp_inputs import DPRows
+
+        S = inputs.sizes[2]
+        sel = [r * S + i for r, n in enumerate(counts) for i in range(n)]
+        return replace(inputs, dp=DPRows(sel_S=torch.tensor(sel, dtype=torch.int64, device=self.device)))
 
     # the plan <-> sampled rows mapping and the step message's layout, for the step pipeline (which knows no plan or
     # input format)

@@ -141,6 +141,8 @@ class SchedulerOutput:
     seqs: List[ScheduledSeq] = field(default_factory=list)
     finished_seq_ids: List[int] = field(default_factory=list)  # since the last plan: drop their state
     num_preempted: int = 0
+    # attention data parallelism: each replica's own plan (seqs is their concatenation, replica-major)
+    parts: Optional[List["SchedulerOutput"]] = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ import functools
 import pickle
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ class StepInputs:
     sizes: Sizes
     bucket: Optional[Tuple[int, int, int]] = None  # laid out in ExtendGraphs' buffer for this bucket's graph
     decode_bucket: Optional[Tuple[int, int]] = None  # laid out in DecodeGraphs' buffers for this (Bp, Mp) graph
+    dp: Any = None  # attention data parallelism: a `dp_inputs.DPRows` (this is one replica's segment of the step)
 
     @functools.cached_property
     def meta(self) -> AttentionMetadata:
@@ -254,7 +255,8 @@ class StepEncoder:
     def _sampler_part(self, plan: SchedulerOutput) -> Tuple[List[int], bytes]:
         """(host ints, pickled new SamplingParams) for a sampler on another rank."""
         self.note_finished(plan.finished_seq_ids)
-        host = [len(self.finished)] + self.finished
+        host = [len(self.finished)] + self.finished + [0]  # then the number of sampling sequences (below)
+        at_count = len(host) - 1
         self.known.difference_update(self.finished)
         self.finished = []
         new_params: Dict[int, SamplingParams] = {}
@@ -268,7 +270,10 @@ class StepEncoder:
             if s.seq_id not in self.known:
                 new_params[s.seq_id] = s.params
                 self.known.add(s.seq_id)
+        host[at_count] = sum(1 for s in plan.seqs if s.do_sample)
         host += histories
+        if plan.parts is not None:  # attention data parallelism: each replica's sampling sequences, in order
+            host += [sum(1 for s in part.seqs if s.do_sample) for part in plan.parts]
         return host, pickle.dumps(new_params) if new_params else b""
 
 
@@ -277,6 +282,7 @@ class StepDecoder:
 
     def __init__(self) -> None:
         self.params: Dict[int, SamplingParams] = {}
+        self.replica_samples: List[int] = []  # attention data parallelism: the last message's per-replica counts
 
     def decode(self, msg: StepMessage) -> Tuple[List[int], Optional[List[SampleRequest]]]:
         host = msg.host.tolist()
@@ -286,13 +292,15 @@ class StepDecoder:
             self.params.pop(seq_id, None)
         if msg.side.numel():
             self.params.update(pickle.loads(msg.side.numpy().tobytes()))
-        S = msg.field(H_NUM_SAMPLE)
-        rows = host[1 + num_finished:1 + num_finished + 4 * S]
-        hist_at = 1 + num_finished + 4 * S
+        S = host[1 + num_finished]  # the sampling sequences (under attention data parallelism fewer than the
+        # header's S, each replica's sampling rows being padded alike)
+        rows = host[2 + num_finished:2 + num_finished + 4 * S]
+        hist_at = 2 + num_finished + 4 * S
         reqs = []
         for i in range(S):
             seq_id, num_prompt, num_output, num_hist = rows[4 * i:4 * i + 4]
             history = host[hist_at:hist_at + num_hist] if num_hist else None
             hist_at += num_hist
             reqs.append(SampleRequest(seq_id, self.params[seq_id], num_prompt, num_output, history))
+        self.replica_samples = host[hist_at:]
         return finished, reqs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -33,6 +33,8 @@ class ForwardContext:
     valid_T: Optional[torch.Tensor] = None  # bool: False for padding rows of a CUDA-graph batch (None: all valid)
     last_rows: bool = False  # the last layer computes each sequence's last row only (moe_infer/layers/last_rows.py)
     at_end: Dict[int, Callable[[], None]] = field(default_factory=dict)  # `at_forward_end`, by owner id
+    memo: Dict[Any, Any] = field(default_factory=dict)  # what the layers compute once per forward (the MoE layers'
+    # gathered padding mask under attention data parallelism)
 
 
 _CONTEXT: Optional[ForwardContext] = None

@@ -11,6 +11,12 @@ pipeline stage (`stage`): one all-reduce over it, the shared expert's included w
 for a large step, as the dispatcher says (`micro_batches`), the tokens routed once run as M contiguous
 chunks whose all-reduces are started asynchronously, each under the next chunk's experts.
 
+Attention data parallelism (`dp`: the stage's attention replicas, each with its own T rows, padded alike by the
+driver): the layer all-gathers the replicas' rows over `dp` ([dp*T, D], replica-major, with the padding mask), routes
+them all, runs this rank's experts on the rows routed to them, adds the shared expert's tensor-parallel part of its
+own replica's rows, and reduce-scatters over the stage (S ranks, replica-major: each gets T/tp rows of its replica's
+sum), then all-gathers those over `tp`: each replica gets back the full output of its own rows only.
+
 Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, R dispatched rows, C tokens of a chunk.
 """
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import nn
 
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
-from moe_infer.layers.forward_context import at_forward_end, valid_tokens
+from moe_infer.layers.forward_context import at_forward_end, current_forward_context, valid_tokens
 from moe_infer.layers.linear import linear
 from moe_infer.quant import QuantSpec, make_linear
 from moe_infer.offload.compute import slot_experts
@@ -88,6 +94,7 @@ class MoELayer(nn.Module):
         tp: ShardGroup = SINGLE,
         moe_tp: ShardGroup = SINGLE,
         stage: ShardGroup = SINGLE,
+        dp: ShardGroup = SINGLE,
         router_dtype: Optional[torch.dtype] = None,
         quant: Optional[QuantSpec] = None,
     ) -> None:
@@ -95,7 +102,7 @@ class MoELayer(nn.Module):
         the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is)."""
         super().__init__()
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
-        self.tp, self.moe_tp, self.stage = tp, moe_tp, stage
+        self.tp, self.moe_tp, self.stage, self.dp = tp, moe_tp, stage, dp
         intermediate_size = moe_tp.split(intermediate_size, "moe_intermediate_size")
         self.dispatcher = (backends.dispatcher or LocalDispatcher(spec.num_experts)).for_layer(layer_idx)
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=router_dtype or dtype)
@@ -138,6 +145,8 @@ class MoELayer(nn.Module):
                                  fused_fn=lambda x_RD, ids_R1, w_R1: fetched.run(x_RD, ids_R1, w_R1, compute))
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.dp.communicates:
+            return self._forward_dp(x_TD)
         logits_TE, topk_weights_TK, topk_ids_TK = self.route(x_TD)
         if self.backends.trace is not None:
             self.backends.trace.record(self.layer_idx, topk_ids_TK, topk_weights_TK, logits_TE)
@@ -193,3 +202,46 @@ class MoELayer(nn.Module):
         """This rank's partial sum of C tokens for the stage all-reduce (the shared expert's part in it if merged)."""
         part_CD = self._routed_experts(x_CD, ids_CK, weights_CK)
         return part_CD + self.shared_expert(x_CD, reduce=False) if merged else part_CD
+
+    # ---- attention data parallelism ---------------------------------------------------------------------------
+    def _forward_dp(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """This replica's T rows in, their MoE output out; every replica's rows routed and run here (the module
+        docstring). Shapes only: the same on every rank of the stage, capturable."""
+        if not getattr(self.dispatcher, "returns_partial", False):
+            raise RuntimeError("attention data parallelism runs the reduce dispatcher only")
+        dp, T = self.dp, x_TD.shape[0]
+        x_ND = dp.all_gather_rows(x_TD)  # N = dp * T, replica-major
+        logits_NE, topk_weights_NK, topk_ids_NK = self.route(x_ND)
+        kept_ids_NK, kept_weights_NK = self._policy(
+            topk_ids_NK, topk_weights_NK, logits_TE=logits_NE, spec=self.spec, **self.backends.policy_kwargs)
+        stats = self.backends.stats
+        if stats is not None:
+            stats.defer(self.layer_idx, topk_ids_NK, kept_ids_NK, self._gathered_valid())
+            if not at_forward_end(stats, stats.flush):
+                stats.flush()
+        part_ND = self._routed_experts(x_ND, kept_ids_NK, kept_weights_NK)
+        if self.shared_expert is not None:  # its tensor-parallel part of this replica's rows, summed below
+            own = slice(dp.rank * T, (dp.rank + 1) * T)
+            part_ND[own] += self.shared_expert(x_TD, reduce=False)
+        tp = self.tp.size
+        Tp = -(-T // tp) * tp  # rows a replica takes in the reduce-scatter: a multiple of tp
+        if Tp != T:
+            part_ND = torch.nn.functional.pad(part_ND.view(dp.size, T, -1), (0, 0, 0, Tp - T)).view(dp.size * Tp, -1)
+        out_CD = self.stage.reduce_scatter_rows(part_ND)  # [Tp / tp, D]: this rank's piece of its replica's rows
+        return self.tp.all_gather_rows(out_CD)[:T]
+
+    def _gathered_valid(self):
+        """The padding mask of every replica's rows ([dp*T] bool), gathered once per forward and mask (the last
+        layer's rows have a mask of their own); None where every row is a real token."""
+        valid_T = valid_tokens()
+        if valid_T is None:
+            return None
+        ctx = current_forward_context()
+        key = ("dp_valid", id(valid_T))
+        hit = ctx.memo.get(key) if ctx is not None else None
+        if hit is not None:
+            return hit[1]
+        valid_N = self.dp.all_gather_rows(valid_T.view(torch.uint8)).view(torch.bool)
+        if ctx is not None:
+            ctx.memo[key] = (valid_T, valid_N)  # valid_T kept alive: its id stays its own for the forward
+        return valid_N

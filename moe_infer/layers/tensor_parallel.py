@@ -25,8 +25,9 @@ from torch import nn
 
 from moe_infer.layers.linear import linear
 
-# torch >= 2.13 renames all_gather_into_tensor (2.11 has only the old name)
+# torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (2.11 has only the old names)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,30 @@ class ShardGroup:
         except RuntimeError as err:
             raise self._failed("tensor-parallel all-gather", err) from err
         return out_RTL.view(self.size, T, L).permute(1, 0, 2).reshape(T, self.size * L)
+
+    def all_gather_rows(self, x_TL: torch.Tensor) -> torch.Tensor:
+        """[T, ...] per rank -> [size * T, ...], rank-major (identity on a single rank)."""
+        if not self.communicates:
+            return x_TL
+        out = x_TL.new_empty((self.size * x_TL.shape[0], *x_TL.shape[1:]))
+        try:
+            _all_gather_single(out, x_TL.contiguous(), group=self.group)
+        except RuntimeError as err:
+            raise self._failed("all-gather", err) from err
+        return out
+
+    def reduce_scatter_rows(self, x_NL: torch.Tensor) -> torch.Tensor:
+        """[size * C, ...] per rank -> [C, ...]: chunk `rank` of the sum over the axis (identity on a single rank)."""
+        if not self.communicates:
+            return x_NL
+        if x_NL.shape[0] % self.size:
+            raise ValueError(f"reduce-scatter of {x_NL.shape[0]} rows over {self.size} ranks")
+        out = x_NL.new_empty((x_NL.shape[0] // self.size, *x_NL.shape[1:]))
+        try:
+            _reduce_scatter_single(out, x_NL.contiguous(), group=self.group)
+        except RuntimeError as err:
+            raise self._failed("reduce-scatter", err) from err
+        return out
 
 
 @dataclass

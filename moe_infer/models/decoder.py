@@ -56,7 +56,8 @@ class DecoderLayer(nn.Module):
                 layer_idx, arch.hidden_size, arch.moe_intermediate_size, spec, backends, dtype,
                 shared_intermediate_size=arch.shared_expert_intermediate_size,
                 shared_gated=arch.shared_expert_gated, tp=shard.tp, moe_tp=shard.moe_tp,
-                stage=shard.stage_axis, router_dtype=torch.float32 if arch.router_fp32 else None, quant=arch.quant,
+                stage=shard.stage_axis, dp=shard.dp, router_dtype=torch.float32 if arch.router_fp32 else None,
+                quant=arch.quant,
             )
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype, shard.tp, arch.quant)

@@ -19,6 +19,9 @@ class ModelShard:
     moe_tp: ShardGroup = SINGLE  # each routed expert's intermediate dimension
     # every rank of the pipeline stage: what an EP dispatcher's partial sums are reduced over (reduce_dispatch.py)
     stage_axis: ShardGroup = SINGLE
+    # attention data parallelism: the replicas of the stage, each with its own tokens (SINGLE without it); the MoE
+    # layers gather their tokens over it (moe_infer/layers/moe.py)
+    dp: ShardGroup = SINGLE
     layer_start: int = 0
     layer_end: Optional[int] = None  # None: to the last layer
     is_first_stage: bool = True

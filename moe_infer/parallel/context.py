@@ -128,7 +128,8 @@ class ParallelContext:
         if tp.communicates and moe_tp.communicates and (dist.get_process_group_ranks(tp.group)
                                                         == dist.get_process_group_ranks(moe_tp.group)):
             moe_tp = tp  # the same ranks: the MoE layer then sums routed and shared experts in one all-reduce
-        return ModelShard(tp=tp, moe_tp=moe_tp, stage_axis=self.stage_axis(tp), layer_start=start, layer_end=end,
+        return ModelShard(tp=tp, moe_tp=moe_tp, stage_axis=self.stage_axis(tp), dp=self.dp_axis(),
+                          layer_start=start, layer_end=end,
                           is_first_stage=self.is_first_stage,
                           is_last_stage=self.is_last_stage, stage=self.stage, num_stages=self.dims.pp)
 
@@ -184,14 +185,33 @@ class ParallelContext:
         dispatcher.per_layer = bool(dispatcher.layer_placements) or self.cfg.enable_eplb
         return dispatcher
 
+    def dp_axis(self) -> ShardGroup:
+        """The attention replicas of this rank's stage (the ranks of its tp index) where each runs its own requests
+        (parallel.dp_attention), else SINGLE."""
+        if not self.dims.dp_attention or not self.is_distributed:
+            return SINGLE
+        if self.dims.dp == self.dims.stage_size:  # tp = 1: the replicas are the stage, one communicator for both
+            return self.stage_axis()
+        return self._axis(self.mesh, "dp", self.dims.dp)
+
+    @property
+    def replica(self) -> int:
+        """This rank's attention replica within its stage (0 without dp_attention)."""
+        return self.dims.coords(self.rank)[1] // self.dims.tp if self.dims.dp_attention else 0
+
     def stage_axis(self, tp: Optional[ShardGroup] = None) -> ShardGroup:
-        """Every rank of this rank's stage as one axis: the tensor-parallel axis itself where it spans the stage, so
+        """Every rank of this rank's stage as one axis: the tensor-parallel axis itself where it spans the stage (the
+        replicas' axis where they do, under attention data parallelism), so
         that a step's graphs hold the collectives of one communicator (NCCL has seen CUDA deadlock when graphs
         holding several communicators' operations are launched from one thread)."""
         if self._stage_axis is None:
             tp = self._axis(self.mesh, "tp", self.dims.tp) if tp is None else tp
-            self._stage_axis = (tp if tp.size == self.dims.stage_size else
-                                self._axis(self.stage_mesh, "stage", self.dims.stage_size))
+            if tp.size == self.dims.stage_size:
+                self._stage_axis = tp
+            elif self.dims.dp_attention and self.dims.dp == self.dims.stage_size:  # the replicas span the stage
+                self._stage_axis = self._axis(self.mesh, "dp", self.dims.dp)
+            else:
+                self._stage_axis = self._axis(self.stage_mesh, "stage", self.dims.stage_size)
         return self._stage_axis
 
     def stage_broadcast(self, tensor: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ pipeline stage has S = lcm(tp, ep) ranks, laid out row-major (rank = stage * S +
 
     mesh        (pp, dp, tp)       attention, dense MLPs, shared experts, embedding and LM head:
                                    heads / intermediate / vocab split over "tp"; dp = S / tp
-                                   replicas run the same requests (tp < ep)
+                                   attention replicas (tp < ep): they run the same requests, or each its
+                                   own with `dp_attention` (below)
     moe_mesh    (pp, moe_tp, ep)   routed experts: split over "ep" (which spans the tp and dp ranks
                                    of the stage, as vLLM and SGLang do); each expert's intermediate
                                    dimension F split over moe_tp = S / ep ranks (ep = 1, tp > 1:
@@ -15,9 +16,21 @@ pipeline stage has S = lcm(tp, ep) ranks, laid out row-major (rank = stage * S +
                                    from stage s to s + 1 along it); "stage": every rank of a stage
 
 The world must be exactly pp * S ranks: more would run duplicate engines, fewer cannot hold the
-layout. Attention data parallelism (replicas with their own requests) is not built: dp > 1 only
-appears when ep > tp, and those replicas share the requests (the EP dispatcher then routes 1/ep of
-the tokens on each rank).
+layout. dp > 1 only appears when ep > tp. By default the dp replicas share the requests (every rank of
+the stage holds the same T tokens). With `dp_attention` (SGLang's DP attention) replica r runs its own
+requests with its own KV cache (block ids local to it); every replica's step segment is padded to the
+same T rows so that all ranks replay the same graph bucket. What crosses per step and MoE layer, T rows of
+D values a replica:
+
+    before the experts    all-gather over "dp" of the replicas' hidden states: (dp - 1) * T * D values
+                          received a rank (and the padding mask, T bytes a replica, once a forward)
+    after the experts     reduce-scatter over the stage into its S ranks (replica-major), each replica's
+                          T rows then all-gathered over its "tp" ranks: about (S - 1) / S * dp*T*D +
+                          (tp - 1) / tp * T*D values sent a rank, where the all-reduce without it sends
+                          2 (S - 1) / S * T*D of dp times fewer tokens
+    step inputs           every replica's segment (the driver's one broadcast, dp x one replica's bytes)
+    sampling              the sampling rows' hidden states (a replica's padded count x D), gathered over "dp";
+                          replica 0 computes the LM head of every replica's rows and the driver samples
 """
 from __future__ import annotations
 
@@ -34,6 +47,7 @@ class ParallelDims:
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    dp_attention: bool = False  # each attention replica runs its own requests (needs dp > 1)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "ep"):
@@ -45,6 +59,11 @@ class ParallelDims:
                 f"lcm(parallel.tp={self.tp}, parallel.ep={self.ep})={self.stage_size} needs {self.pp * self.stage_size}: "
                 f"start {self.pp * self.stage_size} (torchrun --nnodes N --nproc-per-node G with N*G = "
                 f"{self.pp * self.stage_size}) or change the parallel sizes")
+        if self.dp_attention and self.dp == 1:
+            raise ValueError(
+                f"parallel.dp_attention=true needs attention replicas (dp = lcm(tp, ep) / tp > 1), but "
+                f"parallel.tp={self.tp}, parallel.ep={self.ep} give dp={self.dp}: raise ep above tp (e.g. ep = "
+                f"{2 * self.tp}) or turn dp_attention off")
 
     @property
     def stage_size(self) -> int:
@@ -53,7 +72,7 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Attention replicas per stage (running the same requests)."""
+        """Attention replicas per stage (running the same requests, or each its own with dp_attention)."""
         return self.stage_size // self.tp
 
     @property
@@ -64,6 +83,11 @@ class ParallelDims:
     @property
     def is_single(self) -> bool:
         return self.world_size == 1
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas with requests of their own: dp with dp_attention, else 1."""
+        return self.dp if self.dp_attention else 1
 
     def coords(self, rank: int) -> Tuple[int, int]:
         """(stage, index within the stage) of a global rank."""

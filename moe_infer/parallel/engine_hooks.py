@@ -49,6 +49,8 @@ def init_engine_parallel(cfg: EngineConfig, model_path: Optional[str] = None) ->
     if cfg.offload.store != "resident" and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         raise ValueError(f"offload.store={cfg.offload.store!r} with parallel.tp={cfg.parallel.tp}, parallel.pp="
                          f"{cfg.parallel.pp}: offloaded experts work with expert parallelism only (tp = pp = 1)")
+    if cfg.parallel.dp_attention:
+        _check_dp_attention(cfg)
     check = asdict(cfg)
     if model_path is not None and os.path.isdir(model_path):
         check["model"]["path"] = checkpoint_fingerprint(model_path)
@@ -56,6 +58,24 @@ def init_engine_parallel(cfg: EngineConfig, model_path: Optional[str] = None) ->
     if ctx.is_distributed:
         quiet_follower_logs(ctx.rank)  # the start-up notes that follow: rank 0's only
     return ctx
+
+
+def _check_dp_attention(cfg: EngineConfig) -> None:
+    """What attention data parallelism runs with (the replicas' tokens meet in the reduce dispatcher)."""
+    p = cfg.parallel
+    why = None
+    if p.dispatcher not in ("auto", "reduce"):
+        why = f"parallel.dispatcher={p.dispatcher} (it runs the reduce dispatcher: auto or reduce)"
+    elif cfg.offload.store != "resident":
+        why = f"offload.store={cfg.offload.store} (resident experts only)"
+    elif cfg.routing.policy != "dropless":
+        why = f"routing.policy={cfg.routing.policy} (a capacity over the gathered rows would count the padding rows)"
+    elif cfg.routing.trace:
+        why = "routing.trace=true (the recorder sees one replica's rows)"
+    elif p.enable_eplb:
+        why = "parallel.enable_eplb=true (not supported yet)"
+    if why is not None:
+        raise ValueError(f"parallel.dp_attention=true does not run with {why}")
 
 
 def expert_dispatcher(ctx: ParallelContext, cfg: EngineConfig, model_path: str) -> Optional[LocalDispatcher]:

@@ -58,6 +58,8 @@ def serve(ctx: Any, runner: Any) -> List[Any]:
                 if not first:
                     hidden_in = runner.hidden_input(path, inputs)
                     channel.recv_hidden(hidden_in, ctx.prev_rank)
+                if reqs is not None and runner.decoder.replica_samples:  # attention data parallelism
+                    inputs = runner.with_replica_samples(inputs, runner.decoder.replica_samples)
                 runner.before_forward(inputs, msg.flags)
                 hidden_TD, logits_TV = runner.forward_step(inputs, hidden_in)
                 sampled = runner.sample(inputs, hidden_TD, reqs, logits_TV) if last else None

@@ -23,7 +23,9 @@ waiting for it; the inputs, about 25 bytes a token + 8 a sequence + 4 a block-ta
 decode step at batch 64 with 4k-token tables: ~70 KB), broadcast by the replayed graphs themselves on the first
 stage (a step run eagerly broadcasts them before its forward); with pipeline stages the inputs and the hidden
 states, T x D values, per stage boundary. The layers' collectives (TP all-reduces, EP reductions) are inside the
-graphs.
+graphs. Under attention data parallelism (parallel.dp_attention) the inputs are one segment per replica, each padded
+to the same sizes (dp x the bytes; moe_infer/engine/dp_inputs.py), and the sampling rows' hidden states (S x D a
+replica) are all-gathered over the replicas for replica 0's LM head and the driver's sampler.
 
 A step whose forward raises on the first stage fails that plan's requests only (`StepFailed`; the
 other ranks of the stage log it and go on). A failed collective or transfer is a `MeshError`: the

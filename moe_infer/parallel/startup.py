@@ -64,6 +64,8 @@ def init(cfg: ParallelConfig, device: str = "auto", config_to_check: Any = None)
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     needed = needed_processes(cfg)
+    if cfg.dp_attention:  # raises, naming the sizes, where there are no attention replicas (dp = 1)
+        ParallelDims(needed, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep, dp_attention=True)
     if world_size == 1 and needed == 1 and not cfg.force_mesh:
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            ("cpu" if device == "auto" else device))
@@ -82,7 +84,8 @@ def init(cfg: ParallelConfig, device: str = "auto", config_to_check: Any = None)
 def _start(cfg: ParallelConfig, device: str, rank: int, world_size: int, local_rank: int, store: Any,
            config_to_check: Any) -> ParallelContext:
     """The process groups and meshes of this rank (store None: torchrun's environment rendezvous)."""
-    dims = ParallelDims(world_size, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep)  # raises naming the sizes on a mismatch
+    # raises naming the sizes on a mismatch
+    dims = ParallelDims(world_size, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep, dp_attention=cfg.dp_attention)
     dev = _device(device, local_rank)
     if not dist.is_initialized():
         kwargs = {} if store is None else dict(store=store, rank=rank, world_size=world_size)

@@ -1,9 +1,11 @@
 """A step's plan as it travels between the ranks: a fixed-size header on the host, the inputs on the device.
 
     header   int64 [HEADER_LEN], host   the step's sizes, its path (which buffers and graphs it runs), flags
-    host     int64 [num_host], host     what a sampler on another rank needs on the host: finished sequence ids
-                                        and, per sampling sequence, its id, prompt / output lengths and the token
-                                        history when it has penalties (empty when the driver samples: pp = 1)
+    host     int64 [num_host], host     what a sampler on another rank needs on the host: finished sequence ids,
+                                        the number of sampling sequences and, per sampling sequence, its id,
+                                        prompt / output lengths and the token history when it has penalties; under
+                                        attention data parallelism then each replica's number of sampling
+                                        sequences (empty when the driver samples: pp = 1)
     side     uint8 [num_side], host     a pickle of the SamplingParams of sequences that sampler has not seen
                                         yet: only in steps that start sampling a new request (and pp > 1)
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N tests/dist/mesh_worker.py SPEC_JSON OUT_JSON
 
-SPEC_JSON: {"cases": [{"family", "checkpoint", "tp", "pp", "ep", ...engine kwargs}]}; the cases whose
+SPEC_JSON: {"cases": [{"family", "checkpoint", "tp", "pp", "ep", ...engine kwargs, "workload"}]}; the cases whose
 mesh has N ranks run here, one engine each (rank 0 drives). Rank 0 writes per case the generated
 token ids, preemptions and chunked prefills to OUT_JSON; the test compares them with the single-rank
 engine. Every rank checks that it returned the driver's outputs.
@@ -47,9 +47,40 @@ def static_buffers(llm: LLM) -> None:
                                         last_rows=runner.last_rows, hidden_in=hidden_in, mesh=True)
 
 
-def generate(llm: LLM):
+# workload "dp" (attention data parallelism): more requests than one replica's batch (max_num_seqs 3 a replica),
+# shared prefixes for the prefix cache, requests that end at different steps (one replica idle in some steps)
+DP_PROMPTS = PROMPTS + [_SHARED + [50, 51, 52], [3, 1, 4, 1, 5], _SHARED[:9] + [99] * 6, [140, 7],
+                        _SHARED + [30, 31, 32, 33], list(range(60, 70))]
+DP_MAX_TOKENS = [12, 3, 9, 1, 14, 6, 2, 11, 5, 8]
+DP_ENGINE = dict(max_num_seqs=3, enable_prefix_caching=True, num_kv_blocks=20)
+
+
+def generate(llm: LLM, workload: str = "default"):
+    if workload == "dp":
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in DP_MAX_TOKENS]
+        return llm.generate([{"prompt_token_ids": p} for p in DP_PROMPTS], params, use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def engine_kwargs(workload: str = "default") -> dict:
+    return {**ENGINE, **(DP_ENGINE if workload == "dp" else {})}
+
+
+def count_rows(llm: LLM) -> list:
+    """A counter of the real rows (padding left out) the first layer of this rank's stage runs attention on: under
+    attention data parallelism, the rows of this rank's replica only."""
+    from moe_infer.layers.forward_context import current_forward_context
+
+    model = llm.engine.runner.model
+    counted = [0]
+
+    def hook(module, args):
+        valid = current_forward_context().valid_T
+        counted[0] += int(args[0].shape[0] if valid is None else valid.sum())
+
+    model.layers[model.local_layers[0]].self_attn.register_forward_pre_hook(hook)
+    return counted
 
 
 def main() -> int:
@@ -59,11 +90,13 @@ def main() -> int:
         cases = [c for c in json.load(f)["cases"] if world_of(c) == world]
     results = []
     for case in cases:
-        kwargs = {k: v for k, v in case.items() if k not in ("family", "checkpoint", "static_buffers")}
-        llm = LLM(model=case["checkpoint"], **{**ENGINE, **kwargs})
+        kwargs = {k: v for k, v in case.items() if k not in ("family", "checkpoint", "static_buffers", "workload")}
+        workload = case.get("workload", "default")
+        llm = LLM(model=case["checkpoint"], **{**engine_kwargs(workload), **kwargs})
         if case.get("static_buffers"):
             static_buffers(llm)
-        outs = generate(llm)
+        rows = count_rows(llm) if case.get("dp_attention") else None
+        outs = generate(llm, workload)
         runner = llm.engine.runner
         runs = [getattr(g, "runs", 0) for g in (runner.graphs, runner.extend_graphs)]
         sched = llm.engine.scheduler
@@ -71,7 +104,12 @@ def main() -> int:
         reasons = [o.outputs[0].finish_reason for o in outs]
         if rank == 0:
             results.append({"case": case, "tokens": tokens, "finish": reasons, "preemptions": sched.num_preemptions,
-                            "chunked": sched.num_chunked_prefills, "load": llm.get_expert_load()})
+                            "chunked": sched.num_chunked_prefills, "load": llm.get_expert_load(),
+                            "replica_tokens": getattr(sched, "num_scheduled_tokens", None),
+                            "prefix_hits": llm.engine.get_stats().num_prefix_hits,
+                            "replica_preemptions": [r.num_preemptions for r in getattr(sched, "replicas", [])]})
+        if rows is not None:  # the test parses it: this rank's replica ran these real rows
+            print(f"rank {rank} replica {llm.engine.parallel.replica} real rows {rows[0]}", flush=True)
         print(f"rank {rank} case {case['family']} tp={case['tp']} pp={case['pp']} ep={case['ep']}"
               f"{' static buffers' if case.get('static_buffers') else ''}: {len(outs)} outputs, buffer runs "
               f"{runs[0]} decode {runs[1]} prefill", flush=True)
