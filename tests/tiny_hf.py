@@ -199,6 +199,8 @@ def make_tiny_checkpoint(
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     sd = read_state_dict(out_dir)
+    if per_expert_names and family == "gpt_oss":
+        raise ValueError("GPT-OSS checkpoints have no per-expert naming")
     sd = _to_per_expert(sd, family) if per_expert_names else _to_fused(sd)
     _write_state(out_dir, sd, sharded)
     return out_dir
