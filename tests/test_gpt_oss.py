@@ -204,3 +204,22 @@ def test_mxfp4_dummy_weights(tmp_path):
     tokens = make_tokens(model.arch.vocab_size, seed=1)
     out = run_schedule(PagedSim(model, block_size=4, num_blocks=32), tokens, SCHEDULE)
     assert all(torch.isfinite(v).all() for v in out.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
+def test_mxfp4_engine_greedy_matches_transformers_cuda(tmp_path):
+    """The engine on CUDA (Triton attention with sinks and windows, the experts' per-call dequantization, attention
+    graphs of decode steps): greedy tokens of transformers' generate on the dequantized experts (float32)."""
+    from transformers import GenerationConfig
+
+    from moe_infer import LLM, SamplingParams
+
+    path, hf = _mxfp4_checkpoint(tmp_path, seed=5)
+    prompts = [list(range(40, 61)), [11, 12, 13, 14], list(range(3, 40))]
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = [hf.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(model=path, dtype="float32", device="cuda", block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref

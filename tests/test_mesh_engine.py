@@ -4,10 +4,10 @@ Layouts (tp, pp, ep): (2,1,1) is tensor-parallel MoE (each expert's F split), (1
 (2,1,2) experts over the tensor-parallel ranks, (1,2,2) stages of two attention replicas with experts
 over them, (2,2,2) all three, (4,1,4) more ranks than KV heads (replicated KV heads). Families: Mixtral
 and Qwen3-MoE in every layout; Qwen2-MoE (3 layers: an uneven pipeline split, a dense layer, a gated
-shared expert), OLMoE (whole-projection q/k norm over the ranks, a vocabulary padded to 4 ranks) and
+shared expert), OLMoE (whole-projection q/k norm over the ranks, a vocabulary padded to 4 ranks),
 DeepSeek-V3 (MLA heads split over tp, the latent cache replicated; a dense first layer) and GPT-OSS (sinks split
-with the heads, expert biases, alternating windows) in some. Every case runs with a cache small enough to preempt and a token budget that chunks every
-prompt. One torchrun launch per world size; about 2.5 CPU-minutes in all.
+with the heads, expert biases, alternating windows) in some. Every case runs with a cache small enough to preempt
+and a token budget that chunks every prompt. One torchrun launch per world size; about 2.5 CPU-minutes in all.
 """
 import json
 import os

@@ -245,3 +245,24 @@ def test_triton_matches_reference_gpu(dtype, new, cached, heavy_first):
     torch.testing.assert_close(out, ref, **tol)
     window = kernels.paged_attention_triton(*args[:-1], 256, heavy_first=heavy_first).float()  # a 256-key window
     torch.testing.assert_close(window, paged_attention_ref(*args[:-1], 256).float(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("new,cached", [
+    ([1] * 8, (4000, 17, 900, 1, 2047, 64, 333, 1500)),  # decode, long contexts: split-KV chosen
+    ([1, 300, 1, 77], (1500, 0, 31, 2000)),  # mixed: prefill chunks beside decodes
+])
+@pytest.mark.parametrize("window", [None, 128])
+def test_triton_sinks_gpt_oss_shape_gpu(dtype, new, cached, window):
+    """GPT-OSS's attention (H=64, Hkv=8, d=64, block 16; sliding layers: 128 keys) with sinks, against the float32
+    reference."""
+    kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
+    Nb = sum(-(-(c + n) // 16) for c, n in zip(cached, new)) + 8
+    args, _ = _case(64, 8, 16, window, new, cached=cached, d=64, Nb=Nb, dtype=dtype, seed=len(new))
+    args = tuple(a.cuda() if torch.is_tensor(a) else a for a in args)
+    sinks = _sinks(64, seed=1).cuda()
+    ref = paged_attention_ref(*args, sinks_H=sinks).float()
+    out = kernels.paged_attention_triton(*args, sinks_H=sinks).float()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref, **tol)
