@@ -41,6 +41,12 @@ CASES: Dict[str, Tuple[str, dict]] = {
                             "beta_fast": 32.0, "beta_slow": 1.0},
         "attention_bias": True, "rope_interleave": False, "first_k_dense_replace": 2, "num_hidden_layers": 4,
     }),
+    "gpt_oss": ("gpt_oss", {}),
+    # full layers first, then two sliding ones; a window of 3 keys; no attention biases
+    "gpt_oss_full_first": ("gpt_oss", {
+        "num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+        "sliding_window": 3, "attention_bias": False,
+    }),
 }
 
 

@@ -4,9 +4,10 @@ Layouts (tp, pp, ep): (2,1,1) is tensor-parallel MoE (each expert's F split), (1
 (2,1,2) experts over the tensor-parallel ranks, (1,2,2) stages of two attention replicas with experts
 over them, (2,2,2) all three, (4,1,4) more ranks than KV heads (replicated KV heads). Families: Mixtral
 and Qwen3-MoE in every layout; Qwen2-MoE (3 layers: an uneven pipeline split, a dense layer, a gated
-shared expert), OLMoE (whole-projection q/k norm over the ranks, a vocabulary padded to 4 ranks) and
-DeepSeek-V3 (MLA heads split over tp, the latent cache replicated; a dense first layer) in some. Every case runs with a cache small enough to preempt and a token budget that chunks every
-prompt. One torchrun launch per world size; about 2.5 CPU-minutes in all.
+shared expert), OLMoE (whole-projection q/k norm over the ranks, a vocabulary padded to 4 ranks),
+DeepSeek-V3 (MLA heads split over tp, the latent cache replicated; a dense first layer) and GPT-OSS (sinks split
+with the heads, expert biases, alternating windows) in some. Every case runs with a cache small enough to preempt
+and a token budget that chunks every prompt. One torchrun launch per world size; about 2.5 CPU-minutes in all.
 """
 import json
 import os
@@ -29,11 +30,12 @@ CHECKPOINTS = {  # family -> checkpoint overrides (2-3 layers, hidden 64)
     "qwen2_moe": dict(num_hidden_layers=3),
     "olmoe": dict(num_hidden_layers=2, vocab_size=162),
     "deepseek_v3": dict(num_hidden_layers=3),  # MLA heads split, latent cache replicated; a dense first layer
+    "gpt_oss": dict(num_hidden_layers=2),  # sinks split with the heads; expert biases (down bias once under moe_tp)
 }
 LAYOUTS = {  # (tp, pp, ep) -> families
-    (2, 1, 1): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"],
-    (1, 2, 1): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"],
-    (2, 1, 2): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"],
+    (2, 1, 1): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"],
+    (1, 2, 1): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"],
+    (2, 1, 2): ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"],
     (1, 2, 2): ["mixtral", "qwen3_moe"],
     (2, 2, 2): ["mixtral", "qwen3_moe"],
     (4, 1, 4): ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"],

@@ -19,9 +19,10 @@ def _state(model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_namings_and_shards_load_identical_weights(family, tmp_path):
     fused = load_model(make_tiny_checkpoint(family, tmp_path / "f", seed=7), torch.float32, "cpu")
-    per_expert = make_tiny_checkpoint(family, tmp_path / "p", seed=7, per_expert_names=True, sharded=True)
+    names = family != "gpt_oss"  # GPT-OSS checkpoints come with fused experts only: the shards alone differ
+    per_expert = make_tiny_checkpoint(family, tmp_path / "p", seed=7, per_expert_names=names, sharded=True)
     assert os.path.isfile(os.path.join(per_expert, "model.safetensors.index.json"))
-    assert any(".experts.0." in k for k in read_state_dict(per_expert))
+    assert any(".experts.0." in k for k in read_state_dict(per_expert)) == names
     other = load_model(per_expert, torch.float32, "cpu")
     a, b = _state(fused), _state(other)
     assert a.keys() == b.keys()

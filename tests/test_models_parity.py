@@ -48,7 +48,7 @@ def test_block_layout_does_not_matter(tmp_path):
         torch.testing.assert_close(a[s], c[s], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_bf16_tracks_transformers_bf16(case, tmp_path):
     """CPU bf16: our error vs the fp32 oracle stays within transformers' own bf16 error (see
     parity_cases.low_precision_errors; the same bound as the GPU test)."""

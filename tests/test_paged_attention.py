@@ -10,8 +10,9 @@ from moe_infer.layers.paged_attention import (
 )
 
 
-def _dense(q_LHd, k_LHd, v_LHd, start, scale, window):
-    """Queries at positions start..start+Lq-1 over keys 0..L-1 (GQA by repeating K/V)."""
+def _dense(q_LHd, k_LHd, v_LHd, start, scale, window, sinks_H=None):
+    """Queries at positions start..start+Lq-1 over keys 0..L-1 (GQA by repeating K/V); sinks_H: exp(sink) more
+    in each head's softmax denominator (written as HF's GPT-OSS eager attention does it: a concatenated column)."""
     H, Hkv = q_LHd.shape[1], k_LHd.shape[1]
     k = k_LHd.repeat_interleave(H // Hkv, dim=1)
     v = v_LHd.repeat_interleave(H // Hkv, dim=1)
@@ -22,6 +23,9 @@ def _dense(q_LHd, k_LHd, v_LHd, start, scale, window):
     if window is not None:
         mask &= qpos - kpos < window
     s = s.masked_fill(~mask, float("-inf"))
+    if sinks_H is not None:
+        col = sinks_H.float()[:, None, None].expand(-1, s.shape[1], 1)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(torch.cat([s, col], -1), -1)[..., :-1], v)
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
@@ -29,13 +33,14 @@ MIXED, DECODE, PREFILL = [1, 7, 2, 4], [1, 1, 1, 1], [3, 7, 2, 4]  # this step's
 
 
 def _triton(splits, heavy_first=None):
-    def attend(*args):
+    def attend(*args, **kw):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
         kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         return kernels.paged_attention_triton(*[a.to(dev) if torch.is_tensor(a) else a for a in args],
-                                              splits=splits, heavy_first=heavy_first).cpu()
+                                              splits=splits, heavy_first=heavy_first,
+                                              **{k: v.to(dev) for k, v in kw.items()}).cpu()
     attend.__name__ = f"triton_split{splits}" + ("" if heavy_first is None else f"_heavy_first_{heavy_first}")
     return attend
 
@@ -45,7 +50,7 @@ ATTENDS = [paged_attention_ref, paged_attention_sdpa, _triton(1), _triton(2), _t
            _triton(2, True), _triton(1, False)]
 
 
-def _case(H, Hkv, S, window, new, cached=(5, 0, 11, 3), d=8, Nb=40, dtype=torch.float32, seed=0):
+def _case(H, Hkv, S, window, new, cached=(5, 0, 11, 3), d=8, Nb=40, dtype=torch.float32, seed=0, sinks_H=None):
     """Caches (NaN where never written) with earlier tokens stored, this step's tokens stored (plus a
     padding slot), the attention arguments, and the dense reference of every query."""
     torch.manual_seed(seed)
@@ -78,7 +83,7 @@ def _case(H, Hkv, S, window, new, cached=(5, 0, 11, 3), d=8, Nb=40, dtype=torch.
         torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32),
         torch.cat(pos), d ** -0.5, max(new), max(c + n for c, n in zip(cached, new)), window,
     )
-    ref = torch.cat([_dense(q.float(), k.float(), v.float(), c, d ** -0.5, window)
+    ref = torch.cat([_dense(q.float(), k.float(), v.float(), c, d ** -0.5, window, sinks_H)
                      for q, k, v, c in zip(qs, ks, vs, cached)])
     return args, ref
 
@@ -102,6 +107,34 @@ def test_triton_split_kv_over_long_contexts(splits, new, window):
     """Contexts of up to 90 keys: with 16-key tiles on CPU every split holds keys (the merge is exercised)."""
     args, ref = _case(8, 2, 8, window, new, cached=(40, 3, 89), d=16, Nb=32, seed=splits)
     torch.testing.assert_close(_triton(splits)(*args), ref, atol=1e-5, rtol=1e-5)
+
+
+def _sinks(H, seed):
+    """Sink logits from far below the scores to far above them (the kernels rescale by the larger)."""
+    return (torch.linspace(-6.0, 9.0, H)[torch.randperm(H, generator=torch.Generator().manual_seed(seed))]).contiguous()
+
+
+@pytest.mark.parametrize("H,Hkv,S,window,new", [
+    (4, 2, 4, None, MIXED), (8, 1, 5, 4, MIXED), (4, 2, 4, 3, DECODE), (8, 2, 3, None, PREFILL),
+    (8, 2, 4, 6, [17, 1, 33, 9]),
+])
+@pytest.mark.parametrize("attend", ATTENDS, ids=lambda f: f.__name__)
+def test_sinks_match_dense(H, Hkv, S, window, new, attend):
+    """GPT-OSS's attention sinks (a logit per head in the denominator), with and without a sliding window."""
+    sinks = _sinks(H, seed=H + S)
+    args, ref = _case(H, Hkv, S, window, new, seed=H * 10 + S + 1, sinks_H=sinks)
+    torch.testing.assert_close(attend(*args, sinks_H=sinks), ref, atol=1e-5, rtol=1e-5)
+    _, ref_plain = _case(H, Hkv, S, window, new, seed=H * 10 + S + 1)
+    assert not torch.allclose(ref, ref_plain, atol=1e-3)  # the sinks change the output
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 20])
+def test_triton_split_kv_with_sinks(splits, window):
+    """The split merge adds the sinks once (a split that saw no key of a window included)."""
+    sinks = _sinks(8, seed=splits)
+    args, ref = _case(8, 2, 8, window, [1, 1, 1], cached=(40, 3, 89), d=16, Nb=32, seed=splits, sinks_H=sinks)
+    torch.testing.assert_close(_triton(splits)(*args, sinks_H=sinks), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_store_kv_skips_padding_slots():
@@ -212,3 +245,24 @@ def test_triton_matches_reference_gpu(dtype, new, cached, heavy_first):
     torch.testing.assert_close(out, ref, **tol)
     window = kernels.paged_attention_triton(*args[:-1], 256, heavy_first=heavy_first).float()  # a 256-key window
     torch.testing.assert_close(window, paged_attention_ref(*args[:-1], 256).float(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("new,cached", [
+    ([1] * 8, (4000, 17, 900, 1, 2047, 64, 333, 1500)),  # decode, long contexts: split-KV chosen
+    ([1, 300, 1, 77], (1500, 0, 31, 2000)),  # mixed: prefill chunks beside decodes
+])
+@pytest.mark.parametrize("window", [None, 128])
+def test_triton_sinks_gpt_oss_shape_gpu(dtype, new, cached, window):
+    """GPT-OSS's attention (H=64, Hkv=8, d=64, block 16; sliding layers: 128 keys) with sinks, against the float32
+    reference."""
+    kernels = pytest.importorskip("moe_infer.kernels.paged_attention")
+    Nb = sum(-(-(c + n) // 16) for c, n in zip(cached, new)) + 8
+    args, _ = _case(64, 8, 16, window, new, cached=cached, d=64, Nb=Nb, dtype=dtype, seed=len(new))
+    args = tuple(a.cuda() if torch.is_tensor(a) else a for a in args)
+    sinks = _sinks(64, seed=1).cuda()
+    ref = paged_attention_ref(*args, sinks_H=sinks).float()
+    out = kernels.paged_attention_triton(*args, sinks_H=sinks).float()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref, **tol)

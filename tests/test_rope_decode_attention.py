@@ -69,21 +69,21 @@ def _case(contexts, H, Hkv, d, S, dtype, norm, seed=0, pad_rows=1, Nb=48):
                 max_seq_len=max(contexts) + 1, norm_kw=norm_kw, B=B)
 
 
-def _fused(c, window=None, splits=None, block_n=None):
+def _fused(c, window=None, splits=None, block_n=None, **sinks):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     out = kernels.rope_decode_attention(
         c["q"], c["k"], c["v"], c["positions"], c["cos_sin"], kc, vc, c["slots"], c["tables"], c["seq_lens"],
         c["query_start"], c["q"].shape[-1] ** -0.5, c["max_seq_len"], window, splits=splits, block_n=block_n,
-        **c["norm_kw"])
+        **c["norm_kw"], **sinks)
     return out, kc, vc
 
 
-def _references(c, window=None):
+def _references(c, window=None, **sinks):
     """rope_store_kv_ref, then paged_attention_ref (float32 math), each on its own copy of the caches."""
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     q = rope_store_kv_ref(c["q"], c["k"], c["v"], c["positions"], c["cos_sin"], kc, vc, c["slots"], **c["norm_kw"])
     out = paged_attention_ref(q, kc, vc, c["tables"], c["seq_lens"], c["query_start"], c["positions"],
-                              c["q"].shape[-1] ** -0.5, 1, c["max_seq_len"], window)
+                              c["q"].shape[-1] ** -0.5, 1, c["max_seq_len"], window, **sinks)
     return out, kc, vc, q
 
 
@@ -135,6 +135,20 @@ def test_splits_over_long_contexts(splits, block_n, window):
     c = _case([40, 3, 89, 64], 8, 2, 16, 8, torch.float32, "head", seed=splits)
     out, kc, vc = _fused(c, window, splits=splits, block_n=block_n)
     want, kc_ref, vc_ref, _ = _references(c, window)
+    assert _same(kc, kc_ref) and _same(vc, vc_ref)
+    torch.testing.assert_close(out[:c["B"]], want[:c["B"]], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 20])
+def test_sinks(splits, window):
+    """GPT-OSS's attention sinks (a logit per head in the denominator; from below to above the scores), in one
+    program's normalisation and in the split merge, against the reference (whose sinks tests/test_paged_attention.py
+    checks against a dense softmax)."""
+    c = _case([40, 3, 89, 64], 8, 2, 16, 8, torch.float32, "none", seed=splits + 7)
+    sinks_H = torch.linspace(-6.0, 9.0, 8, device=DEV)[torch.tensor([3, 0, 7, 5, 1, 6, 2, 4])].contiguous()
+    out, kc, vc = _fused(c, window, splits=splits, block_n=16, sinks_H=sinks_H)
+    want, kc_ref, vc_ref, _ = _references(c, window, sinks_H=sinks_H)
     assert _same(kc, kc_ref) and _same(vc, vc_ref)
     torch.testing.assert_close(out[:c["B"]], want[:c["B"]], atol=2e-5, rtol=2e-5)
 

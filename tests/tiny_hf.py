@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 _COMMON = dict(
     vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -54,6 +54,14 @@ _FAMILY_KWARGS: Dict[str, dict] = {
         first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=12, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
     ),
+    # GPT-OSS: sliding-window (5) and full layers alternating, attention sinks, q/k/v/o biases, router and expert
+    # biases; a SwiGLU clamp of 2.0 (7.0 in the release) so that the clamp acts on these random weights; YaRN as the
+    # release configures it (its factor and original length scaled down)
+    "gpt_oss": dict(
+        intermediate_size=32, num_local_experts=6, head_dim=16, sliding_window=5, swiglu_limit=2.0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+    ),
 }
 
 
@@ -67,6 +75,7 @@ def _hf_classes(family: str):
         "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
         "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
         "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     }
     if family not in names:
         raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
@@ -83,8 +92,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                fan_in = p.shape[-1]
+            else:  # GPT-OSS stores its experts [E, in, out]
+                fan_in = p.shape[-2] if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and \
+                    "GptOss" in type(model).__name__ else p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / fan_in**0.5))
         for name, b in model.named_buffers():  # DeepSeek-V3: a bias that changes which experts are chosen
             if name.endswith("e_score_correction_bias"):
@@ -189,6 +199,8 @@ def make_tiny_checkpoint(
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     sd = read_state_dict(out_dir)
+    if per_expert_names and family == "gpt_oss":
+        raise ValueError("GPT-OSS checkpoints have no per-expert naming")
     sd = _to_per_expert(sd, family) if per_expert_names else _to_fused(sd)
     _write_state(out_dir, sd, sharded)
     return out_dir

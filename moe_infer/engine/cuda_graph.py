@@ -56,10 +56,12 @@ def gpu_note_level(device: torch.device) -> int:
     return logging.DEBUG if device.type == "cpu" else logging.INFO
 
 
-def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True, mesh: bool = False) -> Optional[str]:
+def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True, mesh: bool = False,
+                  model=None) -> Optional[str]:
     """Why decode steps of this engine cannot be replayed as CUDA graphs; None when they can.
     whole_step=False: why their attention parts cannot (engine/layer_graphs.py: the MoE layers eager).
-    mesh: the engine runs under a mesh (its collectives are captured in the graphs: moe_infer/parallel/pipeline.py)."""
+    mesh: the engine runs under a mesh (its collectives are captured in the graphs: moe_infer/parallel/pipeline.py).
+    model: the engine's model, whose MoE layers say whether the fused experts path can run them."""
     from moe_infer.experts.reference import EXPERT_BACKENDS
 
     if device.type != "cuda":
@@ -83,6 +85,9 @@ def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True, 
         return f"routing.policy={backends.policy} (its capacity would count the padding rows)"
     if getattr(EXPERT_BACKENDS.get(backends.experts), "fused_experts", None) is None:
         return f"experts backend {backends.experts!r} syncs with the host"
+    if model is not None and not all(layer.can_fuse_experts for layer in model.moe_layers()):
+        return ("the model's experts (biases, GPT-OSS's clamped SwiGLU or mxfp4 weights) run the experts backend's "
+                "per-call path, which syncs with the host")
     return None
 
 

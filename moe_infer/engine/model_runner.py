@@ -132,7 +132,8 @@ class ModelRunner:
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
         """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
-        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed)
+        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed,
+                               model=self.model)
         if why_not:
             logger.log(gpu_note_level(self.device), "decode steps run eagerly: %s", why_not)
             return None
@@ -173,7 +174,8 @@ class ModelRunner:
         capacity policy, an experts backend that syncs): graphs of each layer's attention part
         (moe_infer/engine/layer_graphs.py)."""
         if self.graphs is not None or self.dp.communicates or graph_blocker(
-                self.cfg, self.device, self.backends, whole_step=False, mesh=self.parallel.is_distributed):
+                self.cfg, self.device, self.backends, whole_step=False, mesh=self.parallel.is_distributed,
+                model=self.model):
             return None
         logger.info("decode steps replay each layer's attention part as a CUDA graph, the MLPs eagerly")
         return LayerGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
@@ -189,7 +191,8 @@ class ModelRunner:
         layer_attn = self.model.layers[self.model.local_layers[0]].self_attn
         attn = layer_attn.backend
         static = getattr(layer_attn, "static_launch", None)  # MLA layers say it themselves
-        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed)
+        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed,
+                               model=self.model)
         if why_not is None and max_tokens == 0:
             why_not = "model.cuda_graph_max_tokens=0"
         if why_not is None and not (static if static is not None

@@ -89,6 +89,8 @@ def moe_config_of(moe_layers: Sequence, experts_backend) -> Callable[[int], Hash
         return lambda T: None
     shapes = {}
     for layer in moe_layers:
+        if not getattr(layer, "can_fuse_experts", True):  # the backend's per-call path (GPT-OSS): no variants
+            continue
         w13_E2FD = layer.store.weights()[0]
         shapes.setdefault((layer.spec.top_k, tuple(w13_E2FD.shape), w13_E2FD.dtype), (layer.spec.top_k, w13_E2FD))
     return lambda T: tuple(launch_variant(T, k, w13) for k, w13 in shapes.values())

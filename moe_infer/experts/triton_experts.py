@@ -14,8 +14,11 @@ Legend: R dispatched rows, D hidden, F expert intermediate, E local experts.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from moe_infer.experts.activation import ExpertExtras
 from moe_infer.experts.local_dispatch import DispatchMetadata
 from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch
 from moe_infer.quant import FP8
@@ -30,10 +33,13 @@ def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 @EXPERT_BACKENDS.register("triton")
 def experts_triton(
-    x_RD: torch.Tensor, meta: DispatchMetadata, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor
+    x_RD: torch.Tensor, meta: DispatchMetadata, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
+    extras: Optional[ExpertExtras] = None,
 ) -> torch.Tensor:
-    if w13_E2FD.dtype == FP8:  # rows an all-to-all dispatcher gathered: each expert dequantized for the call
-        return experts_torch(x_RD, meta, w13_E2FD, w2_EDF)
+    # rows an all-to-all dispatcher gathered of quantized experts (each dequantized for the call), or experts with
+    # biases / another activation (GPT-OSS), which the kernels do not apply: the reference loop
+    if getattr(w13_E2FD, "quant", None) is not None or extras is not None:
+        return experts_torch(x_RD, meta, w13_E2FD, w2_EDF, extras)
     R = x_RD.shape[0]
     E = w13_E2FD.shape[0]
     y_RD = torch.zeros_like(x_RD)

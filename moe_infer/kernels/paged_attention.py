@@ -95,14 +95,29 @@ def split_workspace(out_THd: torch.Tensor, n_split: int, max_seq_len: int, block
 
 
 def merge_splits(part_STHd: torch.Tensor, m_STH: torch.Tensor, l_STH: torch.Tensor, out_THd: torch.Tensor,
-                 head_d: int) -> None:
-    """out_THd <- the split-KV partial outputs merged (`paged_attention_reduce_kernel`; head_d: the padded width)."""
+                 head_d: int, sinks_H: Optional[torch.Tensor] = None) -> None:
+    """out_THd <- the split-KV partial outputs merged (`paged_attention_reduce_kernel`; head_d: the padded width;
+    sinks_H: the heads' sink logits, added to the denominators)."""
     T, H, d = out_THd.shape
     paged_attention_reduce_kernel[(T, H)](
         part_STHd, m_STH, l_STH, out_THd, part_STHd.stride(0), part_STHd.stride(1), part_STHd.stride(2),
         m_STH.stride(0), m_STH.stride(1), out_THd.stride(0), out_THd.stride(1),
         NUM_SPLITS=part_STHd.shape[0], HEAD_D=head_d, D=d, num_warps=4, **use_pdl(out_THd, PDL_ENV),
+        **sinks_args(sinks_H),
     )
+
+
+def sinks_args(sinks_H: Optional[torch.Tensor]) -> dict:
+    """The kernels' sink arguments: none without sinks (the kernels' defaults), else the pointer and HAS_SINKS."""
+    return {} if sinks_H is None else {"sinks_ptr": sinks_H, "HAS_SINKS": True}
+
+
+def check_sinks(sinks_H: Optional[torch.Tensor], H: int, device: torch.device) -> None:
+    if sinks_H is None:
+        return
+    _check(tuple(sinks_H.shape) == (H,) and sinks_H.is_contiguous(),
+           f"sinks {tuple(sinks_H.shape)} must be one contiguous logit per query head ({H})")
+    _check(sinks_H.device == device, f"sinks are on {sinks_H.device}, q on {device}")
 
 
 def heavy_tiles_first(num_q_tiles: int, batch_kv_programs: int, num_sms: int) -> bool:
@@ -115,10 +130,11 @@ def heavy_tiles_first(num_q_tiles: int, batch_kv_programs: int, num_sms: int) ->
 def paged_attention_triton(
     q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, block_tables_BM: torch.Tensor,
     seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor, positions_T: torch.Tensor, scale: float,
-    max_query_len: int, max_seq_len: int, sliding_window: Optional[int] = None, splits: Optional[int] = None,
-    heavy_first: Optional[bool] = None,
+    max_query_len: int, max_seq_len: int, sliding_window: Optional[int] = None, sinks_H: Optional[torch.Tensor] = None,
+    splits: Optional[int] = None, heavy_first: Optional[bool] = None,
 ) -> torch.Tensor:
-    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 softmax).
+    """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 softmax); sinks_H: a
+    logit per query head in each softmax's denominator (GPT-OSS).
 
     positions_T is not read: a sequence's step tokens are its last positions (seq_lens_B - q_len ...),
     which is what the model runner builds. splits, heavy_first: force a split count, a program order (tests);
@@ -137,6 +153,7 @@ def paged_attention_triton(
     for name, t in (("k_cache", k_cache_NbSHd), ("v_cache", v_cache_NbSHd), ("block_tables", block_tables_BM),
                     ("seq_lens", seq_lens_B), ("query_start_loc", query_start_loc_B1)):
         _check(t.device == q_THd.device, f"{name} is on {t.device}, q on {q_THd.device}")
+    check_sinks(sinks_H, H, q_THd.device)
     _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
            f"the Triton paged attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
     out_THd = torch.empty_like(q_THd)
@@ -162,8 +179,8 @@ def paged_attention_triton(
     grid = (B * Hkv, num_q_tiles * n_split) if heavy_first else (B, num_q_tiles * n_split, Hkv)
     paged_attention_kernel[grid](
         q_THd, k_cache_NbSHd, v_cache_NbSHd, out_THd, part_STHd, m_STH, l_STH,
-        block_tables_BM, seq_lens_B, query_start_loc_B1, float(scale), int(sliding_window or 0),
-        q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
+        block_tables_BM, seq_lens_B, query_start_loc_B1, q_THd if sinks_H is None else sinks_H, float(scale),
+        int(sliding_window or 0), q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
         k_cache_NbSHd.stride(0), k_cache_NbSHd.stride(1), k_cache_NbSHd.stride(2),
         v_cache_NbSHd.stride(0), v_cache_NbSHd.stride(1), v_cache_NbSHd.stride(2),
         block_tables_BM.stride(0),
@@ -174,8 +191,8 @@ def paged_attention_triton(
         NUM_SPLITS=n_split, HEAVY_FIRST=heavy_first, HAS_WINDOW=sliding_window is not None,
         DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
-        num_warps=warps, **use_pdl(q_THd, PDL_ENV),
+        HAS_SINKS=sinks_H is not None, num_warps=warps, **use_pdl(q_THd, PDL_ENV),
     )
     if n_split > 1:
-        merge_splits(part_STHd, m_STH, l_STH, out_THd, head_d)
+        merge_splits(part_STHd, m_STH, l_STH, out_THd, head_d, sinks_H)
     return out_THd

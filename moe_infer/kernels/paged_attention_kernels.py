@@ -21,6 +21,11 @@ by side, and the short tiles fill in behind them instead of trailing them (one 1
 Qwen3-30B-A3B's heads on an H100: 49.6 -> 34.4 us). Many waves (a batch of prompts) keep the plain
 order, which measured faster there (16 x 1024: 536 vs 603 us).
 
+Attention sinks (GPT-OSS, HAS_SINKS): each query head's learned logit joins the softmax's denominator; the
+kernels add exp(sink) when they normalise (`_store_rows`, or the split merge), rescaled by the running maximum.
+A sliding window (HAS_WINDOW) starts the key loop at the window's first tile: blocks wholly before the window are
+never read (the block table still holds them; see docs/models.md on the memory).
+
 Split-KV (decode of long contexts): with NUM_SPLITS > 1 the program of split s handles keys
 [s * SPLIT_N, (s + 1) * SPLIT_N) and writes its unnormalised partial output, row max and row sum to
 a float32 workspace; `paged_attention_reduce_kernel` merges the splits.
@@ -41,7 +46,7 @@ from moe_infer.kernels.pdl import pdl_enter
 @triton.jit(do_not_specialize=["stride_bt", "stride_ps", "stride_ms"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
     scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -50,7 +55,7 @@ def paged_attention_kernel(
     G: tl.constexpr, HKV: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     if HEAVY_FIRST:  # grid (B * Hkv, query tiles * NUM_SPLITS): see the module docstring
         b = tl.program_id(0) // HKV
@@ -88,7 +93,8 @@ def paged_attention_kernel(
         window, scale, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         SPLIT_N, PAGE, BLOCK_M, BLOCK_N, HEAD_D, NUM_SPLITS, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
     _store_rows(acc, m_i, l_i, out_ptr, part_ptr, m_part_ptr, l_part_ptr, q_start + tok, head, row_ok, split, offs_d,
-                d_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS)
+                d_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS,
+                sinks_ptr, HAS_SINKS)
 
 
 @triton.jit
@@ -134,10 +140,18 @@ def _attend_keys(
 def _store_rows(
     acc, m_i, l_i, out_ptr, part_ptr, m_part_ptr, l_part_ptr, t, head, row_ok, split, offs_d, d_ok,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS: tl.constexpr,
+    sinks_ptr, HAS_SINKS: tl.constexpr,
 ):
     """The rows' output (tokens t, heads head) normalised into out, or with NUM_SPLITS > 1 their partial sums,
-    row maxima and row sums into the split's workspace."""
+    row maxima and row sums into the split's workspace (the merge adds the sinks then). HAS_SINKS: each head's sink
+    logit joins the softmax's denominator (exp(sink), no value)."""
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)  # log2 units, as m_i
+            alpha = tl.exp2(m_i - m_all)  # 0 for a row that saw no key
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_all)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -153,8 +167,10 @@ def paged_attention_reduce_kernel(
     part_ptr, m_part_ptr, l_part_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, HEAD_D: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr,
+    sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
-    """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits (m = max_s m_s, log2 units)."""
+    """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits (m = max_s m_s, log2 units);
+    HAS_SINKS: 2^(sink - m) more in the denominator (m then the max of the m_s and the sink)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -162,6 +178,9 @@ def paged_attention_reduce_kernel(
     m_s = tl.load(m_part_ptr + offs_s * stride_ms + t * stride_mt + h)
     l_s = tl.load(l_part_ptr + offs_s * stride_ms + t * stride_mt + h)
     m = tl.max(m_s, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w_s = tl.exp2(m_s - m)  # 0 for a split that saw no key (m_s = -inf)
     offs_d = tl.arange(0, HEAD_D)
@@ -170,6 +189,8 @@ def paged_attention_reduce_kernel(
                   mask=d_ok[None, :], other=0.0)
     num = tl.sum(acc * w_s[:, None], 0)
     den = tl.sum(l_s * w_s, 0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
     out = num / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 

@@ -12,7 +12,8 @@ token's k of its KV head and writes k and v at the token's slot (slot < 0, a pad
 barrier so that its own threads read the new key back from the cache. The other programs never read that key.
 
 Covered: head_dim a power of two, q/k norm "none" or "head" (Qwen3); the caller keeps the two kernels for "proj"
-norms (OLMoE: a norm over all H heads), other head sizes and steps with prefill chunks (`supports`).
+norms (OLMoE: a norm over all H heads), other head sizes and steps with prefill chunks (`supports`). Attention
+sinks (GPT-OSS) as in `paged_attention_kernel`.
 
 Legend: T query tokens (= B sequences with one each, padding rows included), H query heads, Hkv KV heads,
 G = H / Hkv, d head_dim, P table positions, M max blocks per sequence, Nb cache blocks, S block size.
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_infer.kernels.paged_attention import PDL_ENV, decode_tiles, split_workspace
+from moe_infer.kernels.paged_attention import PDL_ENV, check_sinks, decode_tiles, sinks_args, split_workspace
 from moe_infer.kernels.paged_attention_kernels import _attend_keys, _store_rows, paged_attention_reduce_kernel
 from moe_infer.kernels.pdl import pdl_enter, use_pdl
 from moe_infer.kernels.rope_kv import _TL_DTYPES, NORM_MODES, _check_norm, _load_halves, _rms_norm, _rotate, check_inputs
@@ -41,13 +42,13 @@ ENV = "MOE_ROPE_DECODE_ATTENTION"
 def rope_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, slots_ptr, q_norm_ptr, k_norm_ptr, eps, num_positions,
     k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_ptr, scale, window,
+    query_start_ptr, sinks_ptr, scale, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh_c, stride_vb, stride_vs, stride_vh_c, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, SPLIT_N,
     G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DTYPE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    DTYPE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,7 +112,8 @@ def rope_decode_attention_kernel(
         offs_d, d_ok, stride_kb, stride_ks, stride_kh_c, stride_vb, stride_vs, stride_vh_c, stride_bt, SPLIT_N,
         PAGE, BLOCK_M, BLOCK_N, 2 * HALF, NUM_SPLITS, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
     _store_rows(acc, m_i, l_i, out_ptr, part_ptr, m_part_ptr, l_part_ptr, t + rows * 0, head, row_ok, split, offs_d,
-                d_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS)
+                d_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS,
+                sinks_ptr, HAS_SINKS)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -136,11 +138,12 @@ def rope_decode_attention(
     block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor, scale: float,
     max_seq_len: int, sliding_window: Optional[int] = None, *, q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, norm_mode: str = "none",
-    splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: int = 4,
+    sinks_H: Optional[torch.Tensor] = None, splits: Optional[int] = None, block_n: Optional[int] = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Unrotated q [T, H, d], k, v [T, Hkv, d] of a decode step (each sequence's one token at query_start_loc)
     -> attention output [T, H, d]; k and v are written into the caches at slot_mapping_T as `rope_store_kv`
-    writes them. Arguments as `rope_store_kv`'s and `paged_attention_triton`'s (max_query_len is 1);
+    writes them. Arguments as `rope_store_kv`'s and `paged_attention_triton`'s (max_query_len is 1; sinks_H);
     splits, block_n, num_warps: force a split count, a key tile or a warp count (tests, trials)."""
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
@@ -158,6 +161,7 @@ def rope_decode_attention(
     for name, x in (("block_tables", block_tables_BM), ("seq_lens", seq_lens_B), ("query_start_loc", query_start_loc_B1)):
         _check(x.device == q_THd.device, f"{name} is on {x.device}, q on {q_THd.device}")
     _check_norm(norm_mode, q_norm_weight, k_norm_weight, q_THd, Hkv)
+    check_sinks(sinks_H, H, q_THd.device)
     out_THd = torch.empty_like(q_THd)
     if T == 0 or B == 0:
         return out_THd
@@ -171,8 +175,9 @@ def rope_decode_attention(
         q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, slot_mapping_T,
         q_THd if q_norm_weight is None else q_norm_weight, k_THd if k_norm_weight is None else k_norm_weight,
         float(norm_eps), cos_sin_Pd.shape[0], k_cache_NbSHd, v_cache_NbSHd, out_THd, part_STHd, m_STH, l_STH,
-        block_tables_BM, seq_lens_B, query_start_loc_B1, float(scale), int(sliding_window or 0),
-        q_THd.stride(0), q_THd.stride(1), k_THd.stride(0), k_THd.stride(1), v_THd.stride(0), v_THd.stride(1),
+        block_tables_BM, seq_lens_B, query_start_loc_B1, q_THd if sinks_H is None else sinks_H, float(scale),
+        int(sliding_window or 0), q_THd.stride(0), q_THd.stride(1), k_THd.stride(0), k_THd.stride(1),
+        v_THd.stride(0), v_THd.stride(1),
         cos_sin_Pd.stride(0), out_THd.stride(0), out_THd.stride(1),
         k_cache_NbSHd.stride(0), k_cache_NbSHd.stride(1), k_cache_NbSHd.stride(2),
         v_cache_NbSHd.stride(0), v_cache_NbSHd.stride(1), v_cache_NbSHd.stride(2), block_tables_BM.stride(0),
@@ -180,7 +185,7 @@ def rope_decode_attention(
         G=G, HALF=d // 2, PAGE=S, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, NUM_SPLITS=n_split,
         HAS_WINDOW=sliding_window is not None, DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
-        DTYPE=_TL_DTYPES[q_THd.dtype], NORM=NORM_MODES[norm_mode], num_warps=num_warps,
+        DTYPE=_TL_DTYPES[q_THd.dtype], NORM=NORM_MODES[norm_mode], HAS_SINKS=sinks_H is not None, num_warps=num_warps,
         # float32: the rotary's x*c + x*s as two roundings, as rope_store_kv; 16-bit dtypes round each product
         # by hand (rope_kv._round), and keep the attention's float32 math compiled as paged_attention_kernel's
         enable_fp_fusion=q_THd.dtype != torch.float32,
@@ -189,6 +194,6 @@ def rope_decode_attention(
     if n_split > 1:
         paged_attention_reduce_kernel[(T, H)](
             part_STHd, m_STH, l_STH, out_THd, *ps, out_THd.stride(0), out_THd.stride(1),
-            NUM_SPLITS=n_split, HEAD_D=d, D=d, num_warps=4, **pdl,
+            NUM_SPLITS=n_split, HEAD_D=d, D=d, num_warps=4, **pdl, **sinks_args(sinks_H),
         )
     return out_THd

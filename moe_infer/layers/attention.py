@@ -1,5 +1,6 @@
 """Decoder self-attention on a paged KV cache: fused qkv projection (optional bias), q/k norm
-(per head: Qwen3-MoE; over the whole projection: OLMoE), clip_qkv (OLMoE), rotary, GQA.
+(per head: Qwen3-MoE; over the whole projection: OLMoE), clip_qkv (OLMoE), rotary, GQA, a sliding window per
+layer (Mixtral; GPT-OSS's alternate layers), attention sinks (GPT-OSS: `sinks`, one logit a query head).
 
 Tensor parallel over `tp` (a `ShardGroup`): each rank holds H / tp query heads (column-parallel
 q/k/v) and the KV heads they read: Hkv / tp of them, or, when there are fewer KV heads than ranks,
@@ -104,6 +105,10 @@ class Attention(nn.Module):
                                    and fused.decode_supports(self.head_dim, self.fused_norm, 1))
         self.rotary = rotary
         self.kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # GPT-OSS's attention sinks: a logit per (this rank's) query head in the softmax's denominator, float32
+        self.sinks = (nn.Parameter(torch.zeros(heads.num_heads, dtype=torch.float32), requires_grad=False)
+                      if arch.attn_sinks else None)
+        self._sinks = {} if self.sinks is None else {"sinks_H": self.sinks}  # the attention calls' keyword
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> Tuple[Tuple[int, ...], ...]:
         """This layer's cache tensors: K and V, [Nb, S, Hkv, d] each (this rank's KV heads)."""
@@ -157,16 +162,16 @@ class Attention(nn.Module):
                 o_THd = fused.decode(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
                                      attn.slot_mapping_T, attn.block_tables_BM, attn.seq_lens_B,
                                      attn.query_start_loc_B1, self.scale, attn.max_seq_len, self.sliding_window,
-                                     **self._fused_norm_args())
+                                     **self._fused_norm_args(), **self._sinks)
                 return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))
             q_THd = fused.rope_store_kv(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
                                         attn.slot_mapping_T, **self._fused_norm_args())
             o_THd = attend_cached(fused.attend, q_THd, k_cache, v_cache, attn, positions_T, self.scale,
-                                  self.sliding_window)
+                                  self.sliding_window, self.sinks)
         else:
             q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
             o_THd = self._attend(q_THd, k_THd, v_THd, k_cache, v_cache, attn, positions_T, self.scale,
-                                 self.sliding_window)
+                                 self.sliding_window, **self._sinks)
         return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))
 
     def _last_rows(self, q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
@@ -185,5 +190,5 @@ class Attention(nn.Module):
             attend = self._attend.attend
         q_BHd = q_THd.index_select(0, rows.keep_B)
         o_BHd = attend_cached(attend, q_BHd, k_cache, v_cache, rows.attn, rows.attn.positions_T, self.scale,
-                              self.sliding_window)
+                              self.sliding_window, self.sinks)
         return self.o_proj(o_BHd.reshape(q_BHd.shape[0], self.q_size))

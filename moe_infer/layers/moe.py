@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_infer.experts.activation import SILU, ExpertAct, ExpertExtras
 from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.layers.forward_context import at_forward_end, current_forward_context, valid_tokens
 from moe_infer.layers.linear import linear
-from moe_infer.quant import QuantSpec, make_linear
+from moe_infer.quant import BlockFp8, QuantSpec, make_linear
 from moe_infer.offload.compute import slot_experts
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.offload.store import EXPERT_STORES
@@ -97,15 +98,25 @@ class MoELayer(nn.Module):
         dp: ShardGroup = SINGLE,
         router_dtype: Optional[torch.dtype] = None,
         quant: Optional[QuantSpec] = None,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        expert_act: ExpertAct = SILU,
     ) -> None:
         """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's. quant:
-        the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is)."""
+        the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is).
+        router_bias, expert_bias, expert_act: GPT-OSS's router bias, expert biases and clamped SwiGLU
+        (moe_infer/experts/activation.py); such experts run the experts backend's per-call path (no fused kernel
+        applies them yet), on a resident store."""
         super().__init__()
+        if (expert_bias or expert_act != SILU) and backends.store != "resident":
+            raise NotImplementedError(f"offload.store={backends.store}: experts with biases or another activation than "
+                                      f"SiLU (GPT-OSS) are not supported offloaded yet; use offload.store=resident")
+        self.expert_act, self.expert_bias = expert_act, expert_bias
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
         self.tp, self.moe_tp, self.stage, self.dp = tp, moe_tp, stage, dp
         intermediate_size = moe_tp.split(intermediate_size, "moe_intermediate_size")
         self.dispatcher = (backends.dispatcher or LocalDispatcher(spec.num_experts)).for_layer(layer_idx)
-        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False, dtype=router_dtype or dtype)
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=router_bias, dtype=router_dtype or dtype)
         if spec.has_score_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         else:
@@ -113,7 +124,7 @@ class MoELayer(nn.Module):
         self.store = EXPERT_STORES.get(backends.store)(
             self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype, manager=backends.offload,
             expert_ids=getattr(self.dispatcher, "local_expert_ids", None), router=self.route,
-            num_experts=spec.num_experts, quant=quant,
+            num_experts=spec.num_experts, quant=quant, **({"bias": True} if expert_bias else {}),
         )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype, tp, quant)
@@ -125,12 +136,32 @@ class MoELayer(nn.Module):
 
     def _run_experts(self, x_RD: torch.Tensor, meta) -> torch.Tensor:
         w13_E2FD, w2_EDF = self.store.weights()
-        return self._experts(x_RD, meta, w13_E2FD, w2_EDF)
+        extras = self._extras()
+        if extras is None:
+            return self._experts(x_RD, meta, w13_E2FD, w2_EDF)
+        return self._experts(x_RD, meta, w13_E2FD, w2_EDF, extras)
+
+    def _extras(self) -> Optional[ExpertExtras]:
+        """The activation and biases of this layer's experts, None for plain SwiGLU without biases. Under moe_tp
+        each rank sums a part of the down projection: the down bias is added on rank 0 of the axis only."""
+        if not self.expert_bias and self.expert_act == SILU:
+            return None
+        b13_E2F, b2_ED = self.store.biases() if self.expert_bias else (None, None)
+        return ExpertExtras(self.expert_act, b13_E2F, b2_ED if self.moe_tp.rank == 0 else None)
+
+    @property
+    def can_fuse_experts(self) -> bool:
+        """Whether the experts backend's fused path (`fused_experts`) can run this layer: plain SwiGLU experts
+        without biases, unquantized or fp8 (the kernels this tree has); else the per-call path of the backend."""
+        if self.expert_bias or self.expert_act != SILU:
+            return False
+        quant = getattr(self.store.weights()[0], "quant", None) if self.store.is_resident else None
+        return quant is None or isinstance(quant, BlockFp8)
 
     def route(self, x_TD: torch.Tensor) -> tuple:
         """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""
         w_ED = self.gate.weight
-        logits_TE = linear(x_TD if x_TD.dtype == w_ED.dtype else x_TD.to(w_ED.dtype), w_ED)
+        logits_TE = linear(x_TD if x_TD.dtype == w_ED.dtype else x_TD.to(w_ED.dtype), w_ED, self.gate.bias)
         topk_weights_TK, topk_ids_TK = self._select(logits_TE, self.spec, self.e_score_correction_bias)
         return logits_TE, topk_weights_TK, topk_ids_TK
 
@@ -170,6 +201,8 @@ class MoELayer(nn.Module):
     def _routed_experts(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """The routed experts' output (this rank's partial sum under tensor or expert parallelism)."""
         fused = getattr(self._experts, "fused_experts", None)  # a backend that gathers and combines itself
+        if not self.can_fuse_experts:
+            fused = None
         if not self.store.is_resident:
             return self._offloaded_experts(x_TD, ids_TK, weights_TK)
         if fused is not None and type(self.dispatcher) is LocalDispatcher:

@@ -85,12 +85,14 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     sliding_window: Optional[int] = None,
+    sinks_H: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """q [T, H, d] -> out [T, H, dv] over the cached keys of each token's sequence (float32 math). The value
     cache may be narrower than the key cache (dv <= d: MLA reads its values as the first kv_lora_rank entries of
-    the latent row, a view of the key cache)."""
+    the latent row, a view of the key cache). sinks_H: a logit per query head added to each softmax's
+    denominator (GPT-OSS's attention sinks; a key-less extra column that takes probability and gives no value)."""
     return _paged(_dense_fp32, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
-                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window)
+                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H)
 
 
 def paged_attention_sdpa(
@@ -105,15 +107,16 @@ def paged_attention_sdpa(
     max_query_len: int,
     max_seq_len: int,
     sliding_window: Optional[int] = None,
+    sinks_H: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """paged_attention_ref's gather, then torch's scaled_dot_product_attention in q's dtype (a
     faster, leaner stand-in on GPU until a paged Triton kernel exists; not the reference)."""
     return _paged(_dense_sdpa, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
-                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window)
+                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H)
 
 
 def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B, query_start_loc_B1,
-           positions_T, scale, max_query_len, max_seq_len, sliding_window) -> torch.Tensor:
+           positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H=None) -> torch.Tensor:
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
     B, dv = seq_lens_B.shape[0], v_cache_NbSHd.shape[-1]
@@ -123,6 +126,8 @@ def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens
         )
     if query_start_loc_B1.shape[0] != B + 1 or block_tables_BM.shape[0] != B:
         raise ValueError("query_start_loc must have B+1 entries and block_tables B rows, B = len(seq_lens)")
+    if sinks_H is not None and tuple(sinks_H.shape) != (H,):
+        raise ValueError(f"sinks {tuple(sinks_H.shape)} must hold one logit per query head ({H})")
     dev = q_THd.device
     Qmax, L = max(int(max_query_len), 1), max(int(max_seq_len), 1)
     # token -> (sequence b, row i within the sequence's queries)
@@ -130,7 +135,7 @@ def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens
     starts_B1 = query_start_loc_B1.long()
     seq_T = torch.searchsorted(starts_B1[1:], tok_T, right=True).clamp_max(B - 1)
     row_T = tok_T - starts_B1[seq_T]
-    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window, dense)
+    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window, dense, sinks_H)
     if Qmax > 1:  # a mixed step: padding decodes to Qmax would cost B * Qmax rows, so split them off
         is_multi_B = (starts_B1[1:] - starts_B1[:-1]) > 1
         num_multi = int(is_multi_B.sum())  # the one host sync, in steps with a prefill chunk only
@@ -152,7 +157,7 @@ def _attend_padded(
     q_THd: torch.Tensor, seq_T: torch.Tensor, row_T: torch.Tensor, positions_T: torch.Tensor,
     block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, Qmax: int,
     k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, scale: float, L: int, sliding_window: Optional[int],
-    dense: Callable[..., torch.Tensor],
+    dense: Callable[..., torch.Tensor], sinks_H: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Queries scattered to [B, Qmax] (token t at row_T[t] of sequence seq_T[t]), keys gathered to [B, L]."""
     T, H, d = q_THd.shape
@@ -179,32 +184,47 @@ def _attend_padded(
     if sliding_window is not None:
         visible_BQL &= pos_BQ[:, :, None] - key_pos_BQL < sliding_window
     visible_BQL |= (pos_BQ < 0)[:, :, None] & (key_pos_BQL == 0)  # padded query rows see key 0: no NaN rows
-    out_BQHd = dense(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale)
+    out_BQHd = dense(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale, sinks_H)
     return out_BQHd[seq_T, row_T].to(q_THd.dtype)
 
 
-def _dense_fp32(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:
-    """Masked attention in float32; scores [B, Hkv, G, Qmax, L] without repeating K/V per group."""
+def _dense_fp32(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float, sinks_H=None) -> torch.Tensor:
+    """Masked attention in float32; scores [B, Hkv, G, Qmax, L] without repeating K/V per group. With sinks, each
+    head's sink logit is one more column of the softmax, dropped after it (its probability weighs no value)."""
     B, Qmax, H, d = q_BQHd.shape
     Hkv, dv = k_BLHd.shape[2], v_BLHd.shape[-1]
     q_BHkvGQd = q_BQHd.float().view(B, Qmax, Hkv, H // Hkv, d).permute(0, 2, 3, 1, 4)
     scores = torch.matmul(q_BHkvGQd, k_BLHd.float().permute(0, 2, 3, 1)[:, :, None]) * scale
     scores = scores.masked_fill(~visible_BQL[:, None, None], float("-inf"))
-    out_BHkvGQd = torch.matmul(torch.softmax(scores, dim=-1), v_BLHd.float().permute(0, 2, 1, 3)[:, :, None])
+    if sinks_H is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks_H.float().view(1, Hkv, H // Hkv, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out_BHkvGQd = torch.matmul(probs, v_BLHd.float().permute(0, 2, 1, 3)[:, :, None])
     return out_BHkvGQd.permute(0, 3, 1, 2, 4).reshape(B, Qmax, H, dv)
 
 
-def _dense_sdpa(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float) -> torch.Tensor:
-    """Masked attention by torch's SDPA in the inputs' dtype (K/V heads repeated for GQA)."""
+def _dense_sdpa(q_BQHd, k_BLHd, v_BLHd, visible_BQL, scale: float, sinks_H=None) -> torch.Tensor:
+    """Masked attention by torch's SDPA in the inputs' dtype (K/V heads repeated for GQA). Sinks: one more key of
+    zeros with a zero value, whose additive mask entry is the head's sink logit (its score: 0 + sink)."""
     B, L, Hkv, d = k_BLHd.shape
-    G = q_BQHd.shape[2] // Hkv
+    H, Qmax = q_BQHd.shape[2], q_BQHd.shape[1]
+    G = H // Hkv
     # head h reads kv head h // G; expand + reshape copies once and, unlike repeat_interleave on CUDA,
     # never reads a size back to the host
     k_BHLd = k_BLHd.permute(0, 2, 1, 3)[:, :, None].expand(B, Hkv, G, L, d).reshape(B, Hkv * G, L, d)
     v_BHLd = v_BLHd.permute(0, 2, 1, 3)[:, :, None].expand(B, Hkv, G, L, d).reshape(B, Hkv * G, L, d)
+    mask = visible_BQL[:, None]
+    if sinks_H is not None:
+        k_BHLd = torch.cat([k_BHLd, k_BHLd.new_zeros(B, H, 1, d)], dim=2)
+        v_BHLd = torch.cat([v_BHLd, v_BHLd.new_zeros(B, H, 1, d)], dim=2)
+        bias = torch.zeros(B, 1, Qmax, L, dtype=q_BQHd.dtype, device=q_BQHd.device).masked_fill(~mask, float("-inf"))
+        sink = sinks_H.to(q_BQHd.dtype).view(1, H, 1, 1).expand(B, H, Qmax, 1)
+        mask = torch.cat([bias.expand(B, H, Qmax, L), sink], dim=-1)
     out_BHQd = F.scaled_dot_product_attention(
         q_BQHd.permute(0, 2, 1, 3), k_BHLd.to(q_BQHd.dtype), v_BHLd.to(q_BQHd.dtype),
-        attn_mask=visible_BQL[:, None], scale=scale,
+        attn_mask=mask, scale=scale,
     )
     return out_BHQd.permute(0, 2, 1, 3)
 
@@ -224,12 +244,13 @@ ATTENTION_AUTO = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch",)}
 def attend_cached(
     attend: Callable[..., torch.Tensor], q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor,
     v_cache_NbSHd: torch.Tensor, attn: AttentionMetadata, positions_T: torch.Tensor, scale: float,
-    sliding_window: Optional[int] = None,
+    sliding_window: Optional[int] = None, sinks_H: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """attend (paged_attention_ref's signature) over caches that already hold the step's K/V -> out [T, H, d]."""
+    extra = {} if sinks_H is None else {"sinks_H": sinks_H}  # attend functions without sinks (MLA's) never get one
     return attend(
         q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
-        positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window,
+        positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window, **extra,
     )
 
 
@@ -238,10 +259,12 @@ def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
         q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor,
         k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
         attn: AttentionMetadata, positions_T: torch.Tensor, scale: float, sliding_window: Optional[int] = None,
+        sinks_H: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """store_kv at attn.slot_mapping_T, then attend over the cache -> out [T, H, d]."""
         store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
-        return attend_cached(attend, q_THd, k_cache_NbSHd, v_cache_NbSHd, attn, positions_T, scale, sliding_window)
+        return attend_cached(attend, q_THd, k_cache_NbSHd, v_cache_NbSHd, attn, positions_T, scale, sliding_window,
+                             sinks_H)
 
     backend.attend = attend  # the attend-only part: for queries of fewer rows than the K/V written
     return backend

@@ -144,9 +144,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_local: int, out_features: int, bias: bool, dtype: torch.dtype,
                  shard: ShardGroup = SINGLE, quant=None) -> None:
-        """quant: a QuantSpec (moe_infer/quant.py): the weight stored quantized."""
+        """quant: a QuantSpec (moe_infer/quant.py): the weight stored quantized (where it covers dense layers)."""
+        from moe_infer.quant import linear_quant
+
         super().__init__()
         self.shard = shard
+        quant = linear_quant(quant)
         if quant is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_local, dtype=dtype), requires_grad=False)
         else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
+from moe_infer.experts.activation import SILU, ExpertAct
+
 
 @dataclass(frozen=True)
 class MLADims:
@@ -34,7 +36,7 @@ class MLADims:
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v2 | deepseek_v3
+    family: str  # mixtral | qwen2_moe | qwen3_moe | olmoe | deepseek_v2 | deepseek_v3 | gpt_oss
     architecture: str  # the HF `architectures[0]`, e.g. "Qwen3MoeForCausalLM"
     vocab_size: int
     hidden_size: int
@@ -72,6 +74,13 @@ class ModelArch:
     router_fp32: bool = False  # the router's weight and logits in float32 (DeepSeek)
     shared_expert_name: str = "shared_expert"  # checkpoint name of the shared expert (DeepSeek: shared_experts)
     quant: Optional[Any] = None  # QuantSpec (moe_infer/quant.py): the checkpoint's weights quantized
+    attn_sinks: bool = False  # GPT-OSS: a learned logit per query head in each softmax's denominator
+    router_bias: bool = False  # GPT-OSS: the router has a bias
+    expert_bias: bool = False  # GPT-OSS: gate/up and down biases per expert
+    expert_act: ExpertAct = SILU  # the experts' gated activation (GPT-OSS: clamped SwiGLU)
+    # how the checkpoint stores fused experts: "stacked" gate_up_proj [E, 2F, D] (gate; up); "gpt_oss"
+    # gate_up_proj [E, D, 2F] with gate and up in alternate columns, down_proj [E, F, D] (mxfp4: *_blocks, *_scales)
+    expert_layout: str = "stacked"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -80,6 +89,10 @@ class ModelArch:
             raise ValueError(f"only SwiGLU (hidden_act='silu') experts are supported, got {self.hidden_act!r}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.expert_layout not in ("stacked", "gpt_oss"):
+            raise ValueError(f"expert_layout must be stacked or gpt_oss, got {self.expert_layout!r}")
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
         bad = [i for i in self.moe_layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"moe_layer_ids {bad} outside [0, {self.num_layers})")

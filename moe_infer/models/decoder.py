@@ -57,7 +57,8 @@ class DecoderLayer(nn.Module):
                 shared_intermediate_size=arch.shared_expert_intermediate_size,
                 shared_gated=arch.shared_expert_gated, tp=shard.tp, moe_tp=shard.moe_tp,
                 stage=shard.stage_axis, dp=shard.dp, router_dtype=torch.float32 if arch.router_fp32 else None,
-                quant=arch.quant,
+                quant=arch.quant, router_bias=arch.router_bias, expert_bias=arch.expert_bias,
+                expert_act=arch.expert_act,
             )
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size, dtype, shard.tp, arch.quant)

@@ -12,6 +12,8 @@ transformers 5's `modeling_<family>.py`):
   deepseek_v2  MLA (latent KV cache)   attention_bias n_shared_experts x F   first_k_dense_replace; softmax router
   deepseek_v3  MLA (latent KV cache)   attention_bias n_shared_experts x F   first_k_dense_replace; sigmoid router
                                                                             with correction bias, grouped top-k
+  gpt_oss    none; attention sinks     attention_bias no                    none; router bias, expert biases,
+             sliding / full layers                                        clamped SwiGLU, mxfp4 experts
 
 DeepSeek's routers run in float32 (their weight too), then scale the kept weights by routed_scaling_factor.
 """
@@ -21,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
+from moe_infer.experts.activation import ExpertAct
 from moe_infer.quant import parse_quant
 from moe_infer.models.arch import MLADims, ModelArch, common_fields
 from moe_infer.registry import Registry
@@ -151,6 +154,34 @@ def _deepseek(cfg: Any, mla: MLADims) -> dict:
         sliding_windows=(None,) * cfg.num_hidden_layers, mla=mla, num_kv_heads=1, head_dim=mla.cache_dim,
         num_expert_group=int(getattr(cfg, "n_group", None) or 1), topk_group=int(getattr(cfg, "topk_group", None) or 1),
         routed_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0), router_fp32=True,
+    )
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@_family("gpt_oss", "GptOssForCausalLM")
+def _gpt_oss(cfg: Any) -> dict:
+    """GPT-OSS: every layer MoE; `layer_types` alternate sliding-window and full attention; attention sinks and
+    q/k/v/o biases; a router with a bias (softmax over the top-k logits, the same as softmax then renormalised
+    top-k); experts with biases and the clamped SwiGLU; YaRN rotary as configured."""
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if len(types) != cfg.num_hidden_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"gpt_oss: layer_types must list {cfg.num_hidden_layers} entries of {_LAYER_TYPES}, "
+                         f"got {types}")
+    window = getattr(cfg, "sliding_window", None)
+    if "sliding_attention" in types and not window:
+        raise ValueError("gpt_oss: sliding_attention layers need a sliding_window > 0")
+    bias = bool(getattr(cfg, "attention_bias", True))
+    return dict(
+        num_experts=cfg.num_local_experts, moe_layer_ids=list(range(cfg.num_hidden_layers)),
+        moe_intermediate_size=cfg.intermediate_size, intermediate_size=cfg.intermediate_size,
+        norm_topk_prob=True, qkv_bias=bias, o_bias=bias, qk_norm="none", clip_qkv=None,
+        shared_expert_intermediate_size=0, shared_expert_gated=False,
+        sliding_windows=tuple(int(window) if t == "sliding_attention" else None for t in types),
+        attn_sinks=True, router_bias=True, expert_bias=True, expert_layout="gpt_oss",
+        expert_act=ExpertAct("clamped_swiglu", float(getattr(cfg, "swiglu_alpha", 1.702)),
+                             float(getattr(cfg, "swiglu_limit", 7.0))),
     )
 
 

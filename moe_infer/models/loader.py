@@ -23,7 +23,7 @@ import logging
 import os
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -46,6 +46,7 @@ class _Target:
     dst: tuple = (_ALL,)  # index into the parameter
     src: tuple = (_ALL,)  # index into the checkpoint tensor (fused experts: local rows)
     more: Tuple[Tuple[tuple, tuple], ...] = ()  # further (dst, src) copies (fused experts, uneven placement)
+    fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to each src read (GPT-OSS's layouts)
 
     def places(self) -> Tuple[Tuple[tuple, tuple], ...]:
         return ((self.dst, self.src),) + self.more
@@ -108,6 +109,9 @@ def _attn_targets(arch: ModelArch, i: int, tp: ShardGroup) -> Dict[str, _Target]
     elif arch.qk_norm == "proj":
         out[f"{p}.q_norm.weight"] = _Target(f"{t}.q_norm.weight", (arch.q_size,), src=(src["q"],))
         out[f"{p}.k_norm.weight"] = _Target(f"{t}.k_norm.weight", (arch.kv_size,), src=(src["k"],))
+    if arch.attn_sinks:
+        heads_src = _ALL if tp.size == 1 else slice(heads.q_start, heads.q_start + heads.num_heads)
+        out[f"{p}.sinks"] = _Target(f"{t}.sinks", (arch.num_heads,), src=(heads_src,))
     return out
 
 
@@ -169,6 +173,10 @@ def _expert_targets(arch: ModelArch, i: int, expert_ids: List[int], names: set, 
                     ) -> Dict[str, _Target]:
     """expert_ids[s]: the logical expert held in local slot s of this layer's store (its F / moe_tp rows)."""
     p, t = f"model.layers.{i}.mlp", f"layers.{i}.mlp.store"
+    if arch.expert_layout == "gpt_oss":
+        return _gpt_oss_expert_targets(arch, p, t, expert_ids, moe_tp)
+    if arch.quant is not None and arch.quant.method == "mxfp4":
+        raise ValueError(f"{arch.architecture}: mxfp4 experts are read in GPT-OSS's layout only")
     E, F, D = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
     Fl, f_rows = F // moe_tp.size, _part(F, moe_tp)
     gate_dst, up_dst = (_ALL, slice(0, Fl)), (_ALL, slice(Fl, 2 * Fl))
@@ -208,6 +216,65 @@ def _expert_targets(arch: ModelArch, i: int, expert_ids: List[int], names: set, 
         out[f"{p}.experts.{e}.{up}.weight"] = tgt(f"{t}.w13_E2FD", (F, D), up_dst[1:], (f_rows,))
         out[f"{p}.experts.{e}.{down}.weight"] = tgt(f"{t}.w2_EDF", (D, F), (), (_ALL, f_rows))
     return out
+
+
+def _gpt_oss_expert_targets(arch: ModelArch, p: str, t: str, expert_ids: List[int], moe_tp: ShardGroup
+                            ) -> Dict[str, _Target]:
+    """GPT-OSS's fused experts (runs of local experts read at once, each run through a layout function):
+      bf16   gate_up_proj [E, D, 2F] (gate, up in alternate columns) -> w13_E2FD [E, 2F, D] (gate; up halves),
+             down_proj [E, F, D] -> w2_EDF [E, D, F], gate_up_proj_bias [E, 2F] (alternate) -> b13_E2F (halves),
+             down_proj_bias [E, D] -> b2_ED
+      mxfp4  gate_up_proj_blocks [E, 2F, D/32, 16] uint8 -> w13_E2FD [E, 2F, D/2] (rows to halves), its
+             gate_up_proj_scales [E, 2F, D/32] -> w13_E2FD_scales; down_proj_blocks [E, D, F/32, 16] ->
+             w2_EDF [E, D, F/2], down_proj_scales [E, D, F/32] -> w2_EDF_scales
+    Under moe_tp each rank reads its F / moe_tp gate and up rows and down columns (mxfp4: whole 32-value blocks)."""
+    E, F, D = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
+    f_rows = _part(F, moe_tp)
+    runs = [(slice(s0, s0 + n), slice(e0, e0 + n)) for s0, e0, n in _runs(expert_ids)]
+    mxfp4 = arch.quant is not None and arch.quant.method == "mxfp4"
+    if mxfp4 and moe_tp.size > 1 and (F // moe_tp.size) % 32:
+        raise ValueError(f"mxfp4 experts: moe_intermediate_size {F} / {moe_tp.size} ranks cuts the 32-value blocks")
+
+    def halves(t_nX: torch.Tensor, dim: int) -> torch.Tensor:  # alternate gate / up entries of dim -> [gate; up]
+        gate, up = t_nX.unflatten(dim, (-1, 2)).unbind(dim + 1)
+        return torch.cat((gate.narrow(dim, _start(f_rows), _len(f_rows, F)),
+                          up.narrow(dim, _start(f_rows), _len(f_rows, F))), dim)
+
+    def target(name: str, param: Optional[str], shape: Tuple[int, ...], fn) -> Tuple[str, _Target]:
+        if param is None or not runs:
+            return name, _Target(None, shape)
+        places = [((dst,), (src,)) for dst, src in runs]
+        return name, _Target(param, shape, places[0][0], places[0][1], tuple(places[1:]), fn)
+
+    if mxfp4:
+        blocks_F = slice(_start(f_rows) // 32, (_start(f_rows) + _len(f_rows, F)) // 32)
+        out = dict((
+            target(f"{p}.experts.gate_up_proj_blocks", f"{t}.w13_E2FD", (E, 2 * F, D // 32, 16),
+                   lambda x: halves(x, 1).flatten(-2)),
+            target(f"{p}.experts.gate_up_proj_scales", f"{t}.w13_E2FD_scales", (E, 2 * F, D // 32),
+                   lambda x: halves(x, 1)),
+            target(f"{p}.experts.down_proj_blocks", f"{t}.w2_EDF", (E, D, F // 32, 16),
+                   lambda x: x[:, :, blocks_F].flatten(-2)),
+            target(f"{p}.experts.down_proj_scales", f"{t}.w2_EDF_scales", (E, D, F // 32), lambda x: x[:, :, blocks_F]),
+        ))
+    else:
+        out = dict((
+            target(f"{p}.experts.gate_up_proj", f"{t}.w13_E2FD", (E, D, 2 * F), lambda x: halves(x, 2).transpose(1, 2)),
+            target(f"{p}.experts.down_proj", f"{t}.w2_EDF", (E, F, D), lambda x: x[:, f_rows].transpose(1, 2)),
+        ))
+    out.update((
+        target(f"{p}.experts.gate_up_proj_bias", f"{t}.b13_E2F", (E, 2 * F), lambda x: halves(x, 1)),
+        target(f"{p}.experts.down_proj_bias", f"{t}.b2_ED", (E, D), None),
+    ))
+    return out
+
+
+def _start(part: slice) -> int:
+    return part.start or 0
+
+
+def _len(part: slice, total: int) -> int:
+    return (total if part.stop is None else part.stop) - (part.start or 0)
 
 
 def _vocab_target(param: Optional[str], V: int, D: int, tp: ShardGroup) -> _Target:
@@ -269,7 +336,10 @@ def _layer_targets(model, i: int, layer, names: set, local: bool) -> Dict[str, _
     if not (layer.is_moe if local else arch.is_moe_layer(i)):
         layer_out.update(_swiglu_targets(p, t, D, arch.intermediate_size, tp))
     else:
-        layer_out[f"{p}.gate.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
+        router = "router" if arch.router_bias else "gate"  # GPT-OSS: mlp.router.weight / .bias
+        layer_out[f"{p}.{router}.weight"] = _Target(f"{t}.gate.weight", (arch.num_experts, D))
+        if arch.router_bias:
+            layer_out[f"{p}.router.bias"] = _Target(f"{t}.gate.bias", (arch.num_experts,))
         if arch.has_score_bias:
             layer_out[f"{p}.gate.e_score_correction_bias"] = _Target(f"{t}.e_score_correction_bias",
                                                                      (arch.num_experts,))
@@ -349,8 +419,9 @@ def load_weights(model, path: str) -> None:
     by_canon = {_canonical(n): n for n in files}
     targets = weight_targets(model, set(by_canon))
     params = dict(model.named_parameters(remove_duplicate=False))
-    params.update((n, b) for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "_scale_inv")))
-    if model.arch.quant is not None:
+    params.update((n, b) for n, b in model.named_buffers()
+                  if n.endswith(("e_score_correction_bias", "_scale_inv", "_scales")))
+    if model.arch.quant is not None and model.arch.quant.method == "fp8":
         targets.update(_scale_targets(targets, params, model.arch.quant))
     extra = _extra_layers(model, by_canon)
     unexpected = sorted(n for c, n in by_canon.items()
@@ -407,6 +478,8 @@ def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -
             src = handle.get_tensor(name) if all(i == _ALL for i in src_idx) else sl[src_idx]
         except Exception as e:
             raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
+        if tgt.fn is not None:
+            src = tgt.fn(src)
         dst = param[dst_idx] if dst_idx != (_ALL,) else param
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(dst.shape)}")

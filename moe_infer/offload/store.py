@@ -11,7 +11,7 @@ Legend: E local experts, F expert intermediate, D hidden.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,10 +26,16 @@ class ResidentExpertStore(nn.Module):
     is_resident = True
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 quant=None, **_) -> None:
-        """quant: a QuantSpec (moe_infer/quant.py): the weights stored quantized, each with its scales."""
+                 quant=None, bias: bool = False, **_) -> None:
+        """quant: a QuantSpec (moe_infer/quant.py): the weights stored quantized, each with its scales.
+        bias: the experts have a gate/up bias b13_E2F (gate; up) and a down bias b2_ED (GPT-OSS), in dtype."""
         super().__init__()
         E, D, F = num_local_experts, hidden_size, intermediate_size
+        if bias:
+            self.b13_E2F = nn.Parameter(torch.empty(E, 2 * F, dtype=dtype), requires_grad=False)
+            self.b2_ED = nn.Parameter(torch.empty(E, D, dtype=dtype), requires_grad=False)
+        else:
+            self.b13_E2F = self.b2_ED = None
         if quant is not None:
             from moe_infer.quant import quantized_param
 
@@ -41,3 +47,7 @@ class ResidentExpertStore(nn.Module):
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.w13_E2FD, self.w2_EDF
+
+    def biases(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(b13_E2F, b2_ED), or (None, None) for experts without biases."""
+        return self.b13_E2F, self.b2_ED
