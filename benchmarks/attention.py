@@ -12,8 +12,9 @@ every sequence scattered over the cache. Cases:
 Times are CUDA-graph replays (median of 50, device events), so host launch overhead is not counted;
 where a path cannot be captured both are timed eagerly (back-to-back calls between events) and the
 row says so.
-Roofline per case: max(bytes / 3.0 TB/s, flops / 741 TFLOP/s) with bytes = K/V read once + q and
-out, flops = 4 * d * H * (visible query-key pairs) (the H100 figures of docs; computed here).
+Roofline per case: max(bytes / HBM rate, flops / bf16 GEMM rate) with bytes = K/V read once + q and
+out, flops = 4 * d * H * (visible query-key pairs); both rates measured on this GPU at the start
+(benchmarks/device_rates.py).
 
     python benchmarks/attention.py [--out X.json]     # GPU, ~1 min
 Writes JSON (device named) to --out, else $OUT/attention_<device>.json, else benchmarks/results/.
@@ -27,13 +28,14 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from device_rates import measure_rates  # noqa: E402
 from moe_infer.layers.paged_attention import paged_attention_sdpa  # noqa: E402
 
 H, HKV, D, PAGE = 32, 4, 128, 16
-HBM_BYTES_S, BF16_FLOPS = 3.0e12, 741e12
 CASES = [("decode", 1, 2048, 0), ("decode", 1, 8192, 0), ("decode", 16, 2048, 0), ("decode", 64, 1024, 0),
          ("decode", 64, 4096, 0), ("prefill", 1, 1024, 0), ("prefill", 16, 1024, 0), ("extend", 4, 512, 1536)]
 
@@ -122,6 +124,8 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     device = torch.cuda.get_device_name()
+    rates = measure_rates("cuda")
+    hbm_bytes_s, bf16_flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12
     rows = []
     for kind, B, L, cached in CASES:
         a, nbytes, flops = build(kind, B, L, cached, gen)
@@ -136,7 +140,7 @@ def main() -> None:
         t_sdpa = sdpa_graph if sdpa_graph is not None and ours_graph is not None else sdpa_eager
         if sdpa_graph is None or ours_graph is None:
             t_ours = ours_eager  # compare like with like: both eager
-        roof = max(nbytes / HBM_BYTES_S, flops / BF16_FLOPS) * 1e6
+        roof = max(nbytes / hbm_bytes_s, flops / bf16_flops) * 1e6
         rows.append(dict(kind=kind, batch=B, tokens=L, cached=cached, ours_us=t_ours, sdpa_gather_us=t_sdpa,
                          timing="graph" if sdpa_graph is not None and ours_graph is not None else "eager",
                          ours_graph_us=ours_graph, ours_eager_us=ours_eager, sdpa_graph_us=sdpa_graph,
@@ -144,7 +148,8 @@ def main() -> None:
                          speedup_vs_sdpa=t_sdpa / t_ours, max_abs_diff_vs_sdpa=err))
         del a
         torch.cuda.empty_cache()
-    print(f"paged attention, {device}, H={H} Hkv={HKV} d={D} bf16, block {PAGE}; CUDA-graph medians (us)")
+    print(f"paged attention, {device}, H={H} Hkv={HKV} d={D} bf16, block {PAGE}; CUDA-graph medians (us); roofline at "
+          f"{rates['hbm_gbps']:.0f} GB/s, {rates['tflops']:.0f} TFLOP/s (measured)")
     print(f"{'case':>8} {'B':>3} {'L':>5} {'cached':>6} {'timing':>6} {'ours':>8} {'sdpa+gather':>11} "
           f"{'roofline':>8} {'%roof':>6} {'x sdpa':>7} {'max|diff|':>9}")
     for r in rows:
@@ -155,7 +160,7 @@ def main() -> None:
     print("other baselines:", others)
     result = dict(device=device, torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"),
                   shape=dict(H=H, Hkv=HKV, d=D, block_size=PAGE, dtype="bfloat16"), rows=rows, baselines=others,
-                  roofline=dict(hbm_bytes_per_s=HBM_BYTES_S, bf16_flops=BF16_FLOPS))
+                  roofline=dict(hbm_bytes_per_s=hbm_bytes_s, bf16_flops=bf16_flops, measured=rates))
     name = f"attention_{device.replace(' ', '_').lower()}.json"
     path = args.out or os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"), name)
     with open(path, "w") as f:

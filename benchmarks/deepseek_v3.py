@@ -31,8 +31,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
+from device_rates import measure_rates  # noqa: E402
 
 REAL = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
@@ -88,18 +91,6 @@ def clock_in_graph(fn, device, calls: int = 20) -> float:
         for _ in range(calls):
             fn()
     return clock(graph.replay, device, reps=5) / calls
-
-
-def measure_rates(device: torch.device) -> dict:
-    """HBM copy rate (GB/s) and bf16 GEMM rate (TFLOPS) of this device, measured now."""
-    if device.type != "cuda":
-        return dict(hbm_gbps=20.0, tflops=0.5, note="CPU: nominal figures, the rooflines mean nothing here")
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    copy_s = clock(lambda: dst.copy_(src), device)
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    gemm_s = clock(lambda: x @ x, device)
-    return dict(hbm_gbps=2 * n / copy_s / 1e9, tflops=2 * 8192 ** 3 / gemm_s / 1e12)
 
 
 # ---------------------------------------------------------------- attention

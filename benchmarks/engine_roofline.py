@@ -19,7 +19,8 @@ Ours runs with its defaults (decode steps as CUDA graphs, attention "auto"), and
 Rooflines, computed here from the model's dimensions and the step's bytes / FLOPs:
   decode step bytes = per layer (attention + router weights + the experts touched + the K/V read) + LM
     head; experts touched at batch B = E * (1 - (1 - K/E)^B) (uniform routing: an estimate, the real
-    routing touches no more distinct experts than this on average); read at --hbm-gbps;
+    routing touches no more distinct experts than this on average); read at --hbm-gbps (default: this
+    GPU's HBM copy rate, measured at the start by benchmarks/device_rates.py, as is the --tflops default);
   decode roofline tok/s = B x new tokens / (new tokens decode steps' times), prefill excluded;
   prefill / TTFT limit = max(FLOPs / --tflops, weights touched / HBM rate).
 Writes JSON (device named) to --out, else $OUT, else benchmarks/results/.
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import e2e_generate as e2e  # noqa: E402
+from device_rates import measure_rates  # noqa: E402
 
 TARGETS = {"decode_tok_s": {1: 1500, 16: 5000, 64: 13000}, "ttft_1024_ms": 5.0, "prefill_tok_s": 340_000}
 
@@ -93,8 +95,10 @@ def main() -> None:
     ap.add_argument("--compare-attention", default="sdpa", help="'' to skip the second engine")
     ap.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE",
                     help="another engine with this LLM keyword (true/false/ints parsed), e.g. async_scheduling=false")
-    ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="the roofline's memory rate (H100 SXM: ~3000)")
-    ap.add_argument("--tflops", type=float, default=741.0, help="the roofline's dense bf16 rate")
+    ap.add_argument("--hbm-gbps", type=float, default=None,
+                    help="the roofline's memory rate (default: this GPU's copy rate, measured at the start)")
+    ap.add_argument("--tflops", type=float, default=None,
+                    help="the roofline's dense bf16 rate (default: this GPU's bf16 GEMM, measured at the start)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -108,7 +112,9 @@ def main() -> None:
     P, N = (16, 8) if args.tiny else (args.prompt_len, args.new_tokens)
     pf_seqs, pf_len = (2, 64) if args.tiny else tuple(int(v) for v in args.prefill.split("x"))
     ttft_lens = [16, 64] if args.tiny else [int(v) for v in args.ttft.split(",")]
-    hbm, flops = args.hbm_gbps * 1e9, args.tflops * 1e12
+    rates = measure_rates(device)
+    hbm = (args.hbm_gbps or rates["hbm_gbps"]) * 1e9
+    flops = (args.tflops or rates["tflops"]) * 1e12
     gen = torch.Generator().manual_seed(0)
 
     def ids(b: int, n: int) -> list:
@@ -133,7 +139,8 @@ def main() -> None:
                       model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
                       attention={k: llm.engine.runner.model.layers[0].self_attn.backend for k, llm in engines.items()},
                       async_scheduling={k: llm.engine.scheduler.lookahead for k, llm in engines.items()},
-                      roofline=dict(hbm_bytes_per_s=hbm, bf16_flops=flops), targets=TARGETS, decode=[], ttft=[])
+                      roofline=dict(hbm_bytes_per_s=hbm, bf16_flops=flops, measured=rates),
+                      targets=TARGETS, decode=[], ttft=[])
 
         for b in batches:
             warm, prompts = ids(b, P), ids(b, P)

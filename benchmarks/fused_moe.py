@@ -6,12 +6,13 @@
   grouped   torch._grouped_mm on rows already sorted by expert (offsets), SiLU*up, weight
             (the permutation and the combine are NOT timed: a lower bound for that path)
   loop      a PyTorch per-expert loop on the same sorted rows (host offsets taken before capture)
-  roofline  max(bytes of the distinct experts touched / 3.0 TB/s, 2*T*K*3*D*F / 741 TFLOP/s)
+  roofline  max(bytes of the distinct experts touched / HBM rate, 2*T*K*3*D*F / bf16 GEMM rate), both rates
+            measured on this GPU at the start (benchmarks/device_rates.py)
 
-and the issue's target with pass/fail. Ours is timed twice: after a pause of --idle-s (`ours_us`, one timing per
+and the issue's target (H100 figures) with pass/fail. Ours is timed twice: after a pause of --idle-s (`ours_us`, one timing per
 point as the issue's figures were taken; pass/fail uses it), and after --sustain-s of replays (`ours_sustained_us`:
 the clocks the GPU holds under sustained compute-bound load). On an H200 the compute-bound prefill points read up to
-17 % faster when the GPU is cool than sustained (benchmarks/trials/timing_warmup.py); how far a pause lets the
+17 % faster when the GPU is cool than sustained (docs/notes/fused_moe.md); how far a pause lets the
 clocks recover depends on how warm the GPU is, and after this benchmark's earlier points a 1 s pause recovers little,
 so the sustained figure is the reproducible one. The other columns are timed once each, after ours. Writes JSON
 (device named) to benchmarks/results/.
@@ -28,11 +29,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from device_rates import measure_rates  # noqa: E402
 from moe_infer.experts.local_dispatch import LocalDispatcher  # noqa: E402
 from moe_infer.kernels.fused_moe import (  # noqa: E402
     COMBINE_MODES, MAX_INLINE_ROWS, block_schedule, combine_topk, fused_experts,
@@ -49,7 +52,9 @@ TARGET_US = {
     "olmoe-1b-7b": (49, 199, 283, 283, 289, 489, 1691),
     "deepseek-v3": (247, 1700, 4572, 7475, 7820, 7932, 13052),
 }
-# The issue's roofline (us) for its own routing draw; ours counts the experts our draw touches.
+# The issue's roofline (us, H100) for its own routing draw; ours counts the experts our draw touches. The rates the
+# issue computed it with (H100 HBM bytes/s, bf16 FLOP/s) serve only to rescale its targets to our draw.
+ISSUE_RATES = (3.0e12, 741e12)
 ISSUE_ROOFLINE_US = {
     "mixtral-8x7b": (235, 705, 940, 940, 942, 1948, 7790),
     "qwen3-30b-a3b": (25, 167, 343, 403, 404, 408, 835),
@@ -91,6 +96,13 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+RATES = {}  # this GPU's HBM bytes/s and bf16 FLOP/s, measured once in main()
+
+
+def roof_us(ids_TK, E, D, F_) -> float:
+    return roofline_us(ids_TK, E, D, F_, RATES["hbm"], RATES["flops"])
+
+
 def bench_variants(name, T, w13, w2):
     """Ours under each schedule backend x combine mode (tuned GEMM tiles kept), checked, timed."""
     E, K, D, F_ = MODEL_SHAPES[name]
@@ -98,7 +110,7 @@ def bench_variants(name, T, w13, w2):
     disp = LocalDispatcher(E)
     x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
     ref_TD = disp.combine(loop_fn(x_RD, meta, w13, w2)(), meta)
-    roof = roofline_us(ids_TK, E, D, F_)
+    roof = roof_us(ids_TK, E, D, F_)
     cfg = get_config(T, E, F_, D, K, "bf16")
     row = {"shape": name, "tokens": T, "roofline_us": round(roof, 1), "config": cfg.to_dict(), "variants": {}}
     ids_N, n = ids_TK.reshape(-1), replays_for(roof)
@@ -124,7 +136,7 @@ def bench_point(name, T, w13, w2, idle_s: float = 1.0, sustain_s: float = 0.3):
     x_TD, ids_TK, w_TK = make_inputs(T, E, K, D, seed=T)
     disp = LocalDispatcher(E)
     x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
-    roof = roofline_us(ids_TK, E, D, F_)
+    roof = roof_us(ids_TK, E, D, F_)
     ours = lambda: fused_experts(x_TD, ids_TK, w_TK, w13, w2)  # noqa: E731
     loop = loop_fn(x_RD, meta, w13, w2)
     ref_TD = disp.combine(loop(), meta)
@@ -153,7 +165,8 @@ def bench_point(name, T, w13, w2, idle_s: float = 1.0, sustain_s: float = 0.3):
     i = TOKEN_COUNTS.index(T) if T in TOKEN_COUNTS else None
     target = None if i is None else TARGET_US[name][i]
     # Same target, rescaled by how many more (or fewer) expert bytes our routing draw touches.
-    scaled = None if i is None else round(target * roof / ISSUE_ROOFLINE_US[name][i], 1)
+    issue_roof = roofline_us(ids_TK, E, D, F_, *ISSUE_RATES)
+    scaled = None if i is None else round(target * issue_roof / ISSUE_ROOFLINE_US[name][i], 1)
     row.update(target_us=target, pct_of_roofline=round(100 * roof / row["ours_us"], 1),
                pct_of_roofline_sustained=round(100 * roof / row["ours_sustained_us"], 1),
                passed=None if target is None else row["ours_us"] <= target,
@@ -171,6 +184,9 @@ def main() -> None:
     parser.add_argument("--sustain-s", type=float, default=0.3, help="seconds of replays before ours_sustained_us")
     args = parser.parse_args()
     dev = device_name()
+    rates = measure_rates("cuda")
+    RATES.update(hbm=rates["hbm_gbps"] * 1e9, flops=rates["tflops"] * 1e12)
+    print(f"roofline rates (measured): HBM copy {rates['hbm_gbps']:.0f} GB/s, bf16 GEMM {rates['tflops']:.0f} TFLOP/s")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"fused_moe_{dev}.json")
     rows = []
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -179,7 +195,7 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                        "git_commit": os.environ.get("GIT_COMMIT"), "timing": "CUDA-graph replay, median, bf16",
-                       "idle_s": args.idle_s, "sustain_s": args.sustain_s,
+                       "idle_s": args.idle_s, "sustain_s": args.sustain_s, "rates": rates,
                        "points": rows}, f, indent=1)
 
     for name in args.shapes.split(","):

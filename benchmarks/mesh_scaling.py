@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,39 +44,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import e2e_generate as e2e  # noqa: E402
+from device_rates import measure_rates  # noqa: E402
 from engine_roofline import decode_roofline_s, layer_weight_bytes, prefill_limit_s  # noqa: E402
 
 SMALL = dict(e2e.REAL, num_hidden_layers=8)
 LARGE = dict(e2e.REAL, num_hidden_layers=48, num_experts=384)
 TINY = dict(e2e.TINY, num_hidden_layers=4)
 TINY_LARGE = dict(e2e.TINY, num_hidden_layers=6, num_experts=16)
-
-
-# ------------------------------------------------------------------ the device's own figures
-def measure_device(device: torch.device) -> dict:
-    """HBM copy GB/s (read + write) and dense bf16 TFLOP/s of GPU 0, measured (the roofline's rates)."""
-    if device.type != "cuda":
-        return dict(hbm_gbps=50.0, tflops=1.0, note="CPU: nominal rates, the roofline means nothing here")
-    n = 1 << 30
-    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-
-    def best(fn, reps=20):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    copy_s = best(lambda: b.copy_(a))
-    gemm_s = best(lambda: x @ x)
-    return dict(hbm_gbps=2 * n / copy_s / 1e9, tflops=2 * 8192 ** 3 / gemm_s / 1e12, gpu=torch.cuda.get_device_name())
 
 
 def weight_bytes(dims: dict) -> float:
@@ -164,7 +137,7 @@ def main() -> None:
     batches = [1, 4] if args.tiny else [int(b) for b in args.batches.split(",")]
     P, N = (16, 8) if args.tiny else (args.prompt_len, args.new_tokens)
     prefill = (2, 64) if args.tiny else tuple(int(v) for v in args.prefill.split("x"))
-    rates = measure_device(device)
+    rates = measure_rates(device)
     if cuda:
         torch.cuda.empty_cache()  # the measurement's buffers
     hbm, flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12

@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--host-ms", type=float, default=2.7, help="host time per eager offloaded layer")
     ap.add_argument("--gpu-ms", type=float, default=0.5, help="GPU time per layer at this batch")
     ap.add_argument("--min-probs", default="0,0.3,0.5,0.7", help="saving: prefetch_min_prob values to replay")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     traces = record_tiny_traces(16, 128, torch.device("cpu"))

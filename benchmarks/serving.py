@@ -62,23 +62,13 @@ from serving_load import prompts_from, sweep, warm_load, warm_server  # noqa: E4
 
 
 def copy_bytes_per_s(device: str) -> Optional[float]:
-    """The device's measured copy bandwidth (bytes read + written per second; the best of 5 copies of 1 GiB),
-    the decode roofline's rate; None on the CPU (no roofline there)."""
+    """The device's measured copy bandwidth (bytes read + written per second, device_rates.py), the decode
+    roofline's rate; None on the CPU (no roofline there)."""
     if device == "cpu":
         return None
-    import torch
+    from device_rates import measure_rates
 
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):  # the first one warms up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / best
+    return measure_rates(device)["hbm_gbps"] * 1e9
 
 
 def bench_threads(device: str, api_server_counts: List[int]) -> Optional[int]:

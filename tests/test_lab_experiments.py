@@ -93,7 +93,7 @@ def test_cf_sweep_multirun_writes_one_table(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_eplb_simulate_and_report(tmp_path):
+def test_eplb_simulate_and_report(tmp_path, capsys):
     from moe_infer.parallel.placement import load_placement
 
     rows = run(_job("eplb", tmp_path / "eplb", "lab.eplb.num_gpus=[2,8]", "lab.traces=[example,synthetic:zipf]",
@@ -113,6 +113,13 @@ def test_eplb_simulate_and_report(tmp_path):
     policies = {(r["trace"], r["num_gpus"], r["policy"]) for r in sim}
     assert ("tiny_moe", 8, "eplb_online+1") in policies and ("synthetic_drifting", 8, "cf=1.25") in policies
     assert all(r["step_us"] > 0 for r in sim)
+    printed = capsys.readouterr().out
+    for task, folder, names in (("eplb", "eplb", ("eplb.csv", "imbalance_vs_replicas.png", "placements/")),
+                                ("simulate", "sim", ("simulate.csv", "step_time_vs_gpus.png", "report.md"))):
+        line = next((ln for ln in printed.splitlines() if ln.startswith(f"{task} -> ")), None)
+        assert line and line.startswith(f"{task} -> {tmp_path / folder}: "), (task, printed[-2000:])
+        listed = line.split(": ", 1)[1].split(", ")
+        assert set(names) <= set(listed) and all((tmp_path / folder / n).exists() for n in listed), line
     calib = json.loads((tmp_path / "sim" / "calibration.json").read_text())
     assert calib and all(0.8 < (c.get("layer_ratio") or c["ratio"]) < 1.2 for c in calib)
     page = run(_job("lab_report", tmp_path, "lab.report_dirs=[eplb,sim]"))

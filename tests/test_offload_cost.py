@@ -103,7 +103,7 @@ def test_split_misses_balances_link_and_cpu():
 
 
 def test_plan_misses_shares_an_expert_between_the_link_and_the_host():
-    """A Mixtral expert on the H100 host (benchmarks/results/trials/offload_split_limits_*.log): the link
+    """A Mixtral expert on the H100 host (34e25c7:benchmarks/results/trials/offload_split_limits_*.log, docs/notes/removed.md): the link
     6.5 ms for the whole expert, the host 6.6 ms whole and 3.7 ms for its gate/up projections alone, at
     one row. Shared, both end together near 3 ms instead of 6.5."""
     shape = ExpertShape(1, 8, 2, 4096, 14336, torch.bfloat16)

@@ -73,7 +73,7 @@ def test_rows_read_with_their_stride_and_rule_tiles():
 
 
 def test_tile_rule_matches_the_sweep():
-    """The best tiles of the H100 sweep (benchmarks/trials/skinny_gemm_sweep.py), 132 SMs, one row."""
+    """The best tiles of the H100 sweep (34e25c7:benchmarks/trials/skinny_gemm_sweep.py, docs/notes/removed.md), 132 SMs, one row."""
     sg = _kernels()
     rule = lambda N, K: (lambda c: (c.block_n, c.block_k))(sg.skinny_config(1, N, K, 132))  # noqa: E731
     assert rule(2048, 4096) == (4, 2048)  # Qwen3-30B-A3B o_proj: 512 programs

@@ -102,7 +102,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.seed)
         self.runner = ModelRunner(cfg, model_path, self.device, self.dtype, parallel=self.parallel)
+        start = time.perf_counter()
         self.tokenizer = load_tokenizer(model_path)
+        self.runner.startup_timings["tokenizer_s"] = time.perf_counter() - start
         arch = self.runner.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self.runner.max_model_len

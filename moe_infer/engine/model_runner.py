@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -67,10 +67,12 @@ class ModelRunner:
         shard = self.parallel.model_shard(load_arch(model_path)[0].num_layers)
         self.dp = shard.dp  # attention data parallelism: this stage's replicas, each with its own requests
         self.dp_paths = None
+        start = time.perf_counter()  # startup_timings: where start-up goes (benchmarks/startup.py reads them)
         self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
                                 load_format=cfg.model.load_format, shard=shard)
         if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
             self.offload.finish_load()
+        self.startup_timings: Dict[str, float] = {"model_load_s": time.perf_counter() - start}
         arch = self.model.arch
         self.arch = arch
         self._extend_tokens: Optional[int] = None  # _extend_graph_tokens, decided once
@@ -98,12 +100,15 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
+        self.startup_timings["kernel_warmup_s"] = self.warmup_s or 0.0
+        start = time.perf_counter()
         self.graphs = self._decode_graphs()
         self.layer_graphs = self._layer_graphs()
         if self.offload is not None and self.offload.expert_graphs is not None and cfg.model.enforce_eager:
             logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
             self.offload.expert_graphs = None
         self.extend_graphs = self._extend_graphs()
+        self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start  # decode graphs captured (with warm-up)
         self.paths = StepPaths(self, device, self.block_size)
         if self.dp.communicates:  # attention data parallelism: dp segments a step (moe_infer/engine/dp_inputs.py)
             from moe_infer.engine.dp_inputs import DPPaths, fill_placeholders_dp

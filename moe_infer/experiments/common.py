@@ -102,3 +102,12 @@ def write_run_info(out: str, job, **extra) -> dict:
             "routing": dataclasses.asdict(job.routing), "lab": dataclasses.asdict(job.lab), **extra}
     write_json(os.path.join(out, "run.json"), info)
     return info
+
+
+def print_written(task: str, out: str) -> str:
+    """Say where a task's results went: its folder and what is in it (files, and folders with a slash)."""
+    names = sorted(n + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in os.listdir(out)
+                   if not n.startswith("."))
+    line = f"{task} -> {os.path.abspath(out)}: {', '.join(names)}"
+    print(line, flush=True)
+    return line

@@ -12,7 +12,7 @@ import os
 from typing import Dict, List
 
 from moe_infer.experiments import TASKS
-from moe_infer.experiments.common import out_dir, split_load, trace_input, write_run_info
+from moe_infer.experiments.common import out_dir, print_written, split_load, trace_input, write_run_info
 from moe_infer.lab import plots
 from moe_infer.lab.eplb import contiguous_plan, plan_auto
 from moe_infer.lab.loads import imbalance
@@ -103,4 +103,5 @@ def eplb(job) -> List[Dict]:
         if r["planner"] != "eplb_model_wide":
             print(f"{r['trace']:>20} N={r['num_gpus']:>4} {r['planner']:>10} +{r['memory_overhead']:.1%} memory: "
                   f"imbalance {r['imbalance_mean']:.3f} (max layer {r['imbalance_max']:.3f})")
+    print_written("eplb", out)
     return rows

@@ -16,7 +16,9 @@ from functools import partial
 from typing import Dict, List
 
 from moe_infer.experiments import TASKS
-from moe_infer.experiments.common import REPO_RESULTS, out_dir, split_load, trace_input, write_run_info
+from moe_infer.experiments.common import (
+    REPO_RESULTS, out_dir, print_written, split_load, trace_input, write_run_info,
+)
 from moe_infer.experiments.eplb_task import replica_counts
 from moe_infer.lab import plots
 from moe_infer.lab.calibration_check import ep_rows, single_gpu_rows
@@ -122,4 +124,5 @@ def simulate_task(job) -> List[Dict]:
     for g in gain:
         print(f"{g['trace']}: at 64 GPUs {g['best']} {g['best_step_us'] / 1e3:.2f} ms vs {g['baseline']} "
               f"{g['baseline_step_us'] / 1e3:.2f} ms per step ({g['speedup']:.2f}x)")
+    print_written("simulate", out)
     return rows

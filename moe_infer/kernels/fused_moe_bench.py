@@ -21,8 +21,6 @@ MODEL_SHAPES: Dict[str, Tuple[int, int, int, int]] = {
     "deepseek-v3": (256, 8, 7168, 2048),
 }
 TOKEN_COUNTS = (1, 8, 32, 128, 512, 2048, 8192)
-HBM_BYTES_PER_S = 3.0e12
-BF16_FLOPS_PER_S = 741e12
 
 
 def make_weights(E: int, D: int, F: int, dtype=torch.bfloat16, device="cuda"):
@@ -40,18 +38,20 @@ def make_inputs(T: int, E: int, K: int, D: int, dtype=torch.bfloat16, device="cu
     return x_TD, ids_TK.int(), (w_TK / w_TK.sum(-1, keepdim=True))
 
 
-def roofline_us(ids_TK: torch.Tensor, E: int, D: int, F: int, bytes_per_el: int = 2) -> float:
-    """max(bytes of the distinct experts touched / HBM rate, 2*T*K*3*D*F flops / bf16 rate), in us."""
+def roofline_us(ids_TK: torch.Tensor, E: int, D: int, F: int, hbm_bytes_per_s: float, flops_per_s: float,
+                bytes_per_el: int = 2) -> float:
+    """max(bytes of the distinct experts touched / HBM rate, 2*T*K*3*D*F flops / bf16 rate), in us; the rates are
+    the device's, measured by the caller (benchmarks/device_rates.py)."""
     num_distinct = int(torch.unique(ids_TK[ids_TK >= 0]).numel())
-    t_mem = num_distinct * 3 * D * F * bytes_per_el / HBM_BYTES_PER_S
-    t_flop = 2 * ids_TK.numel() * 3 * D * F / BF16_FLOPS_PER_S
+    t_mem = num_distinct * 3 * D * F * bytes_per_el / hbm_bytes_per_s
+    t_flop = 2 * ids_TK.numel() * 3 * D * F / flops_per_s
     return max(t_mem, t_flop) * 1e6
 
 
 def graph_time_us(fn: Callable[[], object], num_replays: int = 30, warmup: int = 3, sustain_s: float = 0.0) -> float:
     """Median time of one replay of fn captured in a CUDA graph. sustain_s > 0: the graph is first replayed for
     that long, so the timing sees the clocks the GPU holds under sustained load (an H200 drops from 1980 MHz to
-    1300-1650 MHz within tens of milliseconds of compute-bound work: benchmarks/trials/timing_warmup.py)."""
+    1300-1650 MHz within tens of milliseconds of compute-bound work: docs/notes/fused_moe.md)."""
     fn()  # compile / allocate outside the capture
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()

@@ -1,0 +1,134 @@
+"""Start-up to the first token, cold and warm, in parts, each start a fresh process.
+
+    python benchmarks/startup.py            # GPU: Qwen3-30B-A3B's layer shape, 8 layers, random bf16 weights
+    python benchmarks/startup.py --tiny     # CPU: the tiny model in the repo
+
+cold: empty Triton, TorchInductor and CUDA kernel caches (fresh folders), so every Triton kernel compiles; warm: a
+second process on the same machine with the caches the cold one left. Each process times, from its spawn:
+  interpreter   spawn to the first line of the child (Python start-up)
+  imports       `import torch` and `from moe_infer import LLM`
+  engine        `LLM(...)`: of which model_load (weights; random here), kernel_warmup (every Triton kernel variant a
+                step can select, compiled and run), cuda_graphs (decode graphs captured), tokenizer, other (KV
+                cache, scheduler, ...), from the runner's `startup_timings`
+  first request one prompt of 128 tokens, 16 new tokens: its time to first token and the whole call
+  to first token  spawn to the first token of that request (the figure the targets are for)
+Targets on one GPU: cold <= 45 s, warm <= 15 s. Writes startup_<device>.json to --out, else $OUT, else results/.
+"""
+from __future__ import annotations
+
+import time
+
+T_CHILD = time.time()  # the child's first line: what the interpreter took is this minus the spawn time
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGETS_S = {"cold": 45.0, "warm": 15.0}
+CACHE_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH")
+
+
+def child(spec: dict) -> dict:
+    """One start, timed in parts (runs in a fresh process)."""
+    t0 = time.time()
+    cached = sum(len(files) for _, _, files in os.walk(os.environ.get("TRITON_CACHE_DIR") or os.devnull))
+    import torch
+
+    from moe_infer import LLM, SamplingParams
+
+    t1 = time.time()
+    # The engine's defaults (graphs up to batch 256, warm-up up to 2048-token steps), as a user starts it.
+    kw = dict(model=spec["model"], load_format="dummy", dtype="bfloat16") if spec["model"] else dict(num_kv_blocks=256)
+    llm = LLM(**kw)
+    t2 = time.time()
+    parts = dict(llm.engine.runner.startup_timings)
+    prompt = torch.randint(2, llm.engine.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    t3 = time.time()
+    ttft = out[0].metrics.time_to_first_token
+    engine_s = t2 - t1
+    return dict(interpreter_s=T_CHILD - spec["spawn"], imports_s=t1 - t0, engine_s=engine_s,
+                model_load_s=parts.get("model_load_s"), kernel_warmup_s=parts.get("kernel_warmup_s"),
+                cuda_graphs_s=parts.get("cuda_graphs_s"), tokenizer_s=parts.get("tokenizer_s"),
+                engine_other_s=engine_s - sum(v for v in parts.values() if v), first_request_s=t3 - t2,
+                first_request_ttft_s=ttft, to_first_token_s=t2 + ttft - spec["spawn"] if ttft is not None else None,
+                device=str(llm.engine.device), tokens=len(out[0].outputs[0].token_ids),
+                triton_cache_files_at_start=cached)
+
+
+def start(kind: str, model: str, caches: str, timeout: float) -> dict:
+    """Spawn one start in a fresh process with its caches under `caches` (kept between the cold and warm start)."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    env.update({var: os.path.join(caches, var.lower()) for var in CACHE_VARS})
+    spec = dict(model=model, spawn=time.time())
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {kind} start failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-4000:]}")
+    return dict(kind=kind, **json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def write_config(folder: str) -> str:
+    """Qwen3-30B-A3B's layer shape, 8 layers: config.json only (random weights, model.load_format=dummy)."""
+    from transformers import Qwen3MoeConfig
+
+    sys.path.insert(0, HERE)
+    from e2e_generate import REAL
+
+    dims = dict(REAL, num_hidden_layers=8)
+    Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="the tiny model in the repo on the CPU")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a start may take")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
+        model = "" if args.tiny else write_config(os.path.join(tmp, "model"))
+        caches = os.path.join(tmp, "caches")  # empty: the cold start compiles everything
+        runs = [start(kind, model, caches, args.timeout) for kind in ("cold", "warm")]
+    device = runs[0]["device"]
+    label = "cpu" if device == "cpu" else __import__("torch").cuda.get_device_name().replace("NVIDIA ", "").replace(
+        " ", "_").lower()
+    gpu = device != "cpu"
+    result = dict(benchmark="startup", device=label, model="tiny_moe (repo)" if args.tiny else
+                  "Qwen3-30B-A3B layer shape, 8 layers, random bf16 weights", runs=runs,
+                  targets_s=TARGETS_S if gpu else None,
+                  met={r["kind"]: r["to_first_token_s"] <= TARGETS_S[r["kind"]] for r in runs} if gpu else None)
+    print_table(result)
+    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results")
+    path = out if out.endswith(".json") else os.path.join(out, f"startup_{label}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+def print_table(result: dict) -> None:
+    cols = ("interpreter_s", "imports_s", "model_load_s", "kernel_warmup_s", "cuda_graphs_s", "tokenizer_s",
+            "engine_other_s",
+            "first_request_s", "to_first_token_s")
+    print(f"\nstart-up on {result['device']} ({result['model']}), seconds")
+    print(f"{'':>6} " + " ".join(f"{c[:-2]:>15}" for c in cols))
+    for r in result["runs"]:
+        print(f"{r['kind']:>6} " + " ".join(f"{r[c]:>15.2f}" if r[c] is not None else f"{'-':>15}" for c in cols))
+    if result["met"] is not None:
+        print("targets (to first token): " + ", ".join(
+            f"{k} <= {v:.0f} s: {'met' if result['met'][k] else 'missed'}" for k, v in result["targets_s"].items()))
+
+
+if __name__ == "__main__":
+    main()
