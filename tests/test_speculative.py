@@ -205,3 +205,55 @@ def test_rejected_proposals_blocks_are_rolled_back(method):
         rejected = stats.num_spec_proposed_tokens - stats.num_spec_accepted_tokens
     assert rejected > 0
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_verify_steps_through_the_prefill_graph_buffers_cpu():
+    """Verify steps (k + 1 rows a sequence, every one sampled) through ExtendGraphs' padded static buffers
+    (capture=False on the CPU: the layout the GPU's captured graphs read) give transformers' tokens."""
+    from moe_infer.engine.extend_graph import ExtendGraphs
+
+    path = checkpoint("qwen3_moe")
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, max_num_seqs=4,
+              max_num_batched_tokens=64, speculative_config={**NGRAM, "adaptive": False})
+    runner = llm.engine.runner
+    # buffers for 3 sequences (4 with the padding one), up to 64 sampling rows (one a sequence would be 4)
+    runner.extend_graphs = ExtendGraphs(runner.model, 64, 2, -(-runner.max_model_len // BLOCK), BLOCK, runner.device,
+                                        capture=False, last_rows=runner.last_rows, max_sample_rows=64)
+    assert not runner.last_rows  # a verify step reads every proposal's row
+    seen = []
+    load = runner.extend_graphs.load
+
+    def spy(flat, sizes, num_extra):
+        seen.append(sizes)
+        return load(flat, sizes, num_extra)
+
+    runner.extend_graphs.load = spy
+    outs = _run(llm, PROMPTS, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == _hf_reference(path)
+    assert any(S > 4 for _, B, S, *_ in seen), "no verify step of many rows went through the static buffers"
+    _check_spec_ran_and_freed(llm)
+    # buffers sized for one sampling row a sequence decline such a step (it runs eagerly) rather than fail
+    small = ExtendGraphs(runner.model, 64, 4, 8, BLOCK, runner.device, capture=False)
+    assert not small.can_run((12, 3, 9, 2, 4, 12))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_gpu_graphs(method):
+    """On the GPU (float32): transformers' greedy tokens with the verify steps replayed as CUDA graphs (the prefill
+    graphs) and, with a draft, the draft's own decode graphs; no KV block leaked."""
+    path = checkpoint("qwen3_moe")
+    spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "draft_model": path}
+    llm = LLM(model=path, dtype="float32", device="cuda", block_size=BLOCK, num_kv_blocks=256,
+              speculative_config=spec)
+    graphs = llm.engine.runner.extend_graphs
+    assert graphs is not None
+    outs = _run(llm, PROMPTS, _greedy())
+    want = [hf_greedy(path, p, NUM_NEW, device="cuda")[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert graphs.disabled is None and graphs.graphs, graphs.disabled
+    _check_spec_ran_and_freed(llm)
+    if method == "draft":
+        stats = llm.engine.get_stats()
+        assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens

@@ -203,7 +203,8 @@ class ModelRunner:
         return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
                             pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows,
-                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue())
+                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue(),
+                            max_sample_rows=max_tokens if self.cfg.speculative.enabled else None)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
