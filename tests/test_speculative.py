@@ -218,7 +218,8 @@ def test_verify_steps_through_the_prefill_graph_buffers_cpu():
     runner = llm.engine.runner
     # buffers for 3 sequences (4 with the padding one), up to 64 sampling rows (one a sequence would be 4)
     runner.extend_graphs = ExtendGraphs(runner.model, 64, 2, -(-runner.max_model_len // BLOCK), BLOCK, runner.device,
-                                        capture=False, last_rows=runner.last_rows, max_sample_rows=64)
+                                        capture=False, last_rows=runner.last_rows, max_sample_rows=64, min_bucket=4)
+    assert runner.extend_graphs.sizes[:3] == [4, 8, 16]  # a verify step of one sequence is not padded to 16 rows
     assert not runner.last_rows  # a verify step reads every proposal's row
     seen = []
     load = runner.extend_graphs.load
@@ -248,7 +249,7 @@ def test_speculative_gpu_graphs(method):
     llm = LLM(model=path, dtype="float32", device="cuda", block_size=BLOCK, num_kv_blocks=256,
               speculative_config=spec)
     graphs = llm.engine.runner.extend_graphs
-    assert graphs is not None
+    assert graphs is not None and graphs.sizes[0] == 4  # small verify steps: small buckets (padding rows read experts)
     outs = _run(llm, PROMPTS, _greedy())
     want = [hf_greedy(path, p, NUM_NEW, device="cuda")[0] for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outs] == want

@@ -204,7 +204,8 @@ class ModelRunner:
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
                             pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows,
                             hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue(),
-                            max_sample_rows=max_tokens if self.cfg.speculative.enabled else None)
+                            max_sample_rows=max_tokens if self.cfg.speculative.enabled else None,
+                            min_bucket=4 if self.cfg.speculative.enabled else 16)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:

@@ -45,6 +45,10 @@ def draft_reserve(draft_path: str, cfg: EngineConfig, dtype: torch.dtype) -> Tup
     return per_block, weights
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class DraftProposer:
     def __init__(self, cfg: SpeculativeConfig, engine_cfg: EngineConfig, target, block_manager, **_) -> None:
         from moe_infer.engine.model_runner import ModelRunner
@@ -66,6 +70,8 @@ class DraftProposer:
         self.runner = ModelRunner(draft_cfg, path, target.device, target.dtype, parallel=target.parallel)
         self.block_manager = block_manager
         self.max_model_len = self.runner.max_model_len
+        # a proposal's cost relative to a target step (adaptive k): decoding reads the weights, so their bytes
+        self.proposal_cost = max(0.1, _weight_bytes(self.runner.model) / max(_weight_bytes(target.model), 1))
         self.generator = torch.Generator(device=target.device).manual_seed(engine_cfg.seed + DRAFT_SEED_OFFSET)
         self._seeded: Dict[int, torch.Generator] = {}
         logger.info("speculative decoding: draft model %s (%d layers), its KV cache under the target's %d blocks",

@@ -31,6 +31,7 @@ def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> List[in
 class NgramProposer:
     def __init__(self, cfg, **_) -> None:
         self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self.proposal_cost = 0.0  # host work only (adaptive k, speculator.py)
 
     def propose(self, seqs: List[Sequence], num_tokens: List[int]) -> None:
         """Sets seq.spec_token_ids (at most num_tokens[i] tokens) and seq.spec_probs (None: one-hot)."""

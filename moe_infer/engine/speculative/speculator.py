@@ -6,12 +6,14 @@ step emits up to k + 1 tokens) or the model's length. With `adaptive` the step's
 acceptance rate a (an exponential average over recent steps) and the batch size B:
 
     expected tokens a sequence emits per step   E(k) = 1 + a + ... + a^k
-    cost of the step relative to a plain decode C(k) = 1 + k * B / disable_by_batch_size
+    cost of the step relative to a plain decode C(k) = 1 + k * B / disable_by_batch_size + k * c
 
 k maximises E(k) / C(k) over 1..num_speculative_tokens; when even the best is not above 1, the step does not
 speculate, except every PROBE_EVERY-th step (k = 1), so that the rate keeps being measured. The cost model says that
 a step's tokens cost little while the batch is small (decoding is memory-bound) and as much as a decode step each
-once B reaches `disable_by_batch_size`, where speculation is off (vLLM's name for the threshold).
+once B reaches `disable_by_batch_size`, where speculation is off (vLLM's name for the threshold); c is the cost
+of proposing one token relative to a target step (the proposer's `proposal_cost`: 0 for n-gram, a draft model's
+weight bytes over the target's, at least 0.1, for a draft).
 
 Metrics (`LLMEngine.get_stats`, the server's /metrics): proposed and accepted tokens, verified sequence-steps; the
 acceptance rate is accepted / proposed, the mean accepted length (tokens a sequence-step emits) 1 + accepted /
@@ -102,9 +104,10 @@ class Speculator:
         if not cfg.adaptive:
             return K
         a, sat = min(self.acceptance, 0.999), float(limit if limit is not None else 64)
+        c = getattr(self.proposer, "proposal_cost", 0.0)
         best_k, best = 0, 1.0
         for k in range(1, K + 1):
-            ratio = (1 - a ** (k + 1)) / (1 - a) / (1 + k * batch / sat)
+            ratio = (1 - a ** (k + 1)) / (1 - a) / (1 + k * batch / sat + k * c)
             if ratio > best * 1.0001:
                 best_k, best = k, ratio
         if best_k == 0 and self.num_steps % PROBE_EVERY == 0:

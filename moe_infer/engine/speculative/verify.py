@@ -9,7 +9,9 @@ one more token, so the output's distribution is the target's. A sequence without
 
 Random draws: a seeded request's from its own generator (the one its plain steps use), in a fixed order per step
 (k uniforms, then one row of exponential noise); the others' from the engine's generator. Logprobs (of the raw
-logits, as the plain sampler reports them) come with every emitted token.
+logits, as the plain sampler reports them) come with every emitted token. A step whose rows are all plain greedy
+(no logprobs, penalties or min_tokens ban) takes one argmax on the device and matches the prefix on the host
+(`GreedyVerified`: the same tokens as rejection sampling's one-hot p, without its [R, V] work).
 
 Legend: R sampling rows of the step (sum of k + 1), B sequences that sample, K their most proposals, V vocabulary.
 """
@@ -42,6 +44,27 @@ class VerifiedTokens:
         return SamplerOutput(tokens, logprobs)
 
 
+class GreedyVerified:
+    """A launched verification of greedy rows without logprobs: the target's argmax per row; the proposals are
+    kept while they equal it (prefix matching on the host, where the tokens go anyway), then its argmax follows."""
+
+    def __init__(self, rows: SampledTokens, drafts: List[List[int]]) -> None:
+        self.rows, self.drafts = rows, drafts
+
+    def result(self) -> SamplerOutput:
+        argmax_R = self.rows.result().token_ids
+        tokens, at = [], 0
+        for draft in self.drafts:
+            out = []
+            for j in range(len(draft) + 1):
+                out.append(argmax_R[at + j])
+                if j == len(draft) or argmax_R[at + j] != draft[j]:
+                    break
+            tokens.append(out)
+            at += len(draft) + 1
+        return SamplerOutput(tokens, [None] * len(tokens))
+
+
 class Verifier:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -59,6 +82,9 @@ class Verifier:
             num_rows_B.append(k + 1)
         R, V = logits_RV.shape
         assert R == len(reqs), f"{R} logit rows for {len(reqs)} verified rows"
+        if Sampler.argmax_only(reqs):  # every row greedy, no logprobs, penalties or min_tokens ban: one argmax
+            return GreedyVerified(SampledTokens(logits_RV.argmax(-1), None, [None] * R),
+                                  [list(s.spec_token_ids) for s in seqs])
         dev, B, K = logits_RV.device, len(seqs), max(num_rows_B) - 1
         target_RV = self.sampler.target_probs(logits_RV, reqs)
         # rows padded to [B, K + 1]: row (b, j) -> R index (padding: the sequence's last row, never read)
