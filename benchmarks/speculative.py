@@ -20,6 +20,7 @@ Writes JSON (device named) to --out DIR, else $OUT, else benchmarks/results/ (sp
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -143,6 +144,7 @@ def main() -> None:
                 print(f"{name:12s} {label:3s} batch {b:3d}: {r['decode_tok_s']:9.1f} tok/s  acceptance "
                       f"{r['acceptance_rate']:.2f}  mean accepted length {r['mean_accepted_length']:.2f}", flush=True)
             del llm
+            gc.collect()  # the engine's objects refer to each other: its KV cache and graphs go only now
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     for r in rows:

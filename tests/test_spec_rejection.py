@@ -68,3 +68,33 @@ def test_greedy_rows_are_prefix_matching():
     tokens, num_acc = rejection_sample(torch.tensor([[3, 1, 0]]), torch.tensor([1]), p, None, torch.rand(1, 3),
                                        torch.empty(1, V).exponential_(), torch.tensor([True]))
     assert tokens[0, :num_acc[0] + 1].tolist() == [3, 1]
+
+
+def test_adaptive_k():
+    """k from the measured acceptance and the batch size (moe_infer/engine/speculative/speculator.py)."""
+    from moe_infer.config import EngineConfig, SpeculativeConfig
+    from moe_infer.engine.speculative.speculator import PROBE_EVERY, Speculator
+
+    cfg = EngineConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                     disable_by_batch_size=32))
+    spec = Speculator(cfg, None, None, max_model_len=1024)
+    spec.acceptance = 0.9
+    assert spec.choose_k(1) == 4  # often right, small batch: the most
+    assert spec.choose_k(32) == spec.choose_k(100) == 0  # from disable_by_batch_size on: off
+    assert 0 < spec.choose_k(24) < 4  # a larger batch: fewer
+    spec.acceptance = 0.3
+    assert spec.choose_k(1) < 4
+    spec.acceptance = 0.0  # never right: no speculation but the probes
+    spec.num_steps = 1
+    assert spec.choose_k(1) == 0
+    spec.num_steps = PROBE_EVERY
+    assert spec.choose_k(1) == 1
+    spec.acceptance, spec.num_steps = 0.6, 1
+    spec.proposer.proposal_cost = 1.0  # a draft as costly as the target: not worth it at 0.6
+    assert spec.choose_k(1) == 0
+    spec.proposer.proposal_cost = 0.0
+    assert spec.choose_k(1) > 0
+    fixed = Speculator(EngineConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                                  adaptive=False)), None, None, 1024)
+    fixed.acceptance = 0.0
+    assert fixed.choose_k(1) == 3 and fixed.choose_k(32) == 0

@@ -60,9 +60,11 @@ def _check_spec_ran_and_freed(llm):
 def test_greedy_matches_transformers(method, mode):
     """A random Qwen3-MoE checkpoint: the tokens equal transformers' greedy ones. The draft model is the target's
     own weights, so that every proposal must be accepted: a draft KV slot written wrong (preemption, prefix-cache
-    hits, chunked prompts, rolled-back blocks reused) shows as a rejection."""
+    hits, chunked prompts, rolled-back blocks reused) shows as a rejection. k fixed (adaptive k would stop proposing:
+    a draft as large as the target costs a target step per proposal)."""
     path = checkpoint("qwen3_moe")
-    spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "draft_model": path}
+    spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "draft_model": path,
+                                            "adaptive": False}
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, speculative_config=spec, **MODES[mode])
     if mode == "prefix":
         _run(llm, PROMPTS[:1], _greedy())
@@ -245,7 +247,8 @@ def test_speculative_gpu_graphs(method):
     """On the GPU (float32): transformers' greedy tokens with the verify steps replayed as CUDA graphs (the prefill
     graphs) and, with a draft, the draft's own decode graphs; no KV block leaked."""
     path = checkpoint("qwen3_moe")
-    spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "draft_model": path}
+    spec = NGRAM if method == "ngram" else {"method": "draft", "num_speculative_tokens": 3, "draft_model": path,
+                                            "adaptive": False}
     llm = LLM(model=path, dtype="float32", device="cuda", block_size=BLOCK, num_kv_blocks=256,
               speculative_config=spec)
     graphs = llm.engine.runner.extend_graphs
@@ -258,3 +261,29 @@ def test_speculative_gpu_graphs(method):
     if method == "draft":
         stats = llm.engine.get_stats()
         assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens
+
+
+def test_draft_catches_up_a_long_prompt_in_chunks():
+    """A prompt longer than the token budget reaches the draft in chunks (as the target's chunked prefill): the draft
+    is the target's weights, so every proposal must still be accepted, and the tokens are HF's."""
+    path = checkpoint("qwen3_moe")
+    prompt = list(range(3, 60)) + list(range(3, 30))  # 84 tokens, budget 16
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256,
+              max_num_batched_tokens=16, enable_prefix_caching=False,
+              speculative_config={"method": "draft", "num_speculative_tokens": 2, "draft_model": path,
+                                  "adaptive": False})
+    steps = []
+    proposer = llm.engine.speculator.proposer
+    catch_up = proposer._catch_up
+
+    def spy(live, starts):
+        before = list(starts)
+        catch_up(live, starts)
+        steps.append([b - a for a, b in zip(before, starts)])
+
+    proposer._catch_up = spy
+    out = _run(llm, [prompt], _greedy())[0].outputs[0].token_ids
+    assert out == hf_greedy(path, prompt, NUM_NEW)[0]
+    assert any(sum(s) > 0 for s in steps)  # the long prompt went through the chunks
+    stats = llm.engine.get_stats()
+    assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens > 0

@@ -8,11 +8,12 @@ after a free or preemption; a prefix-cache hit is recomputed by the draft, whose
 sequence may not have written).
 
 A proposal step (before the scheduler plans the verify step): the sequences' tokens the draft has not seen, up to
-their last one, in one forward (its prompt, the first time), which gives the first proposal; then k - 1 one-token
-forwards. The blocks for the proposals' KV are taken here (the verify step needs them too); a sequence that does not
-get them proposes nothing. Greedy requests take the draft's argmax (q one-hot); the others draw from the draft's
-distribution with the request's temperature and filters, q kept for the rejection test. A seeded request's draws come
-from a generator of its own, apart from the target's (the two streams must not be the same).
+their last one, in one forward (its prompt, the first time: in chunks of the engine's token budget where longer),
+which gives the first proposal; then k - 1 one-token forwards. The blocks for the proposals' KV are taken here (the
+verify step needs them too); a sequence that does not get them proposes nothing. Greedy requests take the draft's
+argmax (q one-hot); the others draw from the draft's distribution with the request's temperature and filters, q kept
+for the rejection test. A seeded request's draws come from a generator of its own, apart from the target's (the two
+streams must not be the same).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class DraftProposer:
         self.runner = ModelRunner(draft_cfg, path, target.device, target.dtype, parallel=target.parallel)
         self.block_manager = block_manager
         self.max_model_len = self.runner.max_model_len
+        self.max_num_batched_tokens = engine_cfg.scheduler.max_num_batched_tokens
         # a proposal's cost relative to a target step (adaptive k): decoding reads the weights, so their bytes
         self.proposal_cost = max(0.1, _weight_bytes(self.runner.model) / max(_weight_bytes(target.model), 1))
         self.generator = torch.Generator(device=target.device).manual_seed(engine_cfg.seed + DRAFT_SEED_OFFSET)
@@ -98,6 +100,7 @@ class DraftProposer:
         probs: Dict[int, List[torch.Tensor]] = {seq.seq_id: [] for seq, _ in live}
         # the first forward: every token the draft has not seen, up to the last
         starts = [min(seq.num_draft_computed, len(seq) - 1) for seq, _ in live]  # the last token at least
+        self._catch_up(live, starts)
         items = [self._item(seq, seq.token_ids[at:], at) for (seq, _), at in zip(live, starts)]
         tokens = self._step(items, [seq for seq, _ in live], 0, probs)
         for seq, _ in live:
@@ -113,15 +116,35 @@ class DraftProposer:
             if probs[seq.seq_id]:
                 seq.spec_probs = torch.stack(probs[seq.seq_id])
 
+    def _catch_up(self, live: List[Tuple[Sequence, int]], starts: List[int]) -> None:
+        """Draft KV of long unseen spans (a prompt) in chunks of the engine's token budget, without sampling, until
+        every sequence's rest fits one forward (starts advanced in place)."""
+        budget = self.max_num_batched_tokens
+        while True:
+            items, used = [], 0
+            for i, (seq, _) in enumerate(live):
+                rest = len(seq) - starts[i]
+                if rest > budget and used < budget:
+                    n = min(rest - 1, budget - used)
+                    items.append(self._item(seq, seq.token_ids[starts[i]:starts[i] + n], starts[i], sample=False))
+                    starts[i] += n
+                    used += n
+            if not items:
+                return
+            r = self.runner
+            inputs = r.prepare(SchedulerOutput(seqs=items))
+            r.before_forward(inputs)
+            r.forward_step(inputs)
+
     def forget(self, seq_ids) -> None:
         """Finished sequences: their generators go."""
         for seq_id in seq_ids:
             self._seeded.pop(seq_id, None)
 
     @staticmethod
-    def _item(seq: Sequence, token_ids, start: int) -> ScheduledSeq:
+    def _item(seq: Sequence, token_ids, start: int, sample: bool = True) -> ScheduledSeq:
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=list(token_ids), start_pos=start,
-                            block_table=list(seq.block_table), do_sample=True, params=seq.params,
+                            block_table=list(seq.block_table), do_sample=sample, params=seq.params if sample else None,
                             num_prompt_tokens=seq.num_prompt_tokens)
 
     def _step(self, items: List[ScheduledSeq], seqs: List[Sequence], j: int,
