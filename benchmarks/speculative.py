@@ -15,6 +15,8 @@ accepted length (tokens a verifying sequence-step emits) from `get_stats`, and t
     python benchmarks/speculative.py            # GPU (one H200): the large target has Qwen3-30B-A3B's layer shape
     python benchmarks/speculative.py --tiny     # CPU: small shapes, few tokens, a smoke run
 
+    python benchmarks/speculative.py --workloads ngram      # one workload (its own JSON file)
+
 Writes JSON (device named) to --out DIR, else $OUT, else benchmarks/results/ (speculative_<device>.json).
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ PROMPTS = [
     f"Fix the spelling and copy the rest.\nText: {PASSAGE.replace('sequence', 'sequnce')}\nFixed: ",
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, ",
 ]
+WORKLOADS = "ngram,draft,ngram_large"
 LARGE = dict(  # Qwen3-30B-A3B's layer shape, 8 layers, the tiny model's vocabulary
     hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
@@ -112,7 +115,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,4,16)")
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--workloads", default="ngram,draft,ngram_large")
+    ap.add_argument("--workloads", default=WORKLOADS, help="a subset writes speculative_<device>_<subset>.json")
     args = ap.parse_args()
 
     from moe_infer import LLM
@@ -164,7 +167,8 @@ def main() -> None:
                   large_target=LARGE_TINY if args.tiny else LARGE, torch=torch.__version__, rows=rows)
     out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"speculative_{device_label(device)}.json")
+    part = "" if args.workloads == WORKLOADS else "_" + args.workloads.replace(",", "+")  # a subset: its own file
+    path = os.path.join(out_dir, f"speculative_{device_label(device)}{part}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
