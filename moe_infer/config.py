@@ -216,6 +216,50 @@ class ParallelConfig:
             raise ValueError(f"parallel.eplb_step_interval must be positive, got {self.eplb_step_interval}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative.md): a proposer guesses up to num_speculative_tokens tokens per
+    sequence, one step of the model verifies them. vLLM's names where it has them. method None: off."""
+
+    method: Optional[str] = None  # None (off) | ngram (prompt lookup, no model) | draft (a small model) | mtp
+    num_speculative_tokens: int = 3  # k: the most tokens proposed per sequence and step
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix of the sequence looked up in its earlier tokens
+    prompt_lookup_max: int = 4  # ngram: the longest
+    draft_model: Optional[str] = None  # draft: the draft checkpoint folder (same vocabulary as the target)
+    draft_load_format: str = "auto"  # draft: auto (its safetensors) | dummy (random weights: benchmarks)
+    # no speculation while this many sequences or more decode in a step (decoding is compute-bound there);
+    # None: never disabled by the batch size
+    disable_by_batch_size: Optional[int] = 32
+    adaptive: bool = True  # pick k per step from the measured acceptance rate and the batch size (<= k)
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)} (or null: off), "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative.num_speculative_tokens must be an int >= 1, got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min} / {self.prompt_lookup_max}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative.method=draft needs speculative.draft_model (a checkpoint folder)")
+        if self.draft_load_format not in ("auto", "dummy"):
+            raise ValueError(f"speculative.draft_load_format must be 'auto' or 'dummy', got {self.draft_load_format!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative.disable_by_batch_size must be >= 1 or null, got "
+                             f"{self.disable_by_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -225,4 +269,5 @@ class EngineConfig:
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     seed: int = 0

@@ -68,6 +68,7 @@ class JobConfig(EngineConfig):
         return EngineConfig(
             model=self.model, cache=self.cache, scheduler=self.scheduler, routing=routing,
             experts=self.experts, offload=self.offload, parallel=self.parallel, seed=self.seed,
+            speculative=self.speculative,
         )
 
     def prompt_list(self) -> List[str]:

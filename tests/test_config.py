@@ -29,7 +29,7 @@ def _compose(overrides):
 
 
 def test_groups_cover_engine_config():
-    expected = {"model", "cache", "scheduler", "routing", "experts", "offload", "parallel", "sampling"}
+    expected = {"model", "cache", "scheduler", "routing", "experts", "offload", "parallel", "sampling", "speculative"}
     assert expected <= set(GROUPS)
 
 
@@ -40,6 +40,8 @@ def test_every_group_option_composes(group, option):
         overrides.append("model.path=/some/checkpoint")
     if group == "offload" and option == "nvme":
         overrides.append("offload.nvme_path=/some/nvme/dir")
+    if group == "speculative" and option == "draft":
+        overrides.append("speculative.draft_model=/some/draft/checkpoint")
     job = OmegaConf.to_object(_compose(overrides))
     assert isinstance(job, JobConfig)
     engine = job.engine_config()

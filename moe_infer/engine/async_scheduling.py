@@ -53,6 +53,8 @@ def async_scheduling_blocker(cfg: EngineConfig, parallel: Any) -> Optional[str]:
         return f"offload.store={cfg.offload.store} decides expert copies on the host per layer and step"
     if cfg.routing.trace:
         return "routing.trace=true (the trace must not record the discarded lookahead tokens)"
+    if cfg.speculative.enabled:
+        return f"speculative.method={cfg.speculative.method} proposes from the tokens of the step before"
     return None
 
 

@@ -108,6 +108,19 @@ class BlockManager:
                 self.free_ids[block_id] = None
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0  # a draft model's KV lives under the same block ids (speculative decoding)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past those that hold its first num_tokens tokens (speculative decoding: the KV
+        slots of rejected tokens). Those blocks are its own (never full of computed tokens: no hash, no sharer)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Give every newly full block of computed tokens its chained hash (after a step ran)."""

@@ -59,11 +59,12 @@ MAX_GRAPHS = 64  # a bucket's graphs keep their output [Tp, D] and the pool thei
 HEAD_LAYERS = 1
 
 
-def token_buckets(max_tokens: int) -> List[int]:
-    """Padded token counts: 16, 32, ..., 512, then multiples of 512, the last one max_tokens itself."""
+def token_buckets(max_tokens: int, smallest: int = 16) -> List[int]:
+    """Padded token counts: 16, 32, ..., 512, then multiples of 512, the last one max_tokens itself (smallest=4: 4
+    and 8 first; speculative decoding's verify steps of a few sequences, whose padding rows would read experts)."""
     if max_tokens <= 0:
         raise ValueError(f"cuda graph max tokens must be positive, got {max_tokens}")
-    small = [t for t in (16, 32, 64, 128, 256, 512) if t < max_tokens]
+    small = [t for t in (4, 8, 16, 32, 64, 128, 256, 512) if smallest <= t < max_tokens]
     return small + list(range(1024, max_tokens, 512)) + [max_tokens]
 
 
@@ -81,16 +82,20 @@ class ExtendGraphs:
     def __init__(self, forward: ForwardFn, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
                  device: torch.device, capture: bool = True, pool=None, max_graphs: int = MAX_GRAPHS,
                  last_rows: bool = False, hidden_in: Optional[Tuple[int, torch.dtype]] = None,
-                 mesh: bool = False, prologue: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                 mesh: bool = False, prologue: Optional[Callable[[torch.Tensor], None]] = None,
+                 max_sample_rows: Optional[int] = None, min_bucket: int = 16) -> None:
         """hidden_in (hidden size, dtype): a pipeline stage after the first (`hidden_input`); mesh, prologue: as
-        DecodeGraphs' (the prologue gets the bytes any step of the bucket may read, `payload_region`)."""
+        DecodeGraphs' (the prologue gets the bytes any step of the bucket may read, `payload_region`);
+        max_sample_rows: the most sampling rows of a step (default one per sequence; speculative verify steps);
+        min_bucket: the smallest padded token count (`token_buckets`)."""
         self.forward, self.block_size, self.max_blocks, self.mesh = forward, block_size, max_blocks, mesh
         self.prologue = prologue
         self.last_rows = last_rows  # the last layer runs each sequence's last row only (layers/last_rows.py)
-        self.sizes = token_buckets(max_tokens)
+        self.sizes = token_buckets(max_tokens, min_bucket)
         self.max_tokens, self.max_seqs = self.sizes[-1], next_pow2(max_seqs + 1)
         self.capture, self.max_graphs = capture, max_graphs
-        self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device)
+        self.inputs = GraphInputs(self.max_tokens, self.max_seqs, max_blocks, device,
+                                  max_sample=None if max_sample_rows is None else max(max_sample_rows, self.max_seqs))
         self.hidden_in_TD = (None if hidden_in is None else
                              torch.zeros(self.max_tokens, hidden_in[0], dtype=hidden_in[1], device=device))
         self.views: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}  # (Tp, Bp) -> the graph's input views
@@ -103,8 +108,8 @@ class ExtendGraphs:
 
     def can_run(self, sizes: Sizes) -> bool:
         """A step that fits the buffers and whose padding sequence fits one row of the block table."""
-        T, B, _, m = sizes[:4]
-        if self.disabled is not None or T == 0 or T > self.max_tokens:
+        T, B, S, m = sizes[:4]
+        if self.disabled is not None or T == 0 or T > self.max_tokens or S > self.inputs.max_sample:
             return False
         return B + 1 <= self.max_seqs and m <= self.max_blocks and self._tokens(T) - T <= self.max_blocks * self.block_size
 

@@ -121,9 +121,12 @@ class GraphInputs:
 
     MAX_VIEWS = 1024  # numpy views kept per staging buffer (one per layout seen): a bound, rarely reached
 
-    def __init__(self, rows: int, seqs: int, width: int, device: torch.device) -> None:
+    def __init__(self, rows: int, seqs: int, width: int, device: torch.device,
+                 max_sample: Optional[int] = None) -> None:
+        """max_sample: the most sampling rows of a step (default: one per sequence; speculative decoding's verify
+        steps sample at several rows of a sequence)."""
         self.width = width
-        self.max_sample, self.max_extra = seqs, 2 * seqs
+        self.max_sample, self.max_extra = max_sample or seqs, 2 * seqs
         nbytes = layout(rows, seqs, width, self.max_sample, self.max_extra).nbytes
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self._staging = PinnedStaging(self.buffer)

@@ -7,6 +7,8 @@ Keyword arguments are the fields of the EngineConfig groups (`block_size`, `max_
 `gpu_memory_utilization`, `enable_chunked_prefill`, `policy`, ...); a name two groups share is
 written `<group>_<field>` (`routing_backend`, `experts_backend`), which also works for every field.
 `offload="cpu"` (or "nvme") picks the expert store: `LLM(model=..., offload="cpu", gpu_expert_budget_gb=20)`.
+`speculative_config={"method": "ngram", "num_speculative_tokens": 3}` turns speculative decoding on, as in vLLM
+(docs/speculative.md).
 A prompt of a shape the API does not take raises before any request starts (`check_prompts`); a request that
 cannot run finishes alone with finish_reason "error" (reason in `.outputs[0].error`).
 """
@@ -16,7 +18,7 @@ import collections.abc
 import dataclasses
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from moe_infer.config import EngineConfig
+from moe_infer.config import EngineConfig, SpeculativeConfig
 from moe_infer.engine.chat_template import ChatTemplateError, render_chat
 from moe_infer.engine.encode import encode
 from moe_infer.engine.llm_engine import LLMEngine, PromptType
@@ -44,7 +46,23 @@ def _field_map() -> Dict[str, Tuple[str, str]]:
     return out
 
 
-def build_config(model: Optional[str] = None, seed: int = 0, **kwargs) -> EngineConfig:
+def build_speculative_config(value) -> SpeculativeConfig:
+    """vLLM's `speculative_config`: a dict of SpeculativeConfig's fields ({"method": "ngram",
+    "num_speculative_tokens": 3, ...}), a SpeculativeConfig, or None (off)."""
+    if value is None:
+        return SpeculativeConfig()
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config must be a dict or a SpeculativeConfig, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+    return SpeculativeConfig(**value)
+
+
+def build_config(model: Optional[str] = None, seed: int = 0, speculative_config=None, **kwargs) -> EngineConfig:
     fields = _field_map()
     per_group: Dict[str, dict] = {g: {} for g in _GROUPS}
     for key, value in {"model": model, **kwargs}.items():
@@ -53,7 +71,7 @@ def build_config(model: Optional[str] = None, seed: int = 0, **kwargs) -> Engine
         group, name = fields[key]
         per_group[group][name] = value
     parts = {g: type(EngineConfig.__dataclass_fields__[g].default_factory())(**v) for g, v in per_group.items()}
-    return EngineConfig(seed=seed, **parts)
+    return EngineConfig(seed=seed, speculative=build_speculative_config(speculative_config), **parts)
 
 
 _PROMPT_SHAPES = ('a prompt is a str, {"prompt": str} or {"prompt_token_ids": [int, ...]} (token ids); '

@@ -35,6 +35,7 @@ from moe_infer.engine.prompt_limits import int_ids
 from moe_infer.engine.request_state import Child, RequestState
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
+from moe_infer.engine.speculative.speculator import Speculator, speculation_blocker
 from moe_infer.parallel.engine_hooks import init_engine_parallel, make_executor
 from moe_infer.parallel.pipeline import StepFailed
 
@@ -83,6 +84,20 @@ class EngineStats:
     num_prefix_queries: int  # full prompt blocks looked up at admission, total
     num_prefix_hits: int  # of those, found in the prefix cache
     num_preemptions: int  # total
+    # speculative decoding (0 without): proposed tokens verified, of those accepted, sequence-steps that verified
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verified: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 before any proposal)."""
+        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence-step emits on average: 1 + accepted / verified (0 before any)."""
+        return 1.0 + self.num_spec_accepted_tokens / self.num_spec_verified if self.num_spec_verified else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -97,11 +112,18 @@ class LLMEngine:
         moe_infer/engine/detok_assembler.py)."""
         self.cfg = cfg
         self.detokenize = detokenize
+        speculation_blocker(cfg)  # before any process group: a mesh with speculation is refused at once
         self.parallel = init_engine_parallel(cfg, model_path)  # the mesh first: it picks this rank's GPU
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.seed)
-        self.runner = ModelRunner(cfg, model_path, self.device, self.dtype, parallel=self.parallel)
+        kv_reserve, spec = (0, 0), cfg.speculative
+        if spec.method == "draft" and spec.draft_model and os.path.isdir(spec.draft_model):
+            from moe_infer.engine.speculative.draft import draft_reserve
+
+            kv_reserve = draft_reserve(spec.draft_model, cfg, self.dtype)
+        self.runner = ModelRunner(cfg, model_path, self.device, self.dtype, parallel=self.parallel,
+                                  kv_reserve=kv_reserve)
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model_path)
         self.runner.startup_timings["tokenizer_s"] = time.perf_counter() - start
@@ -132,6 +154,9 @@ class LLMEngine:
             self.executor = make_executor(self.parallel, self.runner, lookahead=why_sync is None)
         else:
             self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
+        self.speculator: Optional[Speculator] = None  # speculative decoding (moe_infer/engine/speculative/)
+        if cfg.speculative.enabled:
+            self.speculator = Speculator(cfg, self.runner, self.block_manager, self.max_model_len)
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()
@@ -186,8 +211,13 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
-        return EngineStats(len(self.requests), len(sch.running), len(sch.waiting), bm.num_blocks,
-                           bm.num_free_blocks, bm.num_prefix_queries, bm.num_prefix_hits, sch.num_preemptions)
+        stats = EngineStats(len(self.requests), len(sch.running), len(sch.waiting), bm.num_blocks,
+                            bm.num_free_blocks, bm.num_prefix_queries, bm.num_prefix_hits, sch.num_preemptions)
+        spec = self.speculator
+        if spec is not None:
+            stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens = spec.num_proposed, spec.num_accepted
+            stats.num_spec_verified = spec.num_verified
+        return stats
 
     def get_expert_load(self) -> List[dict]:
         """Per MoE layer: rows routed / dropped / rerouted per expert, imbalance, entropy (one host sync).
@@ -210,6 +240,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if encoder is not None:
             outputs = [encoder.encode(out) for out in outputs]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for item in plan.seqs:
@@ -235,6 +267,8 @@ class LLMEngine:
         plan, tokens, logprobs = done
         lp_by_seq = {item.seq_id: lp for item, lp in zip(plan.seqs, logprobs) if lp is not None}
         updated = self.scheduler.postprocess(plan, tokens)
+        if self.speculator is not None:
+            self.speculator.record(plan, tokens)
         now = time.monotonic()
         progressed: Dict[str, RequestState] = {}
         for seq in updated:
@@ -242,6 +276,10 @@ class LLMEngine:
             m = seq.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
+            if isinstance(lp_by_seq.get(seq.seq_id, ()), list) or seq.num_new_tokens > 1:  # a verify step's tokens
+                self._take_tokens(seq, child, lp_by_seq.get(seq.seq_id))
+                progressed[req.request_id] = req
+                continue
             token = seq.token_ids[-1]
             if seq.seq_id in lp_by_seq:
                 child.add_logprobs(token, lp_by_seq[seq.seq_id], self._decode_one)
@@ -265,6 +303,31 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ helpers
+    def _take_tokens(self, seq, child: Child, lps: Optional[list]) -> None:
+        """The tokens a verify step appended to seq (speculative decoding), one at a time as a plain step's: logprobs,
+        detokenizing; a stop string cuts the tokens after the one that completed it."""
+        n = seq.num_new_tokens
+        first = len(seq) - n
+        for i in range(n):
+            token = seq.token_ids[first + i]
+            if lps is not None:
+                child.add_logprobs(token, lps[i], self._decode_one)
+            if child.detok is None:
+                continue
+            _, stop = child.detok.add_token(token)
+            if stop is not None and not seq.is_finished:
+                del seq.token_ids[first + i + 1:]  # tokens past the stop string are not output
+                self.scheduler.finish(seq, "stop", stop)
+                return
+            if stop is not None and i < n - 1:  # finished by a later token (length, a stop token): cut there
+                del seq.token_ids[first + i + 1:]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+        if seq.is_finished and child.detok is not None:  # the last token: what was held back is the text's end
+            _, stop = child.detok.flush()
+            if stop is not None and seq.finish_reason == "length":
+                seq.finish_reason, seq.stop_reason = "stop", stop
+
     def _tokenize(self, prompt: PromptType, params: SamplingParams):
         """(prompt text, token ids, error or None) of a prompt."""
         error = self.limits.params_error(params)

@@ -54,11 +54,14 @@ CPU_KV_CACHE_BYTES = 4 << 30  # the most a CPU KV cache takes when num_kv_blocks
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_path: str, device: torch.device, dtype: torch.dtype,
-                 parallel=None) -> None:
+                 parallel=None, kv_reserve: Tuple[int, int] = (0, 0)) -> None:
+        """kv_reserve: (bytes per KV block, bytes) the KV budget leaves for what is loaded after this runner: a
+        speculative draft model's own cache under the same block ids, and its weights."""
         from moe_infer.models import load_model
         from moe_infer.models.hf_config import load_arch
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.kv_reserve = kv_reserve
         self.block_size = cfg.cache.block_size
         self.backends = resolve_moe_backends(cfg, device)
         self.parallel = parallel if parallel is not None else init_engine_parallel(cfg, model_path)
@@ -98,6 +101,11 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         self.last_rows = self._last_rows_on()
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
+        self.verifier = None  # speculative decoding: the verification of proposed tokens (engine/speculative/)
+        if cfg.speculative.enabled:
+            from moe_infer.engine.speculative.verify import Verifier
+
+            self.verifier = Verifier(self.sampler)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
         self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
         self.startup_timings["kernel_warmup_s"] = self.warmup_s or 0.0
@@ -133,6 +141,7 @@ class ModelRunner:
         part can run it (moe_infer/layers/last_rows.py)."""
         cfg = self.cfg
         return (cfg.model.prune_last_layer and cfg.routing.policy == "dropless" and not cfg.routing.trace
+                and not cfg.speculative.enabled  # a verify step samples at every proposed token's row
                 and self.model.can_run_last_rows())
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
@@ -216,18 +225,21 @@ class ModelRunner:
         return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.block_size, self.device,
                             pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows,
-                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue())
+                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue(),
+                            max_sample_rows=max_tokens if self.cfg.speculative.enabled else None,
+                            min_bucket=4 if self.cfg.speculative.enabled else 16)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
-        bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
+        bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size) + self.kv_reserve[0]
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         useful = blocks_per_seq * self.cfg.scheduler.max_num_seqs  # more can never be used at once
         if self.cfg.cache.num_kv_blocks is not None:
             return self.cfg.cache.num_kv_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - self.cfg.cache.gpu_memory_utilization) - self._activation_bytes()
+            budget = (free - total * (1.0 - self.cfg.cache.gpu_memory_utilization) - self._activation_bytes()
+                      - self.kv_reserve[1])
             num = min(int(budget // bytes_per_block), useful)
             if num < blocks_per_seq:
                 raise RuntimeError(
@@ -319,6 +331,8 @@ class ModelRunner:
         inputs = self.prepare(plan, prev)
         self.before_forward(inputs)
         hidden_TD, logits_TV = self.forward_step(inputs)
+        if self.verifier is not None and any(s.spec_token_ids for s in plan.seqs):  # speculative decoding
+            return LaunchedStep(plan, self.verifier.verify(self.sample_logits(inputs, hidden_TD, logits_TV), plan))
         return LaunchedStep(plan, self.sample(inputs, hidden_TD, plan_requests(plan), logits_TV))
 
     @torch.inference_mode()
@@ -360,27 +374,37 @@ class ModelRunner:
                logits_TV: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
         """Logits of the sampling rows (a collective over tp; logits_TV: every row's, from a decode graph),
         sampled (launched) where reqs are given (the sampling rank's part of a mesh step)."""
-        T, B, S = inputs.sizes[:3]
+        if self.dp.communicates and logits_TV is None and inputs.sizes[2] > 0:
+            return self._sample_dp(inputs, self._sampling_hidden(inputs, hidden_TD), reqs)
+        logits_SV = self.sample_logits(inputs, hidden_TD, logits_TV)
+        if logits_SV is None or reqs is None:
+            return None
+        on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight
+        return self.sampler.sample(logits_SV, reqs, inputs.input_ids_T[inputs.sample_rows_S] if on_device else None)
+
+    def sample_logits(self, inputs: StepInputs, hidden_TD: Optional[torch.Tensor],
+                      logits_TV: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The logits of the step's sampling rows [S, V] (None when none samples); not under attention data
+        parallelism, whose replicas' rows are gathered and sampled together (`sample`)."""
+        T, S = inputs.sizes[0], inputs.sizes[2]
         if S == 0:
             return None
         # every row samples (a decode step): the rows in order, no gather
         if logits_TV is not None:
-            logits_SV = logits_TV[:S] if S == T else logits_TV[inputs.sample_rows_S]
-        else:
-            # (attention data parallelism: a replica's sampling rows are padded, not every row even where S == T)
-            in_order = inputs.dp is None and not self.dp.communicates
-            if hidden_TD.shape[0] == T:
-                hidden_SD = hidden_TD[:S] if S == T and in_order else hidden_TD[inputs.sample_rows_S]
-            else:  # one row a sequence, its last (the last layer ran those only: moe_infer/layers/last_rows.py)
-                hidden_SD = (hidden_TD[:S] if S == B and in_order else
-                             hidden_TD.index_select(0, self._sampling_seqs(inputs)))
-            if self.dp.communicates:
-                return self._sample_dp(inputs, hidden_SD, reqs)
-            logits_SV = self.model.compute_logits(hidden_SD, upcast=False)  # the sampler casts where it must
-        if reqs is None:
-            return None
-        on_device = any(r.last_on_device for r in reqs)  # penalties over a token sampled by the step in flight
-        return self.sampler.sample(logits_SV, reqs, inputs.input_ids_T[inputs.sample_rows_S] if on_device else None)
+            return logits_TV[:S] if S == T else logits_TV[inputs.sample_rows_S]
+        if self.dp.communicates:
+            raise RuntimeError("sample_logits under attention data parallelism: the replicas sample through sample()")
+        return self.model.compute_logits(self._sampling_hidden(inputs, hidden_TD), upcast=False)  # cast by the sampler
+
+    def _sampling_hidden(self, inputs: StepInputs, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """The hidden states of the step's sampling rows [S, D]."""
+        T, B, S = inputs.sizes[:3]
+        # (attention data parallelism: a replica's sampling rows are padded, not every row even where S == T)
+        in_order = inputs.dp is None and not self.dp.communicates
+        if hidden_TD.shape[0] == T:
+            return hidden_TD[:S] if S == T and in_order else hidden_TD[inputs.sample_rows_S]
+        # one row a sequence, its last (the last layer ran those only: moe_infer/layers/last_rows.py)
+        return hidden_TD[:S] if S == B and in_order else hidden_TD.index_select(0, self._sampling_seqs(inputs))
 
     def _sample_dp(self, inputs: StepInputs, hidden_SD: torch.Tensor, reqs: Optional[List[SampleRequest]]
                    ) -> Optional[SampledTokens]:

@@ -151,6 +151,30 @@ class Sampler:
             tokens_B = torch.where(greedy_B, logits_BV.argmax(-1), self._sample(logits_BV, reqs))
         return SampledTokens(tokens_B, self._logprobs(raw_logprobs_BV, tokens_B, num_lp), num_lp)
 
+    def target_probs(self, logits_BV: torch.Tensor, reqs: List[SampleRequest]) -> torch.Tensor:
+        """The distribution each row's token is drawn from by `sample` (penalties, min_tokens, temperature, top-k,
+        top-p, min-p), normalised, float32; a greedy row is one-hot at its argmax. For speculative decoding's
+        verification (moe_infer/engine/speculative/rejection.py), which needs the probabilities themselves."""
+        logits_BV = self._apply_min_tokens(self._apply_penalties(logits_BV.float(), reqs), reqs)
+        greedy = [r.params.is_greedy for r in reqs]
+        one_hot_BV = torch.zeros_like(logits_BV).scatter_(1, logits_BV.argmax(-1, keepdim=True), 1.0)
+        if all(greedy):
+            return one_hot_BV
+        temp_B1 = _on(self.device, [r.params.temperature if not r.params.is_greedy else 1.0 for r in reqs]).unsqueeze(1)
+        probs_BV = self._filter(torch.softmax(logits_BV / temp_B1, -1), reqs)
+        probs_BV = probs_BV / probs_BV.sum(-1, keepdim=True)
+        return torch.where(_on(self.device, greedy).unsqueeze(1), one_hot_BV, probs_BV)
+
+    def generator_of(self, req: SampleRequest) -> torch.Generator:
+        """The generator a request's random draws come from: its own when seeded (made on first use), else the
+        engine's."""
+        if req.params.seed is None:
+            return self.generator
+        gen = self._seeded.get(req.seq_id)
+        if gen is None:
+            gen = self._seeded[req.seq_id] = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        return gen
+
     # ------------------------------------------------------------------ logit processing
     def _apply_penalties(self, logits_BV: torch.Tensor, reqs: List[SampleRequest],
                          input_ids_B: Optional[torch.Tensor] = None) -> torch.Tensor:

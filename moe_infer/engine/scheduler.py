@@ -33,6 +33,11 @@ lookahead) when the KV cache cannot hold every running sequence's next chunk (pr
 step n's tokens and frees); a sequence sampling with penalties gets its history without step n's
 token, which the sampler counts from the step's input ids on the device. Without pipeline stages or
 lookahead nothing is ever in flight at schedule time.
+
+Speculative decoding (moe_infer/engine/speculative/, never with lookahead): a decoding sequence with proposed tokens
+(`spec_token_ids`, set before the schedule) runs its last token and the proposals, k + 1 tokens of the budget (the
+proposals cut to fit it), every one sampled; postprocess takes the list of tokens the verification kept, appends them
+up to the first that stops the sequence, and gives back the blocks past its computed tokens (rejected proposals).
 """
 from __future__ import annotations
 
@@ -114,6 +119,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
+            spec = seq.spec_token_ids[:budget - 1] if seq.spec_token_ids and seq.num_uncomputed_tokens == 1 else ()
+            num_new += len(spec)  # speculative decoding: the proposed tokens are verified in this step
             while not self.block_manager.can_append(seq, seq.num_scheduled_tokens + num_new):
                 victim = self._victim(seq, can_wait)
                 if victim is None:  # wait for the batches in flight rather than preempt
@@ -126,7 +133,7 @@ class Scheduler:
             if blocked or seq.status != SequenceStatus.RUNNING:  # seq preempted itself
                 break
             self.block_manager.append(seq, seq.num_scheduled_tokens + num_new)
-            out.seqs.append(self._plan(seq, num_new))
+            out.seqs.append(self._plan_verify(seq, spec) if spec else self._plan(seq, num_new))
             budget -= num_new
             i += 1
         for seq in list(self.waiting) if not (preempted or blocked) else []:  # arrival order
@@ -167,6 +174,10 @@ class Scheduler:
             if seq is None:  # finished (aborted, stopped) while the step ran: its token is discarded
                 self._release(item.seq_id)
                 continue
+            if isinstance(token, list):  # speculative decoding: the verified tokens
+                if self._take_verified(seq, item, token):
+                    updated.append(seq)
+                continue
             seq.num_in_flight -= 1
             seq.num_pending_tokens -= len(item.token_ids)
             seq.num_computed_tokens += len(item.token_ids)
@@ -176,6 +187,7 @@ class Scheduler:
                 continue
             seq.num_placeholders -= 1
             seq.append_token(token)
+            seq.num_new_tokens = 1
             updated.append(seq)
             reason, stop = self._stop_by_token(seq, token)
             if reason is not None:
@@ -210,6 +222,43 @@ class Scheduler:
             history=seq.token_ids if do_sample and seq.params.has_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens, input_in_flight=input_in_flight,
         )
+
+    def _plan_verify(self, seq: Sequence, spec) -> ScheduledSeq:
+        """Speculative decoding: seq's last token and the proposed tokens spec, sampled at every row (verified)."""
+        start = seq.num_scheduled_tokens
+        seq.num_in_flight += 1
+        seq.num_pending_tokens += 1 + len(spec)
+        seq.num_placeholders += 1
+        probs = seq.spec_probs
+        return ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=[seq.token_ids[-1], *spec], start_pos=start, block_table=list(seq.block_table),
+            do_sample=True, params=seq.params, history=seq.token_ids if seq.params.has_penalties else None,
+            num_prompt_tokens=seq.num_prompt_tokens, spec_token_ids=list(spec),
+            spec_probs=None if probs is None else probs[:len(spec)],
+        )
+
+    def _take_verified(self, seq: Sequence, item: ScheduledSeq, tokens: List[int]) -> bool:
+        """A verify step's tokens for seq (the accepted proposals, then the target's own token): appended up to the
+        first that stops it (the rest are cut); the KV of the rejected proposals rolled back (their blocks freed).
+        Returns whether a token was appended."""
+        seq.num_in_flight -= 1
+        seq.num_pending_tokens -= len(item.token_ids)
+        seq.num_placeholders -= 1
+        reason = stop = None
+        num = 0
+        for token in tokens:
+            seq.append_token(token)
+            num += 1
+            reason, stop = self._stop_by_token(seq, token)
+            if reason is not None:
+                break
+        seq.num_new_tokens = num
+        seq.num_computed_tokens = len(seq) - 1  # the input token and the accepted proposals have their KV
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        self.block_manager.cache_computed_blocks(seq)
+        if reason is not None:
+            self.finish(seq, reason, stop)
+        return num > 0
 
     def _release(self, seq_id: int) -> None:
         """A finished sequence left a batch in flight; the last one gives its blocks back."""

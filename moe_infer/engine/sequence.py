@@ -16,7 +16,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence as Sequence_, Union
 
 import numpy as np
 
@@ -70,6 +70,13 @@ class Sequence:
         # n > 1: the request's first sample; this one is admitted once the leader's prompt is computed
         # and takes the prompt's KV from the prefix cache (moe_infer/engine/request_state.py)
         self.leader: Optional["Sequence"] = None
+        # speculative decoding (moe_infer/engine/speculative/): the tokens proposed for the next step (verified by
+        # it), the draft model's probabilities of them ([k, V] on the device; None: proposed deterministically),
+        # tokens whose KV the draft model holds, and the tokens the last step appended (1 without speculation)
+        self.spec_token_ids: List[int] = []
+        self.spec_probs = None
+        self.num_draft_computed = 0
+        self.num_new_tokens = 1
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -132,6 +139,11 @@ class ScheduledSeq:
     # async scheduling: the one input token is the token this sequence samples in the step in flight; the
     # runner takes it from that step's sampled ids on the device (token_ids holds PLACEHOLDER_TOKEN)
     input_in_flight: bool = False
+    # speculative decoding: the last len(spec_token_ids) of token_ids are proposed tokens this step verifies (it
+    # samples at each of them and at the token before: len + 1 rows); spec_probs: their draft probabilities [k, V]
+    # on the device, None when proposed deterministically (n-gram, greedy draft). Never set under a mesh.
+    spec_token_ids: Sequence_[int] = ()
+    spec_probs: object = None
 
 
 @dataclass

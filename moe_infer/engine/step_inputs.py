@@ -134,7 +134,10 @@ def flat_inputs(plan: SchedulerOutput, block_size: int, extra: Sequence[int] = (
         seq_lens.append(start + n)
         max_query_len = max(max_query_len, n)
         if s.do_sample:
-            sample_rows.append(query_start[-1] - 1)
+            if s.spec_token_ids:  # speculative decoding: every proposed token and the one before it are verified
+                sample_rows += range(query_start[-1] - 1 - len(s.spec_token_ids), query_start[-1])
+            else:
+                sample_rows.append(query_start[-1] - 1)
     B = len(seqs)  # the int32 segments start 16 bytes apart (Triton specializes kernels on pointer alignment)
     rest = (sample_rows + query_start + [0] * (_pad4(B + 1) - B - 1) + seq_lens + [0] * (_pad4(B) - B) + tables
             + list(extra))

@@ -14,6 +14,10 @@ over the processes at scrape time, and num_requests_in_flight counts every proce
     num_requests_running, num_requests_waiting (sequences), num_requests_in_flight (HTTP-side),
     kv_cache_usage_perc, num_kv_blocks, num_kv_blocks_used, prefix_cache_hit_rate             gauges
     prefix_cache_queries_total, prefix_cache_hits_total (blocks), num_preemptions_total       counters
+    spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total,
+    spec_decode_num_drafts_total (sequence-steps that verified proposals)                     counters
+    spec_decode_acceptance_rate, spec_decode_mean_accepted_length (since start)               gauges
+        (speculative decoding: docs/speculative.md; 0 without it)
     expert_routed_tokens_total, expert_dropped_tokens_total, expert_rerouted_tokens_total
         {layer, expert}: token-to-expert assignments since start                              counters
     expert_load_imbalance{layer}: max / mean routed per expert                                gauge
@@ -59,12 +63,22 @@ class _EngineCollector:
             ("num_kv_blocks_used", "KV blocks held by sequences.", stats.num_kv_blocks - stats.num_free_kv_blocks),
             ("prefix_cache_hit_rate", "Prompt blocks found in the prefix cache / looked up, since start.",
              stats.num_prefix_hits / stats.num_prefix_queries if stats.num_prefix_queries else 0.0),
+            ("spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens, since start.",
+             stats.spec_acceptance_rate),
+            ("spec_decode_mean_accepted_length", "Speculative decoding: tokens a verifying sequence-step emits, "
+             "on average (1 + accepted / verified), since start.", stats.spec_mean_accepted_length),
         ):
             yield GaugeMetricFamily(P + name, doc, value=value)
         for name, doc, value in (
             ("prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.", stats.num_prefix_queries),
             ("prefix_cache_hits", "Full prompt blocks found in the prefix cache.", stats.num_prefix_hits),
             ("num_preemptions", "Sequences preempted (KV freed, recomputed later).", stats.num_preemptions),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens verified.",
+             stats.num_spec_proposed_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+             stats.num_spec_accepted_tokens),
+            ("spec_decode_num_drafts", "Speculative decoding: sequence-steps that verified proposed tokens.",
+             stats.num_spec_verified),
         ):
             yield CounterMetricFamily(P + name, doc, value=value)
         for key, doc in (("routed", "Tokens routed to each expert (one per token and chosen expert)."),

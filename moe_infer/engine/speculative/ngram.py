@@ -1,0 +1,43 @@
+"""The n-gram (prompt lookup) proposer: no model. The sequence's last n tokens (n from prompt_lookup_max down to
+prompt_lookup_min) are looked up among its earlier tokens (prompt and output); at the latest earlier occurrence of
+the longest n that occurs, the tokens that followed it are proposed. Repetitive work (editing or quoting the prompt,
+code, structured text) is where it pays.
+
+Proposals are deterministic (q one-hot in the rejection test). Host-only: numpy over each sequence's tokens.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from moe_infer.engine.sequence import Sequence
+
+
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> List[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of tokens of length in
+    [min_n, max_n]; [] when none occurs."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[:L - 1], n)  # windows starting at 0..L-1-n (not the suffix itself)
+        hits = np.flatnonzero((windows == tokens[L - n:]).all(1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    def __init__(self, cfg, **_) -> None:
+        self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self.proposal_cost = 0.0  # host work only (adaptive k, speculator.py)
+
+    def propose(self, seqs: List[Sequence], num_tokens: List[int]) -> None:
+        """Sets seq.spec_token_ids (at most num_tokens[i] tokens) and seq.spec_probs (None: one-hot)."""
+        for seq, k in zip(seqs, num_tokens):
+            seq.spec_token_ids = ngram_propose(np.asarray(seq.token_ids, dtype=np.int64), k, self.min_n, self.max_n)
+            seq.spec_probs = None
+
+    def max_tokens(self, seq: Sequence) -> Optional[int]:
+        return None  # no limit of its own
