@@ -55,14 +55,26 @@ _FAMILY_KWARGS: Dict[str, dict] = {
         v_head_dim=12, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
     ),
     # GPT-OSS: sliding-window (5) and full layers alternating, attention sinks, q/k/v/o biases, router and expert
-    # biases; a SwiGLU clamp of 2.0 (7.0 in the release) so that the clamp acts on these random weights; YaRN as the
-    # release configures it (its factor and original length scaled down)
+    # biases; a SwiGLU clamp of 2.0 (7.0 in the release) so that the clamp acts on these random weights, where the
+    # installed transformers reads it from the config (`_gpt_oss_limit`); YaRN as the release configures it (its
+    # factor and original length scaled down)
     "gpt_oss": dict(
-        intermediate_size=32, num_local_experts=6, head_dim=16, sliding_window=5, swiglu_limit=2.0,
+        intermediate_size=32, num_local_experts=6, head_dim=16, sliding_window=5,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
     ),
 }
+
+
+def _gpt_oss_limit() -> float:
+    """The SwiGLU clamp of the tiny GPT-OSS configs: 2.0 (it acts on random weights) where transformers' model reads
+    `swiglu_limit` from the config (5.24 does), else the 7.0 that older releases hard-code (5.17, the GPU machines'
+    version, ignores the field: the oracle would clamp at 7.0 while the engine follows the config)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    probe = GptOssConfig(hidden_size=8, intermediate_size=8, num_local_experts=2, swiglu_limit=2.0)
+    return 2.0 if GptOssExperts(probe).limit == 2.0 else 7.0
 
 
 def _hf_classes(family: str):
@@ -188,6 +200,8 @@ def make_tiny_checkpoint(
     """
     cfg_cls, model_cls = _hf_classes(family)
     kwargs = {**_COMMON, **_FAMILY_KWARGS[family], **overrides}
+    if family == "gpt_oss" and "swiglu_limit" not in overrides:
+        kwargs["swiglu_limit"] = _gpt_oss_limit()
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
