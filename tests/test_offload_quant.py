@@ -1,0 +1,164 @@
+"""Quantized experts in the offload tiers: an fp8 block-scaled checkpoint (tests/fp8_ckpt.py) offloaded to the
+CPU and NVMe tiers gives the resident fp8 engine's greedy tokens on the same checkpoint; the tiers and the slot
+pool hold the stored format (fp8 data and float32 scales, never a dequantized copy), the budget counts its bytes,
+and the host's compute of a missed expert dequantizes that expert with its own scales.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_ckpt import make_fp8_pair
+from moe_infer import LLM, SamplingParams
+from tiny_hf import make_tiny_checkpoint
+
+FP8 = torch.float8_e4m3fn
+PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [40, 41, 42], [7, 7, 8, 8, 9, 9, 10, 10, 11, 12, 13]]
+NUM_NEW = 10
+KW = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=16)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE in fp8 (16 x 16 blocks; experts of D 64 x F 32) and the resident engine's tokens on it."""
+    tmp = tmp_path_factory.mktemp("fp8")
+    src = make_tiny_checkpoint("qwen3_moe", tmp / "src", seed=3, per_expert_names=True, head_dim=16,
+                               moe_intermediate_size=32, intermediate_size=80)
+    fp8_dir, _ = make_fp8_pair(src, str(tmp / "fp8"), str(tmp / "ref"))
+    llm = LLM(model=fp8_dir, **KW)
+    assert llm.engine.runner.model.moe_layers()[0].store.w13_E2FD.dtype == FP8
+    return fp8_dir, _generate(llm)
+
+
+def _generate(llm) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+CASES = {
+    "cpu_wait_prefetch": dict(offload="cpu", slots_per_layer=2, miss_policy="wait"),
+    "cpu_misses_no_prefetch": dict(offload="cpu", slots_per_layer=1, miss_policy="cpu", prefetch=False),
+    "cpu_streaming": dict(offload="cpu", slots_per_layer=2, stream_fraction=0.25, miss_policy="wait"),
+    "cpu_share_refused_to_whole": dict(offload="cpu", slots_per_layer=2, miss_policy="share"),
+    "nvme_prefetch": dict(offload="nvme", nvme_reader="threads", slots_per_layer=2, miss_policy="auto"),
+    "nvme_no_prefetch": dict(offload="nvme", nvme_reader="threads", slots_per_layer=1, miss_policy="wait",
+                             prefetch=False),
+    "nvme_cpu_misses": dict(offload="nvme", nvme_reader="threads", slots_per_layer=1, miss_policy="cpu"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_offloaded_equals_resident(case, fp8_checkpoint, tmp_path):
+    fp8_dir, want = fp8_checkpoint
+    offload = CASES[case]
+    if offload["offload"] == "nvme":
+        offload = dict(offload, nvme_path=str(tmp_path))
+    llm = LLM(model=fp8_dir, **KW, **offload)
+    store = llm.engine.runner.model.moe_layers()[0].store
+    assert store.w13_S2FD.dtype == FP8 and store.w13_S2FD.quant.scale_inv is store.slots["w13_scale_inv"]
+    assert _generate(llm) == want
+    total = llm.get_offload_stats()["total"]
+    if offload.get("miss_policy") == "cpu":  # every miss computed on the host, from its dequantized expert
+        assert total["cpu"] == total["needed"] - total["hits"] > 0 and total["copied"] == 0, str(total)
+    else:
+        assert total["needed"] > total["hits"] > 0, str(total)  # a cache smaller than the experts
+    if offload.get("stream_fraction"):
+        assert total["streamed"] > 0, str(total)
+    if offload.get("prefetch", True):
+        assert total["prefetched"] > 0, str(total)
+    assert total["shared"] == 0  # quantized experts move whole
+    if offload["offload"] == "nvme":
+        assert total["gb_read"] > 0
+    llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_slot_pool_and_budget_count_the_quantized_bytes(fp8_checkpoint):
+    """Every tier holds the stored format: fp8 data and float32 scales per expert (no bf16/fp32 copy of any
+    expert anywhere in the store), and a GiB budget buys experts at their quantized size."""
+    fp8_dir, _ = fp8_checkpoint
+    llm = LLM(model=fp8_dir, **KW, offload="cpu", slots_per_layer=3)
+    m = llm.engine.runner.offload
+    D, F, blk = m.shape.hidden_size, m.shape.intermediate_size, 16
+    assert (D, F) == (64, 32)
+    fp8_bytes = 3 * F * D + 4 * (2 * F // blk * D // blk + D // blk * F // blk)  # data + float32 scales
+    dense_bytes = 3 * F * D * 4  # the same expert in float32
+    assert m.shape.nbytes == fp8_bytes
+    store = m.stores[0]
+    slot_bytes = sum(t.numel() * t.element_size() for t in store.slots.values())
+    assert slot_bytes == 3 * fp8_bytes
+    held = {n: (t.dtype, tuple(t.shape)) for n, t in store.named_buffers()} | \
+        {n: (p.dtype, tuple(p.shape)) for n, p in store.named_parameters()}
+    E = store.num_local_experts
+    assert held == {"w13_E2FD": (FP8, (E, 2 * F, D)),
+                    "w13_E2FD_scale_inv": (torch.float32, (E, 2 * F // blk, D // blk)),
+                    "w2_EDF": (FP8, (E, D, F)), "w2_EDF_scale_inv": (torch.float32, (E, D // blk, F // blk))}
+    pool = {n: (t.dtype, tuple(t.shape)) for n, t in store.slots.items()}
+    assert pool == {"w13": (FP8, (3, 2 * F, D)), "w13_scale_inv": (torch.float32, (3, 2 * F // blk, D // blk)),
+                    "w2": (FP8, (3, D, F)), "w2_scale_inv": (torch.float32, (3, D // blk, F // blk))}
+    assert store.w13_S2FD is store.slots["w13"] and store.w2_SDF.quant.scale_inv is store.slots["w2_scale_inv"]
+    assert store._region.nbytes < E * dense_bytes / 3  # the host tier: the stored bytes (and alignment)
+    llm.shutdown()
+    budget_experts = 14  # a GiB budget: the experts it buys are counted at the quantized size
+    llm = LLM(model=fp8_dir, **KW, offload="cpu", gpu_expert_budget_gb=budget_experts * fp8_bytes / 2**30)
+    m = llm.engine.runner.offload
+    assert sum(m.plan.slots_per_layer) + 2 * m.plan.stream_chunk == budget_experts
+    assert m.plan.device_bytes == budget_experts * fp8_bytes
+    llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_cpu_compute_dequantizes_the_routed_expert(fp8_checkpoint):
+    """The host's compute of a missed expert reads that expert's data with that expert's scale rows: equal to
+    the expert dequantized by hand from the checkpoint's own tensors (a naive per-element loop over blocks)."""
+    from safetensors.torch import load_file
+
+    from moe_infer.offload.compute import CpuRows, cpu_experts
+
+    fp8_dir, _ = fp8_checkpoint
+    llm = LLM(model=fp8_dir, **KW, offload="cpu", slots_per_layer=1)
+    m = llm.engine.runner.offload
+    store = m.stores[1]
+    layer = llm.engine.runner.model.moe_layers()[1].layer_idx
+    sd = load_file(f"{fp8_dir}/model.safetensors")
+
+    def by_hand(e: int, proj: str) -> torch.Tensor:
+        q = sd[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"].float()
+        s = sd[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight_scale_inv"]
+        out = torch.empty_like(q)
+        for i in range(q.shape[0]):
+            for j in range(q.shape[1]):
+                out[i, j] = q[i, j] * s[i // 16, j // 16]
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    x_rD = torch.randn(3, m.shape.hidden_size, generator=g)
+    for e in (0, 5):
+        w1, w3, w2 = by_hand(e, "gate_proj"), by_hand(e, "up_proj"), by_hand(e, "down_proj")
+        want = (torch.nn.functional.silu(x_rD @ w1.t()) * (x_rD @ w3.t())) @ w2.t() * 0.5
+        rows = CpuRows(torch.tensor([0, 1, 2]), x_rD, [e, e, e], torch.full((3,), 0.5))
+        got = cpu_experts(rows, torch.zeros_like(x_rD), lambda k: m.host_weights(store, k, torch.float32))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    llm.shutdown()
+
+
+def test_bench_refuses_a_format_it_does_not_know():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "offload.py"
+    spec = importlib.util.spec_from_file_location("bench_offload", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit, match="int4"):
+        bench.quant_config("int4")
