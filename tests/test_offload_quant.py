@@ -38,8 +38,8 @@ def fp8_checkpoint(tmp_path_factory):
     return fp8_dir, _generate(llm)
 
 
-def _generate(llm) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+def _generate(llm, max_tokens: int = NUM_NEW) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -79,6 +79,32 @@ def test_fp8_offloaded_equals_resident(case, fp8_checkpoint, tmp_path):
     assert total["shared"] == 0  # quantized experts move whole
     if offload["offload"] == "nvme":
         assert total["gb_read"] > 0
+    llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_fp8_kernel_on_the_slot_pool_equals_resident(fp8_checkpoint, monkeypatch):
+    """The W8A8 grouped kernel (Triton; the interpreter on CPU) on the slot pool and the stream buffers ([S, ...]
+    fp8 weights with their [S, ...] scales, slot ids) gives the resident W8A8 engine's greedy tokens."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
+    from moe_infer.kernels import fused_moe_fp8 as kernel
+
+    fp8_dir, _ = fp8_checkpoint
+    kw = dict(KW, experts_backend="triton")
+    calls, real = [], kernel.fused_moe_fp8
+    monkeypatch.setattr(kernel, "fused_moe_fp8", lambda x, ids, w, w13, *a: calls.append(w13.shape[0])
+                        or real(x, ids, w, w13, *a))
+    want = _generate(LLM(model=fp8_dir, **kw), max_tokens=6)
+    assert set(calls) == {8}  # the resident experts
+    calls.clear()
+    llm = LLM(model=fp8_dir, **kw, offload="cpu", slots_per_layer=2, miss_policy="wait")
+    assert _generate(llm, max_tokens=6) == want
+    assert set(calls) == {1, 2}  # the 2-slot pool, and the 1-expert stream buffers of the prefills
+    total = llm.get_offload_stats()["total"]
+    assert total["needed"] > total["hits"] > 0 and total["streamed"] > 0, str(total)
     llm.shutdown()
 
 
