@@ -88,8 +88,8 @@ def test_fp8_kernel_on_the_slot_pool_equals_resident(fp8_checkpoint, monkeypatch
     fp8 weights with their [S, ...] scales, slot ids) gives the resident W8A8 engine's greedy tokens."""
     import os
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # CUDA: test_fp8_offloaded_on_cuda_equals_resident
+        pytest.skip("the CPU run of the Triton kernels needs TRITON_INTERPRET=1")
     from moe_infer.kernels import fused_moe_fp8 as kernel
 
     fp8_dir, _ = fp8_checkpoint
