@@ -3,6 +3,12 @@
     python benchmarks/offload.py                  # the lent H100: about 6 minutes, one command
     python benchmarks/offload.py --parts mixtral  # the Mixtral shape only (about 2 minutes)
     python benchmarks/offload.py --smoke          # CPU, tiny shapes: the same code paths end to end
+    python benchmarks/offload.py --quantization fp8 --parts mixtral,qwen3   # fp8 (block-scaled) experts
+
+With --quantization fp8 the dummy weights are stored as an fp8 checkpoint would be (every linear weight of the
+decoder layers but the routers, 128 x 128 blocks): the tiers hold, move and slot fp8 experts with their scales,
+the budget buys about twice the bf16 experts, and the bound counts the fp8 bytes (the bound from the limits'
+CPU rate, a bf16 expert's, is left out; the one at the rate timed after the run dequantizes as the engine does).
 
 The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from
 config.json alone), every expert in pinned host memory (`offload=cpu`), the whole process limited
@@ -87,9 +93,29 @@ def shapes(smoke: bool) -> dict:
     return {"mixtral": mix, "qwen3": qwen}
 
 
+# --quantization: the checkpoint format the dummy weights are stored in (every linear weight of the decoder layers
+# but the routers, as the format's real releases). Each format the engine reads gets its quantization_config here.
+QUANT_CONFIGS = {
+    "none": None,
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+NOT_YET = {"int4": "group-wise int4", "mxfp4": "MXFP4"}
+
+
+def quant_spec(cfg):
+    """The engine's QuantSpec of cfg's quantization_config (None: bf16)."""
+    from moe_infer.quant import parse_quant
+
+    return parse_quant(cfg)
+
+
 def expert_bytes(cfg) -> int:
+    """One expert's bytes in the checkpoint's format (quantized: data and scales), as the offload tiers hold and
+    move it (moe_infer/offload/layout.py): the unit of the bound."""
+    from moe_infer.offload.layout import ExpertLayout
+
     F = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    return 3 * cfg.hidden_size * F * 2
+    return ExpertLayout(cfg.hidden_size, F, torch.bfloat16, quant_spec(cfg)).nbytes
 
 
 def num_experts(cfg) -> int:
@@ -97,10 +123,11 @@ def num_experts(cfg) -> int:
 
 
 def non_expert_bytes(cfg) -> int:
-    """bf16 bytes of attention, routers, embedding and head: what the GPU holds besides the experts."""
+    """Bytes of attention (bf16, or 1 a weight quantized: the scales are under 0.01 %), routers, embedding and head
+    (bf16): what the GPU holds besides the experts."""
     D, H = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    return 2 * (cfg.num_hidden_layers * (attn + D * num_experts(cfg)) + 2 * cfg.vocab_size * D)
+    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * (1 if quant_spec(cfg) else 2)
+    return cfg.num_hidden_layers * (attn + 2 * D * num_experts(cfg)) + 2 * 2 * cfg.vocab_size * D
 
 
 def host_layers(cfg, reserve_gb: float) -> int:
@@ -156,6 +183,9 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     print(f"[{name}] {info['plan']}\n[{name}] {info['cost']}  (set up in {setup_s:.0f} s)", flush=True)
     moe = llm.engine.runner.model.moe_layers()
     E, K = moe[0].spec.num_experts, moe[0].spec.top_k
+    quant, nbytes = quant_spec(cfg), llm.engine.runner.offload.shape.nbytes  # the stored format's bytes
+    if nbytes != expert_bytes(cfg):
+        raise RuntimeError(f"the engine's expert is {nbytes} bytes, the bound's {expert_bytes(cfg)}")
     link_bps = limits["h2d_gbps"] * 1e9
     rows = []
     for routing in (("router", "trace") if traces is not None else ("router",)):
@@ -179,22 +209,24 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             replays_before = expert_graphs.replays if expert_graphs is not None else 0
             r = run_streams(llm, streams, args.new_tokens, cfg.vocab_size)
             r["cpu_scale"] = llm.engine.runner.offload.cost.cpu_scale  # the CPU side's in-engine factor, at the end
-            moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * expert_bytes(cfg)
+            moved = (r["copied"] + r["streamed"] + r["cpu"] + r["shared"] + r["partial_missing"]) * nbytes
             # the bound at the CPU rate of the limits above (timed once, on a Mixtral expert: the Mixtral shape's)
             # and at the rate timed right after this run on one of this shape's own experts in the host tier
             # (the host's speed moved by up to 2x between processes on one machine: docs/offload.md)
             n_rows, key = (8, "cpu_ms_8rows") if streams > 1 else (1, "cpu_ms_1row")
-            store0 = llm.engine.runner.offload.stores[0]
-            r["cpu_ms_after_run"] = host_expert_ms(store0.w13_E2FD[0], store0.w2_EDF[0], n_rows)
+            store0 = offload.stores[0]  # (a quantized expert dequantized per call, as the engine's host path does)
+            r["cpu_ms_after_run"] = host_expert_ms(None, None, n_rows, weights=lambda: offload.host_weights(store0, 0))
 
             def bound(cpu_ms: float) -> float:
-                return moved / (link_bps + expert_bytes(cfg) / (cpu_ms / 1e3))
+                return moved / (link_bps + nbytes / (cpu_ms / 1e3))
 
-            bound_s = bound(limits[key]) if name == "mixtral" else None
+            # the limits' CPU rate is a bf16 Mixtral expert's: no bound from it for a quantized one (dequantized)
+            bound_s = bound(limits[key]) if name == "mixtral" and quant is None else None
             bound_after_s = bound(r["cpu_ms_after_run"])
             if device.type == "cuda":  # how much of the process's GPU limit the run came to hold
                 r["gpu_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GiB
-            r.update(shape=name, routing=routing, prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
+            r.update(shape=name, routing=routing, quantization=quant.method if quant else "none", expert_bytes=nbytes,
+                     prefetch_rule=rule, miss_policy=miss, layers=cfg.num_hidden_layers,
                      layer_graphs=graphs and layer_graphs is not None, expert_graphs=eg,
                      expert_graph_replays=(expert_graphs.replays if expert_graphs is not None else 0) - replays_before,
                      stream_chunk=llm.engine.runner.offload.plan.stream_chunk,
@@ -291,9 +323,15 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch's intra-op threads for the host's experts, set before any of them runs (a pool made "
                          "smaller later may keep its threads spinning under ACTIVE); 0: as the environment says")
+    ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS) + list(NOT_YET),
+                    help="the experts' (and attention's) stored format: none (bf16) or fp8 (block-scaled, 128 x 128)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
+    if args.quantization in NOT_YET:
+        ap.error(f"--quantization {args.quantization}: the {NOT_YET[args.quantization]} format is not in "
+                 "moe_infer.quant yet (the engine refuses its checkpoints); add its quantization_config to "
+                 "QUANT_CONFIGS once it is")
     if args.torch_threads < 0:
         ap.error("--torch-threads: must be >= 0 (0: torch's default)")
     if args.torch_threads:
@@ -321,6 +359,12 @@ def main() -> int:
     args.new_tokens = args.new_tokens or (6 if args.smoke else 20)
     shp = shapes(args.smoke)
     mix, qwen = shp["mixtral"], shp["qwen3"]
+    qcfg = QUANT_CONFIGS[args.quantization]
+    if qcfg is not None and args.smoke:  # blocks that divide the tiny shapes' widths
+        qcfg = dict(qcfg, weight_block_size=[32, 32])
+    for c in (mix, qwen):
+        if qcfg is not None:
+            c.quantization_config = qcfg
     result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "git_commit": os.environ.get("GIT_COMMIT"), "smoke": args.smoke,
               "gpu_gb": args.gpu_gb,
@@ -343,6 +387,9 @@ def main() -> int:
                   else 0.3 * mix.num_hidden_layers * 8 * expert_bytes(mix) / GiB)
     qwen_budget = args.qwen_budget_gb if not args.smoke else 0.3 * qwen.num_hidden_layers * 16 * expert_bytes(qwen) / GiB
     tag = "smoke_cpu" if args.smoke else result["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
+    if qcfg is not None:
+        tag += f"_{args.quantization}"
+    result["quantization"] = args.quantization
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"offload_{tag}.json")
     result["runs"], result["errors"] = [], {}
@@ -351,6 +398,7 @@ def main() -> int:
     def accelerate_part() -> None:
         acc = copy.deepcopy(mix)
         acc.num_hidden_layers = acc_layers
+        acc.quantization_config = None  # the baseline runs transformers' bf16 model
         s = accelerate_seconds_per_token(acc, int(mix_budget * GiB * acc_layers / full_layers + 1.2 * GiB), device)
         result["accelerate"] = {"layers": acc_layers, "s_per_token": s,
                                 "extrapolated_tok_s": 1.0 / (s * full_layers / acc_layers)}

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sysconfig
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -55,20 +55,24 @@ def link_and_cpu_limits(D: int, F: int, dtype: torch.dtype, device: torch.device
 
 
 def host_expert_ms(w13_2FD: torch.Tensor, w2_DF: torch.Tensor, rows: int, repeats: int = 8,
-                   warm_s: float = 0.25) -> float:
+                   warm_s: float = 0.25, weights: Optional[Callable[[], Tuple[torch.Tensor, torch.Tensor]]] = None
+                   ) -> float:
     """The host cores' best time (ms) for one SwiGLU expert (weights in host memory) at `rows` rows, after
     warm_s seconds of the same work (at least one call): timed from idle, the cores' first tens of
     milliseconds can be slower (the H200 host's start-up figure read 6.8-7.0 ms where the engine's cost model,
-    measured minutes later in the same process, read 4.2), and the bound built on it would be loose."""
-    x = torch.randn(rows, w13_2FD.shape[1]).to(w13_2FD.dtype)
+    measured minutes later in the same process, read 4.2), and the bound built on it would be loose.
+    weights: the expert's (w13, w2) fetched per call in place of the two tensors (a quantized expert:
+    dequantized per call, as the engine's host path does, and timed with it)."""
+    get = weights or (lambda: (w13_2FD, w2_DF))
+    x = torch.randn(rows, get()[0].shape[1]).to(get()[0].dtype)
     end = time.perf_counter() + warm_s
-    swiglu(x, w13_2FD, w2_DF)
+    swiglu(x, *get())
     while time.perf_counter() < end:
-        swiglu(x, w13_2FD, w2_DF)
+        swiglu(x, *get())
     t = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        swiglu(x, w13_2FD, w2_DF)
+        swiglu(x, *get())
         t.append(time.perf_counter() - t0)
     return min(t) * 1e3
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,22 @@ class QuantSpec:
     def quantizes_linear(self) -> bool:
         """Whether the dense linear layers (attention, dense and shared MLPs) are quantized too, not only experts."""
         return self.method == "fp8"
+
+    def weight_tensors(self, n: int, k: int) -> Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]:
+        """The tensors one weight [N, K] of this format is stored as: (name suffix, shape, dtype), the data first
+        (suffix ""), then its scales under the checkpoint's suffix. What the offload tiers allocate, move and
+        slot (moe_infer/offload/layout.py) for each expert: a new format describes its tensors here."""
+        if self.method == "fp8":
+            return ("", (n, k), FP8), ("_scale_inv", self.scale_shape(n, k), torch.float32)
+        raise NotImplementedError(f"quant_method={self.method!r} does not describe its tensors")
+
+    def attach(self, data: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """`data` ([..., N, K], the weight_tensors "" entry) carrying its format, read from the other entries
+        (`tensors`: suffix -> tensor of the same leading dims): what kernels and dequantization dispatch on."""
+        if self.method == "fp8":
+            data.quant = BlockFp8(tensors["_scale_inv"], self.block_n, self.block_k)
+            return data
+        raise NotImplementedError(f"quant_method={self.method!r} cannot attach its format")
 
 
 def linear_quant(quant: Optional[QuantSpec]) -> Optional[QuantSpec]:

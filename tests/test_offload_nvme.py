@@ -10,6 +10,7 @@ import torch
 from moe_infer.offload import nvme
 from moe_infer.offload.host import HostRegion
 from moe_infer.offload.plan import ExpertShape
+from moe_infer.quant import QuantSpec
 
 
 def _readers():
@@ -24,35 +25,38 @@ def _readers():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("reader_cls", _readers(), ids=lambda c: c.name)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, "fp8"])
 def test_expert_bytes_round_trip_exactly(tmp_path, reader_cls, dtype):
-    shape = ExpertShape(num_layers=2, num_local_experts=5, top_k=2, hidden_size=96, intermediate_size=40, dtype=dtype)
+    """Every tensor of an expert's record (fp8: data and scales) comes back from the file as it was written."""
+    quant = QuantSpec("fp8", 16, 16) if dtype == "fp8" else None
+    shape = ExpertShape(num_layers=2, num_local_experts=5, top_k=2, hidden_size=96, intermediate_size=48,
+                        dtype=torch.bfloat16 if quant else dtype, quant=quant)
     assert shape.record_bytes % 4096 == 0 and shape.record_bytes > shape.nbytes  # padded records
     files = nvme.NvmeFiles(str(tmp_path), shape)
     written = []
     for _ in range(shape.num_layers):
         path, rec_ER = files.layer_file(shape.num_local_experts)
-        w13, w2 = nvme.record_views(rec_ER, shape)
+        views = nvme.record_views(rec_ER, shape)
+        assert len(views) == (4 if quant else 2)
         g = torch.Generator().manual_seed(len(written))
-        src13 = torch.randn(w13.shape, generator=g).to(dtype)
-        src2 = torch.randn(w2.shape, generator=g).to(dtype)
-        w13.copy_(src13)  # what the loader does: copy_ into the map
-        w2.copy_(src2)
-        written.append((path, src13, src2))
-        del rec_ER, w13, w2
+        src = {name: torch.randn(t.shape, generator=g).to(t.dtype) for name, t in views.items()}
+        for name, t in views.items():
+            t.copy_(src[name])  # what the loader does: copy_ into the map
+        written.append((path, src))
+        del rec_ER, views
     files.sync()
     reader = reader_cls()
     host = HostRegion(3 * shape.record_bytes, pin=False)
     slots = host.data.view(3, shape.record_bytes)
-    got13, got2 = nvme.record_views(slots, shape)
-    for path, src13, src2 in written:
+    got = nvme.record_views(slots, shape)
+    for path, src in written:
         order = [4, 0, 2]  # out of order, into slots 0..2
         for h, e in enumerate(order):
             reader.submit(slots[h], path, e * shape.record_bytes)
         reader.wait_all()
         for h, e in enumerate(order):
-            assert torch.equal(got13[h].view(torch.uint8), src13[e].view(torch.uint8))
-            assert torch.equal(got2[h].view(torch.uint8), src2[e].view(torch.uint8))
+            for name in src:
+                assert torch.equal(got[name][h].view(torch.uint8), src[name][e].view(torch.uint8)), name
     reader.close()
     files.close()
     assert list(tmp_path.iterdir()) == []

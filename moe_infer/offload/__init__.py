@@ -15,7 +15,9 @@ What moves, and when.
   start-up  every expert once from the checkpoint into the host tier: pinned host memory
             (`cpu`), or files on a local disk (`nvme`) behind a pinned host cache of
             `cpu_budget_gb` (three tiers, GPU <- CPU <- NVMe). Pinned memory is planned up front
-            and never allocated per step. The cost model is measured (link, CPU, disk).
+            and never allocated per step. The cost model is measured (link, CPU, disk). Every
+            tier, slot and copy holds an expert in the checkpoint's format (a quantized one: its
+            data and scales, offload/layout.py); only the kernels and the host's compute read it.
   layer l   after routing, one host sync brings the rows per expert of layer l and the pre-gate
             of layer l+1 (layer l+1's router on layer l's hidden state). Hits run from their
             slots. Each miss goes where the cost model says it finishes first: over the link into

@@ -90,10 +90,10 @@ class CostModel:
         return f"offload cost model: {link}, CPU expert {cpu} rows{scale}{read}"
 
     @classmethod
-    def measure(cls, host_w13: torch.Tensor, host_w2: torch.Tensor, dev_w13: torch.Tensor, dev_w2: torch.Tensor,
+    def measure(cls, nbytes: int, host_weights: Callable[[], Tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
                 copy: Callable[[], None], sync: Callable[[], None], repeats: int = 5) -> "CostModel":
-        """host_w*/dev_w*: one expert's weights in the host tier and a device slot; copy() moves them."""
-        nbytes = host_w13.numel() * host_w13.element_size() + host_w2.numel() * host_w2.element_size()
+        """copy() moves one expert's `nbytes` (as stored) from the host tier to a device slot; host_weights()
+        gives its (w13, w2) for the host's compute in dtype (a quantized expert dequantized: timed with it)."""
 
         def best(fn: Callable[[], None]) -> float:  # the fastest of a few runs: robust to a busy host
             fn()
@@ -109,9 +109,10 @@ class CostModel:
         h2d = nbytes / best(copy)
         points, points13 = [], []
         for rows in _ROWS:
-            x = torch.randn(rows, host_w13.shape[1]).to(host_w13.dtype)
-            points.append((rows, best(lambda: swiglu(x, host_w13, host_w2))))
-            points13.append((rows, best(lambda: gate_up(x, host_w13, host_w2.shape[1]))))
+            w13, w2 = host_weights()
+            x = torch.randn(rows, w13.shape[1]).to(dtype)
+            points.append((rows, best(lambda: swiglu(x, *host_weights()))))
+            points13.append((rows, best(lambda: gate_up(x, host_weights()[0], w2.shape[1]))))
         return cls(h2d, tuple(points), cpu13_seconds_at=tuple(points13))
 
 

@@ -107,8 +107,7 @@ class FetchedExperts:
         st = m.stats[store.pos]
         for i, chunk in enumerate(self.chunks):  # copy of chunk i+1 queued under the compute of chunk i
             buf = m.buffers[i % 2]
-            m.copier.wait([m.copy_experts(store, [(e, buf.w13_C2FD[j], buf.w2_CDF[j]) for j, e in enumerate(chunk)],
-                                          [buf.last_use], st)])
+            m.copier.wait([m.copy_experts(store, [(e, buf.slot(j)) for j, e in enumerate(chunk)], [buf.last_use], st)])
             out_TD = out_TD + run(compute, x_TD, chunk_ids[i], weights_TK, buf.w13_C2FD, buf.w2_CDF)
             buf.last_use = m.copier.mark()
         if self.nxt is not None:  # the GPU has its work queued: the link turns to the next layer
@@ -120,7 +119,8 @@ class FetchedExperts:
                 m.note_host_lead(cpu_t0 - self.planned_at - cpu_s)  # cpu_s: the rows out, the CPU path's own cost
                 self.planned_at = None
             shared = {e: (c, self.w2_SDF[store.table.lookup(e)]) for e, c in self.shared.items()}
-            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e), shared)
+            dtype = cpu_rows.x_rD.dtype  # a quantized expert dequantized on the host, one at a time
+            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e, dtype), shared)
             if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
                 m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0, shares=self.cpu_shares)
         store.last_compute = m.copier.mark()

@@ -62,10 +62,8 @@ class HostRegion:
             pass
 
 
-def layer_host_tensors(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin: bool):
-    """(region, w13_E2FD, w2_EDF): one layer's experts in one host region (the CPU tier)."""
-    elem = dtype.itemsize
-    w13_bytes = num_experts * 2 * inter * hidden * elem
-    region = HostRegion(w13_bytes + num_experts * hidden * inter * elem, pin)
-    return (region, region.view(0, (num_experts, 2 * inter, hidden), dtype),
-            region.view(w13_bytes, (num_experts, hidden, inter), dtype))
+def layer_host_tensors(num_experts: int, layout, pin: bool):
+    """(region, {name: [E, *shape]}): one layer's experts in one host region (the CPU tier), each expert's
+    tensors in its stored format back to back (offload/layout.py)."""
+    region = HostRegion(num_experts * layout.stride, pin)
+    return region, layout.views(region.data.view(num_experts, layout.stride))

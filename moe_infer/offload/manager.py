@@ -31,14 +31,17 @@ logger = logging.getLogger(__name__)
 
 
 class StreamBuffer:
-    """C device slots that large steps stream experts through; `last_use` guards their reuse."""
+    """C device slots that large steps stream experts through (each expert's tensors in its stored format,
+    offload/layout.py); `last_use` guards their reuse."""
 
     def __init__(self, plan: OffloadPlan, device: torch.device) -> None:
-        s = plan.shape
-        C, D, F = plan.stream_chunk, s.hidden_size, s.intermediate_size
-        self.w13_C2FD = torch.empty(C, 2 * F, D, dtype=s.dtype, device=device)
-        self.w2_CDF = torch.empty(C, D, F, dtype=s.dtype, device=device)
+        layout = plan.shape.layout
+        self.tensors = layout.pool(plan.stream_chunk, device)
+        self.w13_C2FD, self.w2_CDF = layout.weights(self.tensors)  # the data, carrying the format
         self.last_use: Event = None
+
+    def slot(self, j: int) -> Dict[str, torch.Tensor]:
+        return {name: t[j] for name, t in self.tensors.items()}
 
 
 class OffloadManager:
@@ -68,8 +71,8 @@ class OffloadManager:
             self.nvme = NvmeFiles(plan.nvme_dir, self.shape)
             self.reader = make_reader(cfg.nvme_reader)
             self.host_region = HostRegion(plan.host_slots * self.shape.record_bytes, self.pin)
-            self.host_w13_H2FD, self.host_w2_HDF = record_views(
-                self.host_region.data.view(plan.host_slots, self.shape.record_bytes), self.shape)
+            self.host_tensors = record_views(self.host_region.data.view(plan.host_slots, self.shape.record_bytes),
+                                             self.shape)
             self.host_table = SlotTable(plan.host_slots, CACHE_POLICIES.get(cfg.cache_policy)())
             self.host_busy: List[Event] = [None] * plan.host_slots  # the last H2D copy out of each host slot
 
@@ -126,14 +129,20 @@ class OffloadManager:
             self.host_table.unpin_all("prefetch")
 
     # ------------------------------------------------------------------ host tier
-    def host_weights(self, store, e: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Expert e of `store` in host memory (NVMe: it must have been brought in by `ensure_host`)."""
+    def host_expert(self, store, e: int) -> Dict[str, torch.Tensor]:
+        """Expert e of `store` in host memory, its tensors as stored (NVMe: it must have been brought in by
+        `ensure_host`)."""
         if self.nvme is None:
-            return store.w13_E2FD[e], store.w2_EDF[e]
+            return {name: t[e] for name, t in store.host_tensors.items()}
         h = self.host_table.lookup((store.pos, e))
         if h is None:
             raise RuntimeError(f"expert {e} of MoE layer {store.pos} is not in the host cache")
-        return self.host_w13_H2FD[h], self.host_w2_HDF[h]
+        return {name: t[h] for name, t in self.host_tensors.items()}
+
+    def host_weights(self, store, e: int, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13_2FD, w2_DF) for the host's compute: the host tier's tensors as they are, or a
+        quantized expert dequantized to dtype (this expert only, for this call)."""
+        return self.shape.layout.dequantize(self.host_expert(store, e), dtype or self.shape.dtype)
 
     def ensure_host(self, store, experts: Iterable[int], pin: str, stats: OffloadStats) -> None:
         """NVMe: read the experts that are not in the host cache (and pin them); waits for the reads."""
@@ -161,31 +170,38 @@ class OffloadManager:
             self.reader.wait_all()
             stats.bytes_read += issued * self.shape.record_bytes
 
-    def copy_experts(self, store, items: List[Tuple[int, torch.Tensor, torch.Tensor]], after: Iterable[Event],
+    def copy_experts(self, store, items: List[Tuple[int, Dict[str, torch.Tensor]]], after: Iterable[Event],
                      stats: OffloadStats) -> Event:
-        """Experts (e, dst_w13, dst_w2) of `store` from the host tier to the device, on the copy stream
-        after the events `after`; one event for all of them (None when there is nothing to copy)."""
+        """Whole experts (e, dst: one slot's tensors) of `store` from the host tier to the device, on the copy
+        stream after the events `after`; one event for all of them (None when there is nothing to copy)."""
         F = self.shape.intermediate_size
-        return self.copy_rows(store, [(e, w13, w2, 0, F, True) for e, w13, w2 in items], after, stats)
+        return self.copy_rows(store, [(e, dst, 0, F, True) for e, dst in items], after, stats)
 
-    def copy_rows(self, store, items: List[Tuple[int, torch.Tensor, torch.Tensor, int, int, bool]],
+    def copy_rows(self, store, items: List[Tuple[int, Dict[str, torch.Tensor], int, int, bool]],
                   after: Iterable[Event], stats: OffloadStats) -> Event:
-        """Parts of experts into slots (offload/split.py): (e, dst_w13_2FD, dst_w2_DF, lo, hi, fresh) copies
+        """Parts of experts into slots (offload/split.py): (e, dst: one slot's tensors, lo, hi, fresh) copies
         gate and up rows [lo:hi) of expert e; `fresh` (the slot held another expert): also all of w2, and
-        gate/up rows [0:lo) zeroed (the host computes those). (e, .., 0, F, True) is a whole expert. One
+        gate/up rows [0:lo) zeroed (the host computes those). (e, .., 0, F, True) is a whole expert: every
+        tensor of its stored format (data and scales), the only kind a quantized expert moves as. One
         event for all of them, on the copy stream after `after` (None when there is nothing to copy)."""
         if not items:
             return None
         F = self.shape.intermediate_size
         pairs, zeros = [], []
-        for e, dst13, dst2, lo, hi, fresh in items:
-            w13, w2 = self.host_weights(store, e)
+        for e, dst, lo, hi, fresh in items:
+            src = self.host_expert(store, e)
+            if lo == 0 and hi == F and fresh:
+                pairs += [(dst[name], t) for name, t in src.items()]
+                continue
+            if self.shape.layout.is_quantized:
+                raise RuntimeError(f"expert {e}: a quantized expert moves whole (its rows share scale blocks)")
+            w13, w2, dst13 = src["w13"], src["w2"], dst["w13"]
             if lo == 0 and hi == F:
                 pairs.append((dst13, w13))
             elif hi > lo:
                 pairs += [(dst13[lo:hi], w13[lo:hi]), (dst13[F + lo:F + hi], w13[F + lo:F + hi])]
             if fresh:
-                pairs.append((dst2, w2))
+                pairs.append((dst["w2"], w2))
                 if lo > 0:
                     zeros += [dst13[:lo], dst13[F:F + lo]]
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
@@ -221,10 +237,10 @@ class OffloadManager:
             t0 = time.perf_counter()
             self.ensure_host(store, [0], "step", probe)
             read_s = time.perf_counter() - t0
-        w13, w2 = self.host_weights(store, 0)
+        src, dst = self.host_expert(store, 0), buf.slot(0)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        cost = CostModel.measure(w13, w2, buf.w13_C2FD[0], buf.w2_CDF[0],
-                                 lambda: self.copier.copy([(buf.w13_C2FD[0], w13), (buf.w2_CDF[0], w2)]), sync)
+        cost = CostModel.measure(self.shape.nbytes, lambda: self.host_weights(store, 0), self.shape.dtype,
+                                 lambda: self.copier.copy([(dst[name], t) for name, t in src.items()]), sync)
         if read_s is not None:
             cost.read_bytes_per_s = self.shape.record_bytes / max(read_s, 1e-9)
             self.host_table.unpin_all("step")

@@ -1,10 +1,10 @@
 """The NVMe tier: every expert in files on a local disk, read into pinned host slots.
 
 Layout: one file per MoE layer under a fresh directory in `offload.nvme_path`, expert e at offset
-e * record_bytes, its record [w13 (2F x D) | w2 (D x F)] padded to 4096 bytes, so one expert is one
-aligned read. The loader writes the files through a shared memory map (the checkpoint's tensors
-land in the file as they are read, never all in RAM); `finish_load` syncs them to disk and drops
-them from the page cache, so reads come from the disk, not from RAM.
+e * record_bytes, its record [w13 (2F x D) | w2 (D x F)] (each with its scales when quantized) padded to
+4096 bytes, so one expert is one aligned read. The loader writes the files through a shared memory map
+(the checkpoint's tensors land in the file as they are read, never all in RAM); `finish_load` syncs them
+to disk and drops them from the page cache, so reads come from the disk, not from RAM.
 
 Readers (`offload.nvme_reader`):
   deepspeed  DeepSpeed's async I/O op (libaio, O_DIRECT, a queue of block reads on its own threads)
@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -160,11 +160,7 @@ class NvmeFiles:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def record_views(rec_ER: torch.Tensor, shape: ExpertShape) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(w13_E2FD, w2_EDF) views into uint8 records [E, record_bytes] (a file map or host slots)."""
-    E, D, F, dt = rec_ER.shape[0], shape.hidden_size, shape.intermediate_size, shape.dtype
-    elem = dt.itemsize
-    w13_bytes, w2_bytes = shape.w13_numel * elem, shape.w2_numel * elem
-    w13 = rec_ER[:, :w13_bytes].view(dt).view(E, 2 * F, D)
-    w2 = rec_ER[:, w13_bytes:w13_bytes + w2_bytes].view(dt).view(E, D, F)
-    return w13, w2
+def record_views(rec_ER: torch.Tensor, shape: ExpertShape) -> Dict[str, torch.Tensor]:
+    """name -> [E, *shape] views of each expert's tensors (offload/layout.py: w13 and w2, with their scales
+    when quantized) into uint8 records [E, record_bytes] (a file map or host slots)."""
+    return shape.layout.views(rec_ER)

@@ -35,6 +35,12 @@ from moe_infer.offload.stats import OffloadStats
 Router = Callable[[torch.Tensor], tuple]  # x_TD -> (logits_TE, topk_weights_TK, topk_ids_TK)
 
 
+def _attr(name: str, w13: str, w2: str) -> str:
+    """A layout tensor's attribute name: "w13_scale_inv" -> w13 + "_scale_inv"."""
+    base = "w13" if name == "w13" or name.startswith("w13_") else "w2"
+    return (w13 if base == "w13" else w2) + name[len(base):]
+
+
 class OffloadedExpertStore(nn.Module):
     is_resident = False
 
@@ -42,28 +48,38 @@ class OffloadedExpertStore(nn.Module):
                  manager=None, expert_ids: Optional[List[int]] = None, router: Optional[Router] = None,
                  num_experts: Optional[int] = None, quant=None, **_) -> None:
         super().__init__()
-        if quant is not None:
-            raise NotImplementedError("offloaded experts (offload.store=cpu|nvme) of a quantized checkpoint are not "
-                                      "supported yet: use offload.store=resident")
         if manager is None:
             raise ValueError("an offloading expert store needs the engine's OffloadManager (MoEBackends.offload)")
-        E, D, F = num_local_experts, hidden_size, intermediate_size
+        E, shape = num_local_experts, manager.shape
+        if quant != shape.quant:
+            raise ValueError(f"expert store of format {quant} under an offload plan for {shape.quant} "
+                             "(ExpertShape.quant)")
         self.manager, self.num_local_experts, self.router = manager, E, router
         self.pos = manager.register(self)
         cfg = manager.cfg
+        layout = shape.layout  # each expert's tensors in the checkpoint's format (offload/layout.py)
         if manager.nvme is None:  # every expert in (pinned) host memory: the loader fills them
-            self._region, w13, w2 = layer_host_tensors(E, D, F, dtype, manager.pin)
+            self._region, host = layer_host_tensors(E, layout, manager.pin)
             self.path = None
         else:  # the loader writes through a map of this layer's file; dropped after the load
             self._region = None
             self.path, rec_ER = manager.nvme.layer_file(E)
-            w13, w2 = record_views(rec_ER, manager.shape)
-        self.w13_E2FD = nn.Parameter(w13, requires_grad=False)
-        self.w2_EDF = nn.Parameter(w2, requires_grad=False)
+            host = record_views(rec_ER, shape)
+        self.host_tensors = host  # name -> [E, ...] (the CPU tier's copy sources)
+        held = {}  # the same tensors under the resident store's names (w13_E2FD, w13_E2FD_scale_inv ...):
+        for name, t in host.items():  # the loader's targets, scales as buffers, the data carrying its format
+            attr = _attr(name, "w13_E2FD", "w2_EDF")
+            if name in ("w13", "w2"):
+                setattr(self, attr, nn.Parameter(t, requires_grad=False))
+            else:
+                self.register_buffer(attr, t)
+            held[name] = getattr(self, attr)
+        layout.weights(held)
         S = manager.plan.slots_per_layer[self.pos]
-        dev = manager.device
-        self.register_buffer("w13_S2FD", torch.empty(S, 2 * F, D, dtype=dtype, device=dev), persistent=False)
-        self.register_buffer("w2_SDF", torch.empty(S, D, F, dtype=dtype, device=dev), persistent=False)
+        self.slots = layout.pool(S, manager.device)  # name -> [S, ...]: the cache slots, in the stored format
+        # the data of the slots, carrying the format (the kernels take the slot pool as [S, ...] with slot ids);
+        # plain attributes, not buffers: the loader reads every `*_scale_inv` buffer as a checkpoint target
+        self.w13_S2FD, self.w2_SDF = layout.weights(self.slots)
         ids = list(range(E)) if expert_ids is None else [int(e) for e in expert_ids]
         self.num_experts = num_experts or (max(ids) + 1)
         self.expert_ids_np = np.asarray(ids, dtype=np.int64)  # local expert -> logical id
@@ -165,7 +181,9 @@ class OffloadedExpertStore(nn.Module):
         misses = {e: n for e, n in needed.items() if table.lookup(e) is None}
         m.ensure_host(self, list(misses) + list(partial), "step", st)
         stream_all = len(needed) > cfg.stream_fraction * E
-        mode = "auto" if stream_all and cfg.miss_policy == "share" else cfg.miss_policy  # streamed: whole experts
+        # streamed, or quantized (rows share scale blocks): whole experts only, no misses shared by rows
+        whole = stream_all or m.shape.layout.is_quantized
+        mode = "auto" if whole and cfg.miss_policy == "share" else cfg.miss_policy
         link_wait_s = m.link_wait_s() - (m.host_gap_s if mode == "share" else 0.0)
         plan = plan_misses(misses, partial, mode, m.cost, m.shape, link_wait_s, m.host_lead_s)
         if misses and mode in ("auto", "share") and not plan.to_cpu and not any(plan.shared.values()):
@@ -180,7 +198,7 @@ class OffloadedExpertStore(nn.Module):
                 (to_cpu if 2 * c > F else to_stream).append(e)
                 continue
             self.missing_S[got[0]] = c
-            copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]], c, F, True))
+            copies.append((e, self.slot(got[0]), c, F, True))
             if c:
                 shared[e] = c
         for e, (_, missing) in partial.items():
@@ -188,7 +206,7 @@ class OffloadedExpertStore(nn.Module):
             slot = table.lookup(e)
             self.missing_S[slot] = c
             if c < missing:
-                copies.append((e, self.w13_S2FD[slot], self.w2_SDF[slot], c, missing, False))
+                copies.append((e, self.slot(slot), c, missing, False))
             if c:
                 shared[e] = c
         self._copy_into_slots(copies, st)
@@ -231,7 +249,7 @@ class OffloadedExpertStore(nn.Module):
             got = table.allocate(e, victim)
             if got is None:
                 break
-            copies.append((e, self.w13_S2FD[got[0]], self.w2_SDF[got[0]], 0, m.shape.intermediate_size, True))
+            copies.append((e, self.slot(got[0]), 0, m.shape.intermediate_size, True))
             self.missing_S[got[0]] = 0
             self.prefetched.add(e)
             if got[1] is not None:
@@ -239,6 +257,10 @@ class OffloadedExpertStore(nn.Module):
         st.prefetched += len(copies)
         st.prefetch_declined += len(uncached) - len(copies)
         self._copy_into_slots(copies, st)
+
+    def slot(self, s: int) -> Dict[str, torch.Tensor]:
+        """Slot s's tensors (name -> one expert's), what a copy fills."""
+        return {name: t[s] for name, t in self.slots.items()}
 
     def _copy_into_slots(self, copies: list, st: OffloadStats) -> None:
         """One batch of copies into this layer's slots (manager.copy_rows items), after this layer's last
@@ -250,11 +272,15 @@ class OffloadedExpertStore(nn.Module):
     # ------------------------------------------------------------------ life cycle
     def drop_load_views(self) -> None:
         """NVMe: the file maps the loader wrote through are no longer needed."""
-        del self.w13_E2FD, self.w2_EDF
+        for name in self.host_tensors:
+            delattr(self, _attr(name, "w13_E2FD", "w2_EDF"))
+        self.host_tensors = None
 
     def release(self) -> None:
         """Engine shutdown: the host tier is unlocked and given back (the store is unusable after)."""
         if self._region is not None:
             self._region.release()
             self._region = None
-            self.w13_E2FD = self.w2_EDF = None
+            for name in self.host_tensors:
+                setattr(self, _attr(name, "w13_E2FD", "w2_EDF"), None)
+            self.host_tensors = None

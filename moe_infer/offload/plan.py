@@ -16,9 +16,13 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Optional
 
 import torch
+
+from moe_infer.offload.layout import ExpertLayout
+from moe_infer.quant import QuantSpec
 
 GiB = float(1 << 30)
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
@@ -33,7 +37,13 @@ class ExpertShape:
     top_k: int  # K
     hidden_size: int  # D
     intermediate_size: int  # F
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (the compute dtype; the unquantized experts' storage)
+    quant: Optional[QuantSpec] = None  # the experts' stored format (moe_infer/quant.py), None: dtype
+
+    @cached_property
+    def layout(self) -> ExpertLayout:
+        """The tensors of one expert in its stored format (offload/layout.py)."""
+        return ExpertLayout(self.hidden_size, self.intermediate_size, self.dtype, self.quant)
 
     @property
     def w13_numel(self) -> int:
@@ -45,12 +55,13 @@ class ExpertShape:
 
     @property
     def nbytes(self) -> int:
-        return (self.w13_numel + self.w2_numel) * self.dtype.itemsize
+        """One expert's bytes in its stored format (quantized: data and scales): what a slot holds, a copy moves."""
+        return self.layout.nbytes
 
     @property
     def record_bytes(self) -> int:
-        """One expert in an NVMe file: [w13 | w2] padded to ALIGN."""
-        return -(-self.nbytes // ALIGN) * ALIGN
+        """One expert in an NVMe file or a host cache slot: its layout's tensors back to back, padded to ALIGN."""
+        return -(-self.layout.stride // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,9 @@ class OffloadPlan:
     def describe(self) -> str:
         s = self.shape
         slots = sorted(set(self.slots_per_layer))
+        fmt = "" if s.quant is None else f" ({s.quant.method})"
         text = (f"offload={self.store}: {s.num_layers} MoE layers x {s.num_local_experts} experts of "
-                f"{s.nbytes / 2**20:.1f} MiB; GPU: {'/'.join(map(str, slots))} cache slots per layer + 2 x "
+                f"{s.nbytes / 2**20:.1f} MiB{fmt}; GPU: {'/'.join(map(str, slots))} cache slots per layer + 2 x "
                 f"{self.stream_chunk} stream slots = {self.device_bytes / GiB:.2f} GiB")
         if self.store == "nvme":
             text += f"; host cache {self.host_slots} experts ({self.host_slots * s.record_bytes / GiB:.2f} GiB) over {self.nvme_dir}"

@@ -64,10 +64,11 @@ def _round(rows: float, limit: int, step: int) -> int:
 
 
 def _unit_costs(cost: CostModel, shape: ExpertShape) -> Tuple[float, float]:
-    """(seconds to copy w2, seconds to copy one gate row and its up row) at the measured link rate."""
-    b = shape.dtype.itemsize
-    return (cost.copy_seconds(shape.hidden_size * shape.intermediate_size * b),
-            cost.copy_seconds(2 * shape.hidden_size * b))
+    """(seconds to copy w2, seconds to copy one gate row and its up row) at the measured link rate, in the
+    experts' stored format (a quantized weight's rows with their share of its scales)."""
+    layout = shape.layout
+    return (cost.copy_seconds(layout.nbytes_of("w2")),
+            cost.copy_seconds(layout.nbytes_of("w13") / shape.intermediate_size))
 
 
 def plan_misses(misses: Dict[int, int], partial: Dict[int, Tuple[int, int]], mode: str, cost: CostModel,
