@@ -66,7 +66,8 @@ class ModelRunner:
         self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
         shard = self.parallel.model_shard(load_arch(model_path)[0].num_layers)
         self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
-                                load_format=cfg.model.load_format, shard=shard)
+                                load_format=cfg.model.load_format, shard=shard,
+                                quantization=cfg.model.quantization)
         if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
             self.offload.finish_load()
         arch = self.model.arch

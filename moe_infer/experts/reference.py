@@ -25,13 +25,13 @@ def experts_torch(
 ) -> torch.Tensor:
     y_RD = torch.zeros_like(x_RD)
     offsets = meta.offsets_E1.tolist()  # the reference path's one host sync per layer
-    F_ = w2_EDF.shape[2]
     for e in range(w13_E2FD.shape[0]):
         start, end = offsets[e], offsets[e + 1]
         if start == end:
             continue
         # quantized weights (moe_infer/quant.py): this expert's dequantized for the call (W8A16)
         h_rF2 = x_RD[start:end] @ expert_weight(w13_E2FD, e, x_RD.dtype).t()
+        F_ = h_rF2.shape[1] // 2
         a_rF = F.silu(h_rF2[:, :F_]) * h_rF2[:, F_:]
         y_rD = a_rF @ expert_weight(w2_EDF, e, x_RD.dtype).t()
         y_RD[start:end] = y_rD * meta.weights_R[start:end, None].to(y_rD.dtype)

@@ -3,7 +3,8 @@
 
 Norm weights are 1, every other tensor uniform in +-1/sqrt(fan_in) (routers then pick by margins
 a real model would have). A quantized weight (moe_infer/quant.py) gets fp8 values uniform over e4m3's range and
-every block scale bound / 448, so that it dequantizes to the same spread. Large tensors (offloaded experts run to tens of GiB) are filled by
+every block scale bound / 448, so that it dequantizes to the same spread; an int4 one random codes and scales
+bound / 8. Large tensors (offloaded experts run to tens of GiB) are filled by
 repeating one random block, which is memory-bound instead of bound by the random generator.
 """
 from __future__ import annotations
@@ -23,6 +24,14 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             continue
         bound = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02
         quant = getattr(p, "quant", None)
+        if quant is not None and quant.fmt == "int4":  # random codes (any bits), scales of +-bound
+            bound = p.shape[-1] ** -0.5 / 8 ** 0.5  # K = 8 x the packed width
+            quant.scale.fill_(bound / 8)
+            if quant.zero is not None:
+                quant.zero.fill_(8)
+            fill_repeating(p, torch.randint(-2 ** 31, 2 ** 31, (min(p.numel(), _BLOCK),), generator=gen,
+                                            dtype=torch.int64).to(torch.int32).to(p.device))
+            continue
         if quant is not None:  # values over e4m3's range, the scales bring them back to +-bound
             quant.scale_inv.fill_(bound / E4M3_MAX)
             bound = E4M3_MAX

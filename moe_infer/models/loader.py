@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from moe_infer.layers.attention import head_split
-from moe_infer.quant import FP8
+from moe_infer.quant import FP8, logical_shape
 from moe_infer.layers.tensor_parallel import ShardGroup, padded_vocab
 from moe_infer.models.arch import ModelArch
 
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
 _ALL = slice(None)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -325,9 +326,12 @@ def load_weights(model, path: str) -> None:
     by_canon = {_canonical(n): n for n in files}
     targets = weight_targets(model, set(by_canon))
     params = dict(model.named_parameters(remove_duplicate=False))
-    params.update((n, b) for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "_scale_inv")))
-    if model.arch.quant is not None:
-        targets.update(_scale_targets(targets, params, model.arch.quant))
+    quant = model.arch.quant
+    stored = quant is not None and not quant.online  # the checkpoint holds the scales (else: quantized as read)
+    params.update((n, b) for n, b in model.named_buffers()
+                  if n.endswith(("e_score_correction_bias",) + (("_scale_inv",) if stored else ())))
+    if stored:
+        targets.update(_scale_targets(targets, params, quant))
     extra = _extra_layers(model, by_canon)
     unexpected = sorted(n for c, n in by_canon.items()
                         if c not in targets and c not in extra and not c.endswith("rotary_emb.inv_freq"))
@@ -378,11 +382,19 @@ def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -
         raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
     if shape != tgt.shape:
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(tgt.shape)} (file {file})")
+    fmt = getattr(param, "quant", None)
     for dst_idx, src_idx in tgt.places():
         try:
             src = handle.get_tensor(name) if all(i == _ALL for i in src_idx) else sl[src_idx]
         except Exception as e:
             raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
+        if fmt is not None and src.dtype in _FLOAT_DTYPES:  # a bf16 checkpoint quantized as it is read
+            want = torch.empty(logical_shape(param), device="meta")[dst_idx].shape
+            if tuple(src.shape) != tuple(want):
+                raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(want)}")
+            with torch.no_grad():
+                fmt.store(param, dst_idx, src.to(param.device))
+            continue
         dst = param[dst_idx] if dst_idx != (_ALL,) else param
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(dst.shape)}")
