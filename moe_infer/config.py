@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 DTYPES = ("bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8", "int4")  # online quantization of a bf16 checkpoint (vLLM's `quantization=` names)
 
 
@@ -57,8 +58,12 @@ class CacheConfig:
     num_kv_blocks: Optional[int] = None  # None: sized from free memory (CUDA) or max_model_len (CPU)
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
+    # auto: the model dtype | fp8 / fp8_e4m3 (vLLM's names): e4m3 K/V with per-head scales 1.0, twice the tokens
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
