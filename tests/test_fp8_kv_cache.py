@@ -126,3 +126,21 @@ def test_engine_fp8_cache_and_refusals(tmp_path, caplog):
     mla = make_tiny_checkpoint("deepseek_v3", tmp_path / "mla", seed=3)
     with pytest.raises(NotImplementedError, match="MLA's latent cache"):
         LLM(model=mla, dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("new,cached", [([1] * 8, (4000, 17, 900, 1, 2047, 64, 333, 1500)),  # decode, split-KV
+                                        ([1, 300, 1, 77], (1500, 0, 31, 2000)), ([1000], (0,))])
+def test_gpu_triton_fp8_cache_matches_reference(new, cached):
+    """Qwen3-30B-A3B's heads (H 32, Hkv 4, d 128), block 16, bf16 queries over an e4m3 cache with per-head scales,
+    against the float32 reference on the same cache (the bf16 tolerance of test_paged_attention's GPU test)."""
+    from moe_infer.kernels.paged_attention import paged_attention_triton
+
+    Nb = sum(-(-(c + n) // 16) for c, n in zip(cached, new)) + 8
+    args, _ = _case(32, 4, 16, None, new, cached=cached, d=128, Nb=Nb, dtype=torch.bfloat16, seed=len(new))
+    scales = dict(k_scale=torch.linspace(0.5, 2.0, 4).cuda(), v_scale=torch.linspace(1.5, 0.25, 4).cuda())
+    k8 = (args[1].cuda().float() / scales["k_scale"][:, None]).to(FP8)
+    v8 = (args[2].cuda().float() / scales["v_scale"][:, None]).to(FP8)
+    args = tuple(a.cuda() if torch.is_tensor(a) else a for a in (args[0], k8, v8) + args[3:])
+    out = paged_attention_triton(*args, **scales).float()
+    torch.testing.assert_close(out, paged_attention_ref(*args, **scales).float(), atol=2e-2, rtol=2e-2)
