@@ -104,13 +104,19 @@ def runner(fmt: str, w13, w2, block: int, x, ids, wts):
 
 
 def dequantized(fmt: str, w, block: int) -> torch.Tensor:
+    """The format's weights in bf16, one expert at a time (no float32 copy of all experts)."""
     if fmt == "bf16":
         return w[0]
-    if fmt == "fp8":
-        return BlockFp8(w[1], block, block).dequantize(w[0], torch.bfloat16)
-    if fmt == "int4":
-        return dequantize_int4(w[0], w[1], None, block, torch.bfloat16)
-    return dequantize_mxfp4(w[0], w[1], torch.bfloat16)
+    out = torch.empty(*w[0].shape[:2], w[1].shape[2] * (32 if fmt == "mxfp4" else block), dtype=torch.bfloat16,
+                      device=w[0].device)
+    for e in range(out.shape[0]):
+        if fmt == "fp8":
+            out[e] = BlockFp8(w[1][e], block, block).dequantize(w[0][e], torch.bfloat16)
+        elif fmt == "int4":
+            out[e] = dequantize_int4(w[0][e], w[1][e], None, block, torch.bfloat16)
+        else:
+            out[e] = dequantize_mxfp4(w[0][e], w[1][e], torch.bfloat16)
+    return out
 
 
 def main() -> None:
