@@ -80,9 +80,12 @@ def parse_quant(cfg: Any) -> Optional[QuantSpec]:
         return None
     get = qcfg.get if isinstance(qcfg, dict) else (lambda key, default=None: getattr(qcfg, key, default))
     method = get("quant_method", "?")
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(get)
     if method != "fp8":
         raise NotImplementedError(f"quantized checkpoints of quant_method={method!r} are not supported yet (fp8 with "
-                                  f"block scales is): use the checkpoint's bf16 release")
+                                  f"block scales and compressed-tensors W4A16 pack-quantized are): use the "
+                                  f"checkpoint's bf16 release, or quantization='int4' / 'fp8' on it")
     block = get("weight_block_size", None)
     if not block or len(block) != 2:
         raise NotImplementedError("fp8 checkpoints without weight_block_size (per-tensor or per-channel scales) are "
@@ -98,6 +101,31 @@ def parse_quant(cfg: Any) -> Optional[QuantSpec]:
         raise NotImplementedError(f"fp8 checkpoint with modules_to_not_convert {other[:5]}: unquantized layers among "
                                   f"quantized ones are not supported yet")
     return QuantSpec("fp8", int(block[0]), int(block[1]))
+
+
+_NEVER_QUANTIZED = ("lm_head", "gate", "embed_tokens")  # what this engine never quantizes (ignore lists may name them)
+
+
+def _parse_compressed_tensors(get) -> QuantSpec:
+    """compressed-tensors "pack-quantized" W4A16: one config group of 4-bit int weights in groups along K,
+    symmetric, no activation quantization; its ignore list may name only the LM head and the routers."""
+    fmt = get("format", None)
+    groups = get("config_groups", None) or {}
+    if fmt != "pack-quantized" or len(groups) != 1:
+        raise NotImplementedError(f"compressed-tensors checkpoint of format {fmt!r} with {len(groups)} config groups: "
+                                  f"only one 'pack-quantized' group (W4A16) is supported")
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    if (w.get("num_bits"), w.get("type"), w.get("strategy")) != (4, "int", "group") or group.get("input_activations"):
+        raise NotImplementedError(f"compressed-tensors weights {w} with activations "
+                                  f"{group.get('input_activations')}: only 4-bit int group-wise weights (W4A16)")
+    if not w.get("symmetric", True):
+        raise NotImplementedError("compressed-tensors checkpoints with zero points (asymmetric) are not supported yet")
+    other = [s for s in get("ignore", None) or () if not any(n in s for n in _NEVER_QUANTIZED)]
+    if other:
+        raise NotImplementedError(f"compressed-tensors checkpoint ignoring {other[:5]}: unquantized layers among "
+                                  f"quantized ones are not supported yet")
+    return QuantSpec("int4", group_size=int(w["group_size"]), symmetric=True)
 
 
 class BlockFp8:
