@@ -11,7 +11,8 @@ Its scale tensors are buffers of the owning module beside the weight (`<name>_sc
 linear.py) and the experts backends dispatch on it: a W8A8 kernel with per-token-group (1 x block_k) activation
 quantization where FP8_LINEAR_KERNELS has one for the device (Hopper: `moe_infer.layers.quant_triton`), else the
 weight dequantized for the call (W8A16: the CPU, older GPUs; logged once). An int4 dense weight is dequantized
-per call (W4A16 in torch: the fused experts have a W4A16 kernel, the dense layers not yet); the experts run
+per call on the CPU, through the W4A16 GEMM of `moe_infer.kernels.fused_moe_w4a16` on CUDA (W4_LINEAR_KERNELS,
+registered by `moe_infer.layers.quant_triton`); the experts run
 `moe_infer.kernels.fused_moe_w4a16` (`experts/triton_experts.py` dispatches on the format's `fmt`: "fp8_block",
 "int4"; a format object with fmt "mxfp4" and `.scale` e8m0 uint8 [E, N, K / 32] runs the mxfp4 kernel).
 
@@ -213,6 +214,9 @@ def _rows_in_blocks(idx: tuple, ndim: int, block: int) -> tuple:
 # (x_TK, w_NK fp8, scale_inv [Nb, Kb], block_n, block_k) -> y_TN in x's dtype, or None where the kernel cannot run
 Fp8LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], Optional[torch.Tensor]]
 FP8_LINEAR_KERNELS: Registry[Fp8LinearFn] = Registry("fp8 linear kernel")
+# (x_TK, w packed, format object) -> y_TN in x's dtype, or None where the kernel cannot run (a W4A16 GEMM)
+W4_LINEAR_KERNELS: Registry[Callable[[torch.Tensor, torch.Tensor, Any], Optional[torch.Tensor]]] = Registry(
+    "4-bit linear kernel")
 _fallback_logged: set = set()
 
 
@@ -267,10 +271,14 @@ def linear_quantized(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """y = x W^T (+ bias) for a weight that carries its format."""
     if weight.quant.fmt == "fp8_block":
         return linear_fp8(x, weight, bias)
+    for name in W4_LINEAR_KERNELS.names():
+        y = W4_LINEAR_KERNELS.get(name)(x, weight, weight.quant)
+        if y is not None:
+            return y if bias is None else y + bias
     key = (weight.quant.fmt, x.device.type, x.dtype)
     if key not in _fallback_logged:
         _fallback_logged.add(key)
-        logger.info("%s dense layers on %s run with their weights dequantized per call (W4A16 in torch)",
+        logger.info("%s dense layers on %s run with their weights dequantized per call (no W4A16 kernel there)",
                     weight.quant.fmt, x.device)
     return F.linear(x, weight.quant.dequantize(weight, x.dtype), bias)
 

@@ -28,7 +28,7 @@ import triton
 from moe_infer.kernels.fused_moe import combine_topk
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, get_config
 from moe_infer.kernels.fused_moe_schedule import block_schedule
-from moe_infer.kernels.fused_moe_w4a16_kernels import down_w4_kernel, gate_up_w4_kernel
+from moe_infer.kernels.fused_moe_w4a16_kernels import down_w4_kernel, gate_up_w4_kernel, w4a16_gemm_kernel
 from moe_infer.kernels.w4_format import INT4_PER_WORD, MXFP4_GROUP, SCALE_DTYPES
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -149,3 +149,31 @@ def fused_moe_mxfp4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
     """mxfp4 experts: packed uint8 [E, N, K / 2], e8m0 scales uint8 [E, N, K / 32]."""
     return fused_moe_w4a16(x_TD, topk_ids_TK, topk_weights_TK, "mxfp4", w13_packed, w13_scale, w2_packed, w2_scale,
                            MXFP4_GROUP, None, None, expert_start, config)
+
+
+def w4a16_gemm(x_MK: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, group: int,
+               zero: Optional[torch.Tensor] = None, fmt: str = "int4") -> torch.Tensor:
+    """y_MN = x_MK @ w^T in x's dtype for one 4-bit weight [N, K] (a dense layer; the formats of the experts').
+    Tiles: 16 rows for decode sizes, 64 beyond; 64 columns, 64-deep K (or the group, if smaller)."""
+    _check(fmt in FORMATS, f"unknown 4-bit format {fmt!r}: one of {sorted(FORMATS)}")
+    _check(x_MK.dim() == 2 and x_MK.dtype in ACT_DTYPES and x_MK.stride(1) == 1,
+           f"x must be a 2-D {ACT_DTYPES} tensor with a unit last stride, got {x_MK.dtype} {tuple(x_MK.shape)}")
+    _check(x_MK.is_cuda or _is_interpreter(), f"the Triton kernels need CUDA tensors or TRITON_INTERPRET=1, got "
+           f"{x_MK.device}")
+    M, K = x_MK.shape
+    N = w_packed.shape[0]
+    _check(K % group == 0, f"K={K} must be a multiple of the group {group}")
+    _check_weight("w", w_packed[None], scale[None], None if zero is None else zero[None], fmt, group, 1, N, K,
+                  x_MK.device)
+    y_MN = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    if M == 0:
+        return y_MN
+    block_m = 16 if M <= 16 else 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, 64))
+    w4a16_gemm_kernel[grid](
+        x_MK, w_packed, scale, zero if zero is not None else scale, y_MN, M, N, K, x_MK.stride(0),
+        w_packed.stride(0), scale.stride(0), y_MN.stride(0), FMT=FORMATS[fmt], GROUP=group,
+        HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64,
+        IS_FP32_DOT=_is_interpreter() or x_MK.dtype == torch.float32, num_warps=4, num_stages=3,
+    )
+    return y_MN

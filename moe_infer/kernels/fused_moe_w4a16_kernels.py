@@ -125,3 +125,28 @@ def down_w4_kernel(act_ptr, w_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ptr,
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=is_row[:, None] & is_n[None, :])
+
+
+@triton.jit
+def w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """y_MN = x_MK @ w_NK^T for one 4-bit weight (a dense layer): `load_w4` with one "expert"."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    is_m, is_n = offs_m < M, offs_n < N
+    a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=is_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+        w = load_w4(w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT, GROUP,
+                    HAS_ZERO)
+        if IS_FP32_DOT:
+            a = a.to(tl.float32)
+        else:
+            w = w.to(a.dtype)
+        acc = tl.dot(a, w, acc)
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=is_m[:, None] & is_n[None, :])
