@@ -4,7 +4,7 @@ per model shape and token count (decode and prefill), against the roofline of th
   us          the fused experts call (schedule, both GEMMs, combine), CUDA-graph replay, median (GPU); wall clock of
               one call under the Triton interpreter (--tiny, CPU: a smoke run, not a speed figure)
   roofline    max(bytes of the distinct experts touched in the format (weights + scales) / HBM rate,
-              2*T*K*3*D*F / 741 TFLOP/s bf16); the HBM rate is measured here (a device copy, read + write)
+              2*T*K*3*D*F / bf16 GEMM rate); both rates measured on this GPU at the start (benchmarks/device_rates.py)
   rel_err     the output against the bf16 fused experts on the format's weights dequantized (at the first token count)
 
     python benchmarks/quant_moe.py [--shapes ...] [--tokens ...] [--formats ...] [--out PATH]   # one GPU
@@ -25,36 +25,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
-    BF16_FLOPS_PER_S, MODEL_SHAPES, graph_time_us, make_inputs, replays_for,
+    MODEL_SHAPES, graph_time_us, make_inputs, replays_for,
 )
 from moe_infer.kernels.fused_moe_config import device_name  # noqa: E402
 from moe_infer.kernels.w4_format import dequantize_int4, dequantize_mxfp4  # noqa: E402
 from moe_infer.quant import BlockFp8, quantize_block_fp8  # noqa: E402
+from device_rates import measure_rates  # noqa: E402
 
 FORMATS = ("bf16", "fp8", "int4", "mxfp4")
 TOKENS = (1, 16, 64, 512, 2048)
 TINY_SHAPE = {"tiny": (4, 2, 64, 32)}  # E, K, D, F
 TINY_TOKENS = (1, 5)
-
-
-def measure_hbm_bytes_per_s(device: str) -> float:
-    """Bytes moved per second by a 1 GiB device copy (read + write; 64 MiB on the CPU)."""
-    n = (1 << 30) if device == "cuda" else (1 << 26)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    if device != "cuda":
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        return 2 * n / (time.perf_counter() - t0)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (start.elapsed_time(end) * 1e-3)
 
 
 def make_format(fmt: str, E: int, D: int, F: int, block: int, device: str, seed: int = 0):
@@ -135,8 +116,10 @@ def main() -> None:
     shapes = TINY_SHAPE if args.tiny else {s: MODEL_SHAPES[s] for s in (args.shapes or MODEL_SHAPES)}
     tokens = args.tokens or (TINY_TOKENS if args.tiny else TOKENS)
     block = 32 if args.tiny else 128
-    hbm = measure_hbm_bytes_per_s(device)
-    print(f"{device_name()}: HBM copy {hbm / 1e12:.2f} TB/s (read + write)")
+    rates = measure_rates(device)
+    hbm, flops = rates["hbm_gbps"] * 1e9, rates["tflops"] * 1e12
+    print(f"{device_name()}: roofline rates (measured): HBM copy {hbm / 1e12:.2f} TB/s (read + write), "
+          f"bf16 GEMM {flops / 1e12:.0f} TFLOP/s")
     rows = []
     for shape, (E, K, D, F) in shapes.items():
         ref_w = None
@@ -160,7 +143,7 @@ def main() -> None:
                     us = (time.perf_counter() - t0) * 1e6
                 num_distinct = int(torch.unique(ids[ids >= 0]).numel())
                 t_mem = num_distinct * 3 * D * F * format_bytes_per_weight(fmt, block) / hbm
-                t_flop = 2 * ids.numel() * 3 * D * F / BF16_FLOPS_PER_S
+                t_flop = 2 * ids.numel() * 3 * D * F / flops
                 roof = max(t_mem, t_flop) * 1e6
                 rows.append(dict(shape=shape, format=fmt, tokens=T, us=round(us, 2), roofline_us=round(roof, 2),
                                  of_roofline=round(roof / us, 3), rel_err=round(rel_err, 5)))
@@ -169,7 +152,7 @@ def main() -> None:
             del w13, w2
             if device == "cuda":
                 torch.cuda.empty_cache()
-    result = dict(device=device_name(), hbm_bytes_per_s=hbm, block=block, rows=rows,
+    result = dict(device=device_name(), hbm_bytes_per_s=hbm, bf16_flops=flops, rates=rates, block=block, rows=rows,
                   note="fp8: W8A8 with 128x128 weight blocks; int4: group 128 symmetric; mxfp4: OCP e2m1 + e8m0 / 32")
     out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"),
                                    f"quant_moe_{device_name()}.json")
