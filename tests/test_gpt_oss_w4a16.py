@@ -4,7 +4,7 @@ carry biases and a clamped SwiGLU, which the kernel does not apply, so those lay
 (`can_fuse_experts` False); the same loaded weights as plain SwiGLU experts without biases run the kernel, checked
 against transformers' own dequantization of the checkpoint's bytes (a naive loop here, in HF's layout).
 
-CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU).
+CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU); with a GPU the model runs on it.
 """
 import pytest
 import torch
@@ -14,6 +14,8 @@ from moe_infer.models import load_model
 from test_gpt_oss import _mxfp4_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _hf_swiglu_experts(hf, layer, x_TD, ids_TK, wts_TK):
@@ -50,7 +52,7 @@ def test_gpt_oss_mxfp4_experts_reach_the_w4a16_kernel(tmp_path, monkeypatch):
     from moe_infer.layers.moe import MoEBackends
 
     path, hf = _mxfp4_checkpoint(tmp_path)
-    model = load_model(path, torch.float32, "cpu", backends=MoEBackends(experts="triton"))
+    model = load_model(path, torch.float32, DEVICE, backends=MoEBackends(experts="triton"))
     mlp = model.layers[1].mlp
     mlp.expert_bias, mlp.expert_act = False, SILU  # what the kernel computes: SwiGLU, no biases
     assert mlp.can_fuse_experts
@@ -63,7 +65,7 @@ def test_gpt_oss_mxfp4_experts_reach_the_w4a16_kernel(tmp_path, monkeypatch):
     wts_TK, ids_TK = torch.rand(T, E, generator=gen).topk(K, dim=1)
     wts_TK = wts_TK / wts_TK.sum(1, keepdim=True)
     with torch.no_grad():
-        out = mlp._routed_experts(x_TD, ids_TK, wts_TK)
+        out = mlp._routed_experts(x_TD.to(DEVICE), ids_TK.to(DEVICE), wts_TK.to(DEVICE)).cpu()
     assert calls, "the mxfp4 experts did not reach the W4A16 kernel"
     ref = _hf_swiglu_experts(hf, 1, x_TD, ids_TK, wts_TK)
     assert ref.abs().max() > 0.1
