@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 DTYPES = ("bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("fp8", "int4")  # online quantization of a bf16 checkpoint (vLLM's `quantization=` names)
 
 
 @dataclass
@@ -19,6 +21,8 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: Optional[int] = None  # default: the checkpoint's max_position_embeddings
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights, config.json only
+    # None: the checkpoint's own format | fp8 | int4: a bf16 checkpoint quantized at load (models/online_quant.py)
+    quantization: Optional[str] = None
     enforce_eager: bool = False  # True: never replay decode steps as CUDA graphs (as vLLM's flag)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured; larger batches run eagerly
     # the most tokens of a prefill / mixed step replayed as a CUDA graph (0: those steps run eagerly)
@@ -39,6 +43,9 @@ class ModelConfig:
                              f"{self.cuda_graph_max_tokens}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"model.load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"model.quantization must be one of {QUANTIZATIONS} or null (the checkpoint's own "
+                             f"format), got {self.quantization!r}")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"model.dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -51,8 +58,12 @@ class CacheConfig:
     num_kv_blocks: Optional[int] = None  # None: sized from free memory (CUDA) or max_model_len (CPU)
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
+    # auto: the model dtype | fp8 / fp8_e4m3 (vLLM's names): e4m3 K/V with per-head scales 1.0, twice the tokens
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

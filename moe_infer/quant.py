@@ -1,15 +1,27 @@
 """Quantized weights: a checkpoint's format, carried by the weight itself.
 
-A quantized weight is a Parameter of the stored dtype (float8_e4m3fn, or uint8 packed codes) whose `quant` attribute
-says how to read it (`BlockFp8`: one float32 scale per block_n x block_k block, DeepSeek-V3's and Qwen3's FP8
-releases, `weight_scale_inv` in the checkpoint; `Mxfp4`: two e2m1 codes a byte and an e8m0 scale per 32 values,
-GPT-OSS's experts, `*_blocks` / `*_scales`). Its scale tensor is a buffer of the owning module beside the weight
-(`<name>_scale_inv`; mxfp4: `<name>_scales`), so the loader fills both and the weight never exists in bf16 in
-memory. `linear` (layers/linear.py) and the experts backends dispatch on it: a W8A8 kernel with per-token-group (1 x
+A quantized weight is a Parameter of the stored dtype whose `quant` attribute says how to read it (its `fmt`):
+  `BlockFp8`   "fp8_block": float8_e4m3fn [..., N, K], one float32 scale per block_n x block_k block (DeepSeek-V3's
+               and Qwen3's FP8 releases, `weight_scale_inv` in the checkpoint; also `quantization="fp8"` of a bf16
+               checkpoint)
+  `Int4Group`  "int4": int4 codes packed 8 per int32 along K, [..., N, K / 8], a scale per group of K (bf16 / fp16)
+               and, asymmetric, a uint8 zero point per group (compressed-tensors "pack-quantized" W4A16 checkpoints;
+               `quantization="int4"`, group 128 symmetric, of a bf16 checkpoint); layout in kernels/w4_format.py
+  `Mxfp4`      "mxfp4": two e2m1 codes a byte, uint8 [..., N, K / 2], and a uint8 e8m0 scale per 32 values along K,
+               `.scale` [..., N, K / 32] (GPT-OSS's experts, `*_blocks` / `*_scales` in the checkpoint)
+Its scale tensors are buffers of the owning module beside the weight (`<name>_scale_inv`; `<name>_scale`,
+`<name>_zero`; mxfp4: `<name>_scales`), so the loader fills them and the weight never exists in bf16 in memory.
+`linear` (layers/linear.py) and the experts backends dispatch on it: a W8A8 kernel with per-token-group (1 x
 block_k) activation quantization where FP8_LINEAR_KERNELS has one for the device (Hopper:
 `moe_infer.layers.quant_triton`), else the weight dequantized for the call (W8A16: the CPU, older GPUs; logged
-once). mxfp4 covers the routed experts only (`QuantSpec.quantizes_linear` False): their backends dequantize each
-expert for the call (`expert_weight`) until a W4A16 grouped kernel takes the format.
+once). An int4 dense weight is dequantized per call on the CPU, through the W4A16 GEMM of
+`moe_infer.kernels.fused_moe_w4a16` on CUDA (W4_LINEAR_KERNELS, registered by `moe_infer.layers.quant_triton`).
+mxfp4 covers the routed experts only (`QuantSpec.quantizes_linear` False). The experts run
+`moe_infer.kernels.fused_moe_w4a16` for int4 and mxfp4 (`experts/triton_experts.py` dispatches on `fmt`); experts
+with biases or a clamped SwiGLU (GPT-OSS) run the reference loop, each expert dequantized for the call.
+
+Online quantization (`online_quant_spec`, `LLM(..., quantization="fp8" | "int4")`, vLLM's names): the model is built
+with quantized weights and the loader quantizes each bf16 checkpoint tensor as it is read (`store_quantized`).
 
 `QuantSpec` is the checkpoint's `quantization_config`, parsed into ModelArch.quant; layers build their quantizable
 weights through `make_linear` / `quantized_param`: every linear weight of the decoder layers (attention, dense and
@@ -28,29 +40,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_infer.kernels.w4_format import E2M1_VALUES, dequantize_int4, quantize_int4
 from moe_infer.registry import Registry
 
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+ONLINE_METHODS = ("fp8", "int4")  # quantization= names that quantize a bf16 checkpoint at load
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """A checkpoint's quantization: method "fp8" with block_n x block_k weight blocks, dynamic activations; or
-    "mxfp4" (GPT-OSS: the routed experts only, e2m1 values with an e8m0 scale per 32 along K: block 1 x 32)."""
+    """The weights' quantization: method "fp8" with block_n x block_k weight blocks (dynamic activations), "int4"
+    with groups of group_size along K (symmetric, or with zero points), or "mxfp4" (GPT-OSS: the routed experts only,
+    e2m1 values with an e8m0 scale per 32 along K: block 1 x 32). online: a bf16 checkpoint quantized at load."""
 
     method: str
-    block_n: int
-    block_k: int
+    block_n: int = 0
+    block_k: int = 0
+    group_size: int = 0
+    symmetric: bool = True
+    online: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method == "fp8" and (self.block_n < 1 or self.block_k < 1):
+            raise ValueError(f"fp8 QuantSpec needs block_n and block_k, got {self}")
+        if self.method == "int4" and (self.group_size < 8 or self.group_size % 8):
+            raise ValueError(f"int4 QuantSpec needs a group_size that is a multiple of 8, got {self}")
+        if self.method not in ("fp8", "int4", "mxfp4"):
+            raise ValueError(f"unknown QuantSpec method {self.method!r}")
 
     def scale_shape(self, n: int, k: int) -> Tuple[int, int]:
+        if self.method == "int4":
+            return n, -(-k // self.group_size)
         return -(-n // self.block_n), -(-k // self.block_k)
 
     @property
     def quantizes_linear(self) -> bool:
         """Whether the dense linear layers (attention, dense and shared MLPs) are quantized too, not only experts."""
-        return self.method == "fp8"
+        return self.method in ("fp8", "int4")
 
     def weight_tensors(self, n: int, k: int) -> Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]:
         """The tensors one weight [N, K] of this format is stored as: (name suffix, shape, dtype), the data first
@@ -87,9 +118,12 @@ def parse_quant(cfg: Any) -> Optional[QuantSpec]:
             raise NotImplementedError(f"mxfp4 checkpoint with modules_to_not_convert {experts[:5]}: unquantized "
                                       f"experts among mxfp4 ones are not supported")
         return QuantSpec("mxfp4", 1, MXFP4_BLOCK)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(get)
     if method != "fp8":
         raise NotImplementedError(f"quantized checkpoints of quant_method={method!r} are not supported yet (fp8 with "
-                                  f"block scales and GPT-OSS's mxfp4 are): use the checkpoint's bf16 release")
+                                  f"block scales, GPT-OSS's mxfp4 and compressed-tensors W4A16 pack-quantized are): "
+                                  f"use the checkpoint's bf16 release, or quantization='int4' / 'fp8' on it")
     block = get("weight_block_size", None)
     if not block or len(block) != 2:
         raise NotImplementedError("fp8 checkpoints without weight_block_size (per-tensor or per-channel scales) are "
@@ -107,9 +141,36 @@ def parse_quant(cfg: Any) -> Optional[QuantSpec]:
     return QuantSpec("fp8", int(block[0]), int(block[1]))
 
 
+_NEVER_QUANTIZED = ("lm_head", "gate", "embed_tokens")  # what this engine never quantizes (ignore lists may name them)
+
+
+def _parse_compressed_tensors(get) -> QuantSpec:
+    """compressed-tensors "pack-quantized" W4A16: one config group of 4-bit int weights in groups along K,
+    symmetric, no activation quantization; its ignore list may name only the LM head and the routers."""
+    fmt = get("format", None)
+    groups = get("config_groups", None) or {}
+    if fmt != "pack-quantized" or len(groups) != 1:
+        raise NotImplementedError(f"compressed-tensors checkpoint of format {fmt!r} with {len(groups)} config groups: "
+                                  f"only one 'pack-quantized' group (W4A16) is supported")
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    if (w.get("num_bits"), w.get("type"), w.get("strategy")) != (4, "int", "group") or group.get("input_activations"):
+        raise NotImplementedError(f"compressed-tensors weights {w} with activations "
+                                  f"{group.get('input_activations')}: only 4-bit int group-wise weights (W4A16)")
+    if not w.get("symmetric", True):
+        raise NotImplementedError("compressed-tensors checkpoints with zero points (asymmetric) are not supported yet")
+    other = [s for s in get("ignore", None) or () if not any(n in s for n in _NEVER_QUANTIZED)]
+    if other:
+        raise NotImplementedError(f"compressed-tensors checkpoint ignoring {other[:5]}: unquantized layers among "
+                                  f"quantized ones are not supported yet")
+    return QuantSpec("int4", group_size=int(w["group_size"]), symmetric=True)
+
+
 class BlockFp8:
     """The format of an fp8 weight [..., N, K] with float32 scales [..., Nb, Kb] (scale_inv: the checkpoint's name;
     the dequantized weight is w * scale)."""
+
+    fmt = "fp8_block"
 
     def __init__(self, scale_inv: torch.Tensor, block_n: int, block_k: int) -> None:
         self.scale_inv, self.block_n, self.block_k = scale_inv, block_n, block_k
@@ -122,35 +183,44 @@ class BlockFp8:
         return (w.float() * scale).to(dtype)
 
     def select(self, e: int) -> "BlockFp8":
-        """The format of expert e's weight of a stacked [E, N, K]."""
+        """The format of expert e's weight w[e] of a stacked [E, N, K]."""
         return BlockFp8(self.scale_inv[e], self.block_n, self.block_k)
+
+    def store(self, w: torch.Tensor, idx: tuple, src: torch.Tensor) -> None:
+        """w[idx] <- src [..., n, k] quantized (online): idx indexes leading dims and rows, rows in whole blocks."""
+        q, scale = quantize_block_fp8(src, self.block_n, self.block_k)
+        w[idx].copy_(q)
+        self.scale_inv[_rows_in_blocks(idx, w.dim(), self.block_n)].copy_(scale)
 
     def __repr__(self) -> str:
         return f"BlockFp8(block {self.block_n}x{self.block_k}, scales {tuple(self.scale_inv.shape)})"
 
 
 MXFP4_BLOCK = 32  # values sharing one e8m0 scale, along K
-# e2m1 codes 0..15 (sign bit 3, two exponent bits, one mantissa bit) -> value
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class Mxfp4:
     """The format of an mxfp4 weight [..., N, K / 2] uint8 (two e2m1 codes a byte: element 2j in the low nibble,
     2j + 1 in the high one) with uint8 e8m0 scales [..., N, K / 32] (the value is code * 2^(scale - 127)): the
-    OCP microscaling format as GPT-OSS's checkpoints store it (`*_blocks` [..., N, K / 32, 16], `*_scales`)."""
+    OCP microscaling format as GPT-OSS's checkpoints store it (`*_blocks` [..., N, K / 32, 16], `*_scales`). The
+    nibble order and e8m0 scale are those of kernels/w4_format.py, so the W4A16 kernel reads `.scale` as it is."""
 
-    def __init__(self, scales: torch.Tensor) -> None:
-        self.scales = scales
+    fmt = "mxfp4"
+    group_size = MXFP4_BLOCK
+    zero = None
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
 
     def select(self, e: int) -> "Mxfp4":
-        return Mxfp4(self.scales[e])
+        return Mxfp4(self.scale[e])
 
     def dequantize(self, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [..., N, K] in dtype (exact: every value is a power of two times an e2m1 value)."""
-        return mxfp4_dequantize(w, self.scales, dtype)
+        return mxfp4_dequantize(w, self.scale, dtype)
 
     def __repr__(self) -> str:
-        return f"Mxfp4(block {MXFP4_BLOCK}, scales {tuple(self.scales.shape)})"
+        return f"Mxfp4(block {MXFP4_BLOCK}, scales {tuple(self.scale.shape)})"
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -168,34 +238,102 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = lut[codes.long()].view(*lead, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
     scale = torch.exp2(scales.float() - 127.0)[..., None]
     return (values * scale).reshape(*lead, n, k).to(dtype)
+class Int4Group:
+    """The format of an int4 weight [..., N, K] stored packed int32 [..., N, K / 8] (kernels/w4_format.py), with a
+    scale [..., N, K / group_size] and, asymmetric, a uint8 zero point per group (None: 8)."""
+
+    fmt = "int4"
+
+    def __init__(self, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int) -> None:
+        self.scale, self.zero, self.group_size = scale, zero, group_size
+
+    def dequantize(self, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(w, self.scale, self.zero, self.group_size, dtype)
+
+    def select(self, e: int) -> "Int4Group":
+        return Int4Group(self.scale[e], None if self.zero is None else self.zero[e], self.group_size)
+
+    def store(self, w: torch.Tensor, idx: tuple, src: torch.Tensor) -> None:
+        """w[idx] <- src [..., n, k] quantized round to nearest (online); idx indexes leading dims and rows."""
+        packed, scale, zero = quantize_int4(src, self.group_size, self.zero is None, self.scale.dtype)
+        w[idx].copy_(packed)
+        self.scale[idx].copy_(scale)
+        if self.zero is not None:
+            self.zero[idx].copy_(zero)
+
+    def __repr__(self) -> str:
+        kind = "symmetric" if self.zero is None else "with zero points"
+        return f"Int4Group(group {self.group_size}, {kind}, scales {tuple(self.scale.shape)})"
+
+
+def quantize_block_fp8(w: torch.Tensor, block_n: int, block_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [..., N, K], float32 scales [..., Nb, Kb]) of w: each block's amax maps to 448 (partial last blocks)."""
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // block_n), -(-k // block_k)
+    padded = F.pad(w.float(), (0, kb * block_k - k, 0, nb * block_n - n))
+    blocks = padded.reshape(*w.shape[:-2], nb, block_n, kb, block_k)
+    scale = (blocks.abs().amax(dim=(-3, -1)) / E4M3_MAX).clamp_min(1e-12)
+    q = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.reshape(*w.shape[:-2], nb * block_n, kb * block_k)[..., :n, :k], scale
+
+
+def _rows_in_blocks(idx: tuple, ndim: int, block: int) -> tuple:
+    """An index of a weight's leading dims and rows as the index of its block scales (rows in whole blocks)."""
+    out = []
+    for dim, ix in enumerate(idx):
+        if dim == ndim - 2 and isinstance(ix, slice) and ix != slice(None):
+            start, stop = ix.start or 0, ix.stop
+            if start % block or (stop is not None and stop % block):
+                raise ValueError(f"rows [{ix.start}, {ix.stop}) of a weight cut its {block}-row fp8 scale blocks")
+            ix = slice(start // block, None if stop is None else -(-stop // block))
+        out.append(ix)
+    return tuple(out)
 
 
 # (x_TK, w_NK fp8, scale_inv [Nb, Kb], block_n, block_k) -> y_TN in x's dtype, or None where the kernel cannot run
 Fp8LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], Optional[torch.Tensor]]
 FP8_LINEAR_KERNELS: Registry[Fp8LinearFn] = Registry("fp8 linear kernel")
+# (x_TK, w packed, format object) -> y_TN in x's dtype, or None where the kernel cannot run (a W4A16 GEMM)
+W4_LINEAR_KERNELS: Registry[Callable[[torch.Tensor, torch.Tensor, Any], Optional[torch.Tensor]]] = Registry(
+    "4-bit linear kernel")
 _fallback_logged: set = set()
 
 
-def quantized_param(module: nn.Module, name: str, shape: Tuple[int, ...], spec: QuantSpec) -> nn.Parameter:
-    """module.<name> becomes a quantized Parameter of the logical `shape` ([..., N, K]) with its scale buffer: fp8
-    [..., N, K] with <name>_scale_inv, or mxfp4 uint8 [..., N, K / 2] with <name>_scales uint8 [..., N, K / 32]."""
+def quantized_param(module: nn.Module, name: str, shape: Tuple[int, ...], spec: QuantSpec,
+                    dtype: torch.dtype = torch.bfloat16) -> nn.Parameter:
+    """module.<name> becomes a quantized Parameter of logical `shape` ([..., N, K]) with its scale buffers: fp8 with
+    <name>_scale_inv, or int4 packed [..., N, K / 8] with <name>_scale (dtype; float32 stays float32, other dtypes
+    bf16 or fp16 as given) and, asymmetric, <name>_zero; or mxfp4 uint8 [..., N, K / 2] with <name>_scales uint8
+    [..., N, K / 32]."""
     n, k = shape[-2:]
+    lead = shape[:-2]
+    if name in module._parameters:
+        del module._parameters[name]
     if spec.method == "mxfp4":
         if k % MXFP4_BLOCK:
             raise ValueError(f"mxfp4 weight {name}: K={k} is not a multiple of {MXFP4_BLOCK}")
-        scales = torch.empty(*shape[:-2], n, k // MXFP4_BLOCK, dtype=torch.uint8)
-        weight = nn.Parameter(torch.empty(*shape[:-2], n, k // 2, dtype=torch.uint8), requires_grad=False)
+        scales = torch.empty(*lead, n, k // MXFP4_BLOCK, dtype=torch.uint8)
+        weight = nn.Parameter(torch.empty(*lead, n, k // 2, dtype=torch.uint8), requires_grad=False)
         weight.quant = Mxfp4(scales)
-        if name in module._parameters:
-            del module._parameters[name]
         setattr(module, name, weight)
         module.register_buffer(f"{name}_scales", scales)
         return weight
-    scale = torch.empty(*shape[:-2], *spec.scale_shape(n, k), dtype=torch.float32)
+    if spec.method == "int4":
+        if k % spec.group_size:
+            raise ValueError(f"int4 weight {name} {list(shape)}: in features {k} are not a multiple of the group size "
+                             f"{spec.group_size}")
+        weight = nn.Parameter(torch.empty(*lead, n, k // 8, dtype=torch.int32), requires_grad=False)
+        scale = torch.empty(*lead, *spec.scale_shape(n, k), dtype=dtype)
+        zero = None if spec.symmetric else torch.empty(*lead, *spec.scale_shape(n, k), dtype=torch.uint8)
+        weight.quant = Int4Group(scale, zero, spec.group_size)
+        setattr(module, name, weight)
+        module.register_buffer(f"{name}_scale", scale)
+        if zero is not None:
+            module.register_buffer(f"{name}_zero", zero)
+        return weight
+    scale = torch.empty(*lead, *spec.scale_shape(n, k), dtype=torch.float32)
     weight = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
     weight.quant = BlockFp8(scale, spec.block_n, spec.block_k)
-    if name in module._parameters:
-        del module._parameters[name]
     setattr(module, name, weight)
     module.register_buffer(f"{name}_scale_inv", scale)
     return weight
@@ -203,16 +341,36 @@ def quantized_param(module: nn.Module, name: str, shape: Tuple[int, ...], spec: 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                 quant: Optional[QuantSpec] = None) -> nn.Linear:
-    """nn.Linear(in, out, bias, dtype); with quant (one that covers dense layers: fp8) its weight is fp8 (block
-    scales), never allocated in dtype."""
+    """nn.Linear(in, out, bias, dtype); with quant (one that covers dense layers: fp8, int4) its weight is quantized
+    (fp8 block scales or int4 groups), never allocated in dtype."""
     quant = linear_quant(quant)
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="meta")
-    quantized_param(layer, "weight", (out_features, in_features), quant)
+    quantized_param(layer, "weight", (out_features, in_features), quant, dtype)
     if bias:
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
     return layer
+
+
+def is_quantized(weight: torch.Tensor) -> bool:
+    return getattr(weight, "quant", None) is not None
+
+
+def linear_quantized(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for a weight that carries its format."""
+    if weight.quant.fmt == "fp8_block":
+        return linear_fp8(x, weight, bias)
+    for name in W4_LINEAR_KERNELS.names():
+        y = W4_LINEAR_KERNELS.get(name)(x, weight, weight.quant)
+        if y is not None:
+            return y if bias is None else y + bias
+    key = (weight.quant.fmt, x.device.type, x.dtype)
+    if key not in _fallback_logged:
+        _fallback_logged.add(key)
+        logger.info("%s dense layers on %s run with their weights dequantized per call (no W4A16 kernel there)",
+                    weight.quant.fmt, x.device)
+    return F.linear(x, weight.quant.dequantize(weight, x.dtype), bias)
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -242,3 +400,13 @@ def dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight in dtype: dequantized where it carries a format, else cast."""
     q = getattr(weight, "quant", None)
     return q.dequantize(weight, dtype) if q is not None else weight.to(dtype)
+
+
+def logical_shape(weight: torch.Tensor) -> Tuple[int, ...]:
+    """The weight's [..., N, K] (an int4 weight's K is 8 times its packed last dim)."""
+    q = getattr(weight, "quant", None)
+    if q is not None and q.fmt == "int4":
+        return (*weight.shape[:-1], weight.shape[-1] * 8)
+    if q is not None and q.fmt == "mxfp4":
+        return (*weight.shape[:-1], weight.shape[-1] * 2)
+    return tuple(weight.shape)

@@ -16,10 +16,15 @@ two rounds timed A B B A (a timing of one config moves by 5-8 % on an H200 with 
 round decides nothing).
 Minutes instead of an hour: what a short session on a newly lent GPU has time for.
 
+--format int4_g128 | int4_g32 | mxfp4: the W4A16 kernels (moe_infer/kernels/fused_moe_w4a16.py) on random weights of
+that format, each BLOCK_M's gate_up tile then its down tile chosen by timing the whole call (no TMA / persistent
+variants: those kernels have none); written as dtype=<format> files, which `w4_config` reads.
+
 An existing file for the shape and device keeps its other token counts (--replace: write only those tuned).
 
     python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,64:8:2048:1024,...] [--tokens 1,8,...] [--out-dir DIR]
                                      [--persistent] [--one-dot] [--refine [--min-gain 0.02]] [--replace]
+                                     [--format bf16|int4_g128|int4_g32|mxfp4]
 """
 from __future__ import annotations
 
@@ -110,6 +115,46 @@ def tune_point(T, E, K, D, F, w13, w2, persistent=False, one_dot=False):
         print(f"  T={T} BLOCK_M={block_m}: gate_up {t_gu:.1f} us {cfg_gu}, down {t_dn:.1f} us {cfg_dn}")
         if best is None or t_gu + t_dn < best[0]:
             best = (t_gu + t_dn, FusedMoEConfig(block_m, cfg_gu, cfg_dn))
+    return best
+
+
+W4_FORMATS = ("int4_g128", "int4_g32", "mxfp4")
+
+
+def w4_weights(fmt: str, E: int, D: int, F: int):
+    """Random weights of a 4-bit format (random codes, scales of N(0, 1 / fan_in) weights): (w13, w2) tuples."""
+    out = []
+    for N, K in ((2 * F, D), (D, F)):
+        if fmt == "mxfp4":
+            out.append((torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda"),
+                        torch.full((E, N, K // 32), 127 - 3, dtype=torch.uint8, device="cuda")))
+        else:
+            group = int(fmt.split("_g")[1])
+            out.append((torch.randint(-2 ** 31, 2 ** 31, (E, N, K // 8), dtype=torch.int64, device="cuda").int(),
+                        torch.full((E, N, K // group), K ** -0.5 / 8, dtype=torch.bfloat16, device="cuda")))
+    return out
+
+
+def tune_w4_point(T, E, K, D, F, fmt, w13, w2):
+    """(us, FusedMoEConfig) of the W4A16 path at T tokens: per BLOCK_M, the best gate_up tile with the heuristic's
+    down tile, then the best down tile with it (each timed as the whole call)."""
+    from moe_infer.kernels.fused_moe_w4a16 import fused_moe_w4a16
+
+    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D)
+    kind, group = ("mxfp4", 32) if fmt == "mxfp4" else ("int4", int(fmt.split("_g")[1]))
+
+    def run(cfg):
+        return fused_moe_w4a16(x_TD, ids_TK, w_TK, kind, *w13, *w2, group, config=cfg)
+
+    best = None
+    for block_m in block_m_candidates(T * K / E):
+        base = fused_moe_config.default_config(T, E, K)
+        plain = lambda cands: [c for c in cands if len(c) == 4 and c[1] >= 32]  # noqa: E731  no TMA; K tiles >= 32
+        t_gu, cfg_gu = _best(lambda c: run(FusedMoEConfig(block_m, c, base.down)), plain(GATE_UP[block_m]), block_m)
+        t_all, cfg_dn = _best(lambda c: run(FusedMoEConfig(block_m, cfg_gu, c)), plain(DOWN[block_m]), block_m)
+        print(f"  T={T} BLOCK_M={block_m}: {t_all:.1f} us, gate_up {cfg_gu}, down {cfg_dn}")
+        if best is None or t_all < best[0]:
+            best = (t_all, FusedMoEConfig(block_m, cfg_gu, cfg_dn))
     return best
 
 
@@ -211,16 +256,25 @@ def main() -> None:
                         help="from the config in use, toggle only the options (one dot, persistent, flatten, warp specialisation)")
     parser.add_argument("--min-gain", type=float, default=0.02, help="--refine: the whole path's gain in each round")
     parser.add_argument("--replace", action="store_true", help="write only the token counts tuned now")
+    parser.add_argument("--format", default="bf16", choices=("bf16",) + W4_FORMATS,
+                        help="the experts' weight format (4-bit: the W4A16 kernels)")
     args = parser.parse_args()
+    if args.format != "bf16" and (args.refine or args.persistent or args.one_dot):
+        raise SystemExit("--format: the W4A16 kernels have no --refine / --persistent / --one-dot options")
     if not 0.0 <= args.min_gain < 1.0:
         raise SystemExit(f"--min-gain: {args.min_gain} must be a fraction in [0, 1), e.g. 0.02 for 2 %")
     tokens = parse_tokens(args.tokens)
     shapes = [(name, parse_shape(name)) for name in args.shapes.split(",")]  # a typo fails before any tuning
     os.makedirs(args.out_dir, exist_ok=True)
     for name, (E, K, D, F) in shapes:
-        w13, w2 = make_weights(E, D, F)
+        w13, w2 = make_weights(E, D, F) if args.format == "bf16" else w4_weights(args.format, E, D, F)
         table, t0 = {}, time.time()
         for T in tokens:
+            if args.format != "bf16":
+                total_us, cfg = tune_w4_point(T, E, K, D, F, args.format, w13, w2)
+                table[str(T)] = cfg.to_dict()
+                print(f"{name} {args.format} T={T}: {total_us:.1f} us with {cfg}", flush=True)
+                continue
             if args.refine:
                 base, new, _, _, kept = refine_point(T, E, K, D, F, w13, w2, args.min_gain)
                 table[str(T)] = (new if kept else base).to_dict()
@@ -229,7 +283,7 @@ def main() -> None:
             total_us, cfg = tune_point(T, E, K, D, F, w13, w2, args.persistent, args.one_dot)
             table[str(T)] = cfg.to_dict()
             print(f"{name} T={T}: {total_us:.1f} us with {cfg}", flush=True)
-        path = os.path.join(args.out_dir, config_file_name(E, F, D, "bf16", device_name()))
+        path = os.path.join(args.out_dir, config_file_name(E, F, D, args.format, device_name()))
         if args.refine and not args.replace and not os.path.exists(path):  # --out-dir elsewhere: the whole table
             committed = load_configs(E, F, D, "bf16", device_name()) or {}
             table = {**{str(key): cfg.to_dict() for key, cfg in committed.items()}, **table}

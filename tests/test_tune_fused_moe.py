@@ -132,3 +132,28 @@ def test_refine_into_another_folder_writes_the_whole_table(tmp_path, monkeypatch
     tuner.main()
     table = json.loads((tmp_path / config_file_name(8, 64, 32, "bf16", "cpu")).read_text())
     assert list(table) == ["1", "2048"] and table["1"] == old.to_dict() and table["2048"] == new.to_dict()
+
+
+def test_w4_format_options(monkeypatch, tmp_path):
+    """--format refuses the bf16-only options; the 4-bit tuner's file name is the one `w4_config` reads."""
+    import json
+    import sys
+
+    from moe_infer.kernels import fused_moe_config
+    from moe_infer.kernels.fused_moe_w4a16 import format_name, w4_config
+
+    tuner = _tuner()
+    monkeypatch.setattr(sys, "argv", ["tune_fused_moe.py", "--format", "int4_g128", "--refine"])
+    with pytest.raises(SystemExit, match="W4A16 kernels have no"):
+        tuner.main()
+    assert {format_name("int4", 128), format_name("int4", 32), format_name("mxfp4", 32)} == set(tuner.W4_FORMATS)
+    cfg = fused_moe_config.FusedMoEConfig(32, fused_moe_config.GemmConfig(32, 64), fused_moe_config.GemmConfig(64, 32))
+    name = fused_moe_config.config_file_name(8, 64, 128, "int4_g128", fused_moe_config.device_name())
+    (tmp_path / name).write_text(json.dumps({"16": cfg.to_dict()}))
+    monkeypatch.setattr(fused_moe_config, "CONFIG_DIR", str(tmp_path))
+    fused_moe_config.load_configs.cache_clear()
+    try:
+        assert w4_config(20, 8, 64, 128, 2, "int4_g128") == cfg  # the nearest token count's entry
+        assert w4_config(20, 8, 64, 128, 2, "mxfp4") != cfg  # another format: the heuristic
+    finally:
+        fused_moe_config.load_configs.cache_clear()

@@ -72,7 +72,8 @@ class ModelRunner:
         self.dp_paths = None
         start = time.perf_counter()  # startup_timings: where start-up goes (benchmarks/startup.py reads them)
         self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
-                                load_format=cfg.model.load_format, shard=shard)
+                                load_format=cfg.model.load_format, shard=shard,
+                                quantization=cfg.model.quantization)
         if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
             self.offload.finish_load()
         self.startup_timings: Dict[str, float] = {"model_load_s": time.perf_counter() - start}
@@ -96,6 +97,8 @@ class ModelRunner:
         if cfg.model.max_model_len and cfg.model.max_model_len > arch.max_position_embeddings:
             raise ValueError(f"model.max_model_len={cfg.model.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings={arch.max_position_embeddings}")
+        if cfg.cache.kv_cache_dtype != "auto":
+            self._use_fp8_kv_cache()
         self.num_kv_blocks = self.parallel.agree_min(self._num_kv_blocks())  # the same block ids on every rank
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.model.bind_kv_cache(self.kv_caches)
@@ -266,6 +269,19 @@ class ModelRunner:
             up_projected = UP_PROJECT_SHARE * T * heads * mla.qk_head_dim * 2 * elem
         return up_projected + int(T * (16 * D + 6 * self.arch.top_k * F) * elem + self.cfg.scheduler.max_num_seqs
                    * self.arch.vocab_size * (4 * 4 + elem)) + (512 << 20)  # + the decode graphs' logits buffer
+
+    def _use_fp8_kv_cache(self) -> None:
+        """cache.kv_cache_dtype fp8 / fp8_e4m3: e4m3 K/V caches (the attention kernels read them in the model dtype,
+        which needs fp8 conversions: compute capability 8.9+ on CUDA)."""
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"cache.kv_cache_dtype={self.cfg.cache.kv_cache_dtype}: the fp8 KV cache needs a GPU of "
+                             f"compute capability 8.9+ (Ada, Hopper), this one is "
+                             f"{torch.cuda.get_device_capability(self.device)}: use cache.kv_cache_dtype=auto")
+        self.model.set_kv_cache_dtype(torch.float8_e4m3fn)
+        logger.info("KV cache in fp8 (e4m3, per-head scales 1.0): %d bytes a token against %d in %s, twice the tokens "
+                    "in the same memory", self.model.kv_cache_bytes_per_block(self.block_size) // self.block_size,
+                    self.model.kv_cache_bytes_per_block(self.block_size) // self.block_size
+                    * self.dtype.itemsize, self.dtype)
 
     def _allocate_kv_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, ...]]:
         """The cache tensors of each layer of this rank's stage: a (K, V) pair for its KV heads, or MLA's latent

@@ -29,11 +29,13 @@ BLOCK_SIZE = 16
 
 class PrefillScorer:
     def __init__(self, model_path: str, routing: RoutingConfig, windows_per_forward: int, seq_len: int,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, record_trace: bool = False) -> None:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, record_trace: bool = False,
+                 quantization: Optional[str] = None) -> None:
+        """quantization: "fp8" / "int4", the weights quantized at load (moe_infer/models/online_quant.py)."""
         self.device, self.seq_len, self.windows_per_forward = torch.device(device), seq_len, windows_per_forward
         cfg = EngineConfig(routing=routing)
         backends = resolve_moe_backends(cfg, self.device)
-        self.model = load_model(model_path, dtype, self.device, backends)
+        self.model = load_model(model_path, dtype, self.device, backends, quantization=quantization)
         arch = self.model.arch
         if seq_len > arch.max_position_embeddings:
             raise ValueError(f"lab.data.seq_len={seq_len} exceeds the model's {arch.max_position_embeddings} positions")

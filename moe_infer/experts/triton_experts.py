@@ -14,15 +14,20 @@ Legend: R dispatched rows, D hidden, F expert intermediate, E local experts.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
+import triton
 
 from moe_infer.experts.activation import ExpertExtras
 from moe_infer.experts.local_dispatch import DispatchMetadata
 from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch
-from moe_infer.quant import FP8
 from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up, launch_config, launch_variant
+from moe_infer.kernels.fused_moe_schedule import auto_schedule_backend
+
+logger = logging.getLogger(__name__)
+_warned: set = set()
 
 
 def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -51,27 +56,63 @@ def experts_triton(
     return down(act_PF, w2_EDF, meta.weights_R, sched, cfg.down, y_RD)
 
 
+def _has_fp8_dot(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fused_experts_any(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                       w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
-    """`fused_experts`, or for fp8 block-scaled experts (moe_infer/quant.py) the W8A8 grouped GEMMs of
-    `moe_infer.kernels.fused_moe_fp8` (ids outside the local experts [expert_start, expert_start + E) skipped)."""
-    if w13_E2FD.dtype != FP8:
+    """`fused_experts`, or for experts that carry a format (moe_infer/quant.py): fp8 block-scaled, the W8A8 grouped
+    GEMMs of `moe_infer.kernels.fused_moe_fp8` (W8A16 below compute capability 8.9: the weights dequantized per call,
+    warned once); int4 / mxfp4, the W4A16 kernels of `moe_infer.kernels.fused_moe_w4a16` (ids outside the local
+    experts [expert_start, expert_start + E) skipped)."""
+    q13, q2 = getattr(w13_E2FD, "quant", None), getattr(w2_EDF, "quant", None)
+    if q13 is None:
         return fused_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF, expert_start)
+    if q13.fmt in ("int4", "mxfp4"):
+        from moe_infer.kernels.fused_moe_w4a16 import fused_moe_int4, fused_moe_mxfp4
+
+        if q13.fmt == "int4":
+            return fused_moe_int4(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, q13.scale, w2_EDF, q2.scale,
+                                  q13.group_size, q13.zero, q2.zero, expert_start)
+        return fused_moe_mxfp4(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, q13.scale, w2_EDF, q2.scale, expert_start)
+    if q13.fmt != "fp8_block":
+        raise NotImplementedError(f"experts of format {q13.fmt!r} have no fused kernel")
+    if not _has_fp8_dot(x_TD.device):  # W8A16: no fp8 tensor cores
+        if x_TD.device not in _warned:
+            _warned.add(x_TD.device)
+            logger.warning("fp8 experts on %s (compute capability below 8.9): weights dequantized per call (W8A16)",
+                           x_TD.device)
+        return fused_experts(x_TD, topk_ids_TK, topk_weights_TK, q13.dequantize(w13_E2FD, x_TD.dtype),
+                             q2.dequantize(w2_EDF, x_TD.dtype), expert_start)
     from moe_infer.kernels.fused_moe_fp8 import fused_moe_fp8
 
     E = w13_E2FD.shape[0]
     local_TK = topk_ids_TK.to(torch.int64) - expert_start
     local_TK = torch.where((local_TK >= 0) & (local_TK < E), local_TK, -1).to(topk_ids_TK.dtype)
-    q13, q2 = w13_E2FD.quant, w2_EDF.quant
     return fused_moe_fp8(x_TD, local_TK, topk_weights_TK, w13_E2FD, q13.scale_inv, w2_EDF, q2.scale_inv,
                          q13.block_n, q13.block_k)
 
 
 def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
-    """`launch_variant`; fp8 experts: their token count's power of two (what their kernels' tiles follow)."""
-    if w13_E2FD.dtype == FP8:
-        return ("fp8", max(num_tokens * top_k - 1, 0).bit_length())
-    return launch_variant(num_tokens, top_k, w13_E2FD)
+    """`launch_variant`; fp8 experts: their token count's power of two (what their kernels' tiles follow); 4-bit
+    experts: their config, schedule backend and the specialised row counts."""
+    q = getattr(w13_E2FD, "quant", None)
+    if q is None:
+        return launch_variant(num_tokens, top_k, w13_E2FD)
+    if q.fmt in ("int4", "mxfp4"):
+        from moe_infer.kernels.fused_moe_w4a16 import format_name, w4_config
+
+        E, F2 = w13_E2FD.shape[:2]
+        D = w13_E2FD.shape[2] * (8 if q.fmt == "int4" else 2)
+        name = format_name(q.fmt, getattr(q, "group_size", 32), getattr(q, "zero", None) is not None)
+        cfg = w4_config(num_tokens, E, F2 // 2, D, top_k, name)
+        N = num_tokens * top_k
+        tiles_m = triton.cdiv(max(N + min(E, N) * (cfg.block_m - 1), 1), cfg.block_m)
+        backend = auto_schedule_backend(N, E, True) if cfg.schedule == "auto" else cfg.schedule
+        n_pad = max(16, triton.next_power_of_2(N)) if backend == "inline" else 16
+        return (name, cfg, backend, n_pad, tuple((n == 1, n % 16 == 0) for n in (N, tiles_m)))
+    return ("fp8", max(num_tokens * top_k - 1, 0).bit_length())
 
 
 experts_triton.fused_experts = fused_experts_any

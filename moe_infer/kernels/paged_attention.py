@@ -131,10 +131,14 @@ def paged_attention_triton(
     q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, block_tables_BM: torch.Tensor,
     seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor, positions_T: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: Optional[int] = None, sinks_H: Optional[torch.Tensor] = None,
-    splits: Optional[int] = None, heavy_first: Optional[bool] = None,
+    splits: Optional[int] = None, heavy_first: Optional[bool] = None, k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """q [T, H, d] -> out [T, H, d] over the cached keys of each token's sequence (float32 softmax); sinks_H: a
     logit per query head in each softmax's denominator (GPT-OSS).
+
+    An fp8 (e4m3) cache holds k / k_scale[h] and v / v_scale[h] (float32 [Hkv]): the kernel reads it in q's dtype,
+    folds k_scale into the score scale and v_scale into the output.
 
     positions_T is not read: a sequence's step tokens are its last positions (seq_lens_B - q_len ...),
     which is what the model runner builds. splits, heavy_first: force a split count, a program order (tests);
@@ -156,6 +160,13 @@ def paged_attention_triton(
     check_sinks(sinks_H, H, q_THd.device)
     _check(q_THd.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
            f"the Triton paged attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q_THd.device}")
+    kv_fp8 = k_cache_NbSHd.dtype == torch.float8_e4m3fn
+    _check(v_cache_NbSHd.dtype == k_cache_NbSHd.dtype, "the K and V caches must have one dtype")
+    if kv_fp8:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            _check(t is not None and t.dtype == torch.float32 and tuple(t.shape) == (Hkv,) and t.device == q_THd.device,
+                   f"an fp8 KV cache needs {name} float32 [{Hkv}] on {q_THd.device}, got "
+                   f"{None if t is None else (t.dtype, tuple(t.shape))}")
     out_THd = torch.empty_like(q_THd)
     if T == 0 or B == 0:
         return out_THd
@@ -180,7 +191,8 @@ def paged_attention_triton(
     paged_attention_kernel[grid](
         q_THd, k_cache_NbSHd, v_cache_NbSHd, out_THd, part_STHd, m_STH, l_STH,
         block_tables_BM, seq_lens_B, query_start_loc_B1, q_THd if sinks_H is None else sinks_H, float(scale),
-        int(sliding_window or 0), q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
+        int(sliding_window or 0), k_scale if kv_fp8 else seq_lens_B, v_scale if kv_fp8 else seq_lens_B,
+        q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
         k_cache_NbSHd.stride(0), k_cache_NbSHd.stride(1), k_cache_NbSHd.stride(2),
         v_cache_NbSHd.stride(0), v_cache_NbSHd.stride(1), v_cache_NbSHd.stride(2),
         block_tables_BM.stride(0),
@@ -191,7 +203,7 @@ def paged_attention_triton(
         NUM_SPLITS=n_split, HEAVY_FIRST=heavy_first, HAS_WINDOW=sliding_window is not None,
         DOT_FP32=not q_THd.is_cuda,
         DOT_PRECISION="ieee" if q_THd.dtype == torch.float32 or not q_THd.is_cuda else "tf32",
-        HAS_SINKS=sinks_H is not None, num_warps=warps, **use_pdl(q_THd, PDL_ENV),
+        HAS_SINKS=sinks_H is not None, KV_FP8=kv_fp8, num_warps=warps, **use_pdl(q_THd, PDL_ENV),
     )
     if n_split > 1:
         merge_splits(part_STHd, m_STH, l_STH, out_THd, head_d, sinks_H)

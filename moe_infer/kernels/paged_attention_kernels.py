@@ -47,7 +47,7 @@ from moe_infer.kernels.pdl import pdl_enter
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
-    scale, window,
+    scale, window, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
@@ -56,6 +56,7 @@ def paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HEAVY_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     if HEAVY_FIRST:  # grid (B * Hkv, query tiles * NUM_SPLITS): see the module docstring
         b = tl.program_id(0) // HKV
@@ -88,10 +89,14 @@ def paged_attention_kernel(
     pos = context + tok  # position of each query row
 
     kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)  # no key past the tile's last query
+    if KV_FP8:  # e4m3 K/V with a scale per KV head: k's in the score scale, v's on the output
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     acc, m_i, l_i = _attend_keys(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kv_head, context + q_tile * BLOCK_Q, kv_end, split, pos,
         window, scale, offs_d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         SPLIT_N, PAGE, BLOCK_M, BLOCK_N, HEAD_D, NUM_SPLITS, HAS_WINDOW, DOT_FP32, DOT_PRECISION)
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     _store_rows(acc, m_i, l_i, out_ptr, part_ptr, m_part_ptr, l_part_ptr, q_start + tok, head, row_ok, split, offs_d,
                 d_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, NUM_SPLITS,
                 sinks_ptr, HAS_SINKS)
@@ -220,6 +225,9 @@ def _attend_tile(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:  # an fp8 cache: its values in q's dtype (exact); a no-op for a 16-bit cache
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])

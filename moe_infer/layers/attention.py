@@ -34,7 +34,9 @@ from moe_infer.layers.last_rows import LastRows
 from moe_infer.layers.linear import linear
 from moe_infer.layers.norm import RMSNorm, ShardedRMSNorm
 from moe_infer.quant import make_linear
-from moe_infer.layers.paged_attention import ATTENTION_BACKENDS, ROPE_FUSED_BACKENDS, attend_cached, store_kv
+from moe_infer.layers.paged_attention import (
+    ATTENTION_BACKENDS, KV_FP8, ROPE_FUSED_BACKENDS, RopeFusedAttention, attend_cached, store_kv,
+)
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.models.arch import ModelArch
@@ -109,6 +111,9 @@ class Attention(nn.Module):
         self.sinks = (nn.Parameter(torch.zeros(heads.num_heads, dtype=torch.float32), requires_grad=False)
                       if arch.attn_sinks else None)
         self._sinks = {} if self.sinks is None else {"sinks_H": self.sinks}  # the attention calls' keyword
+        # an fp8 KV cache holds k / k_scale[h], v / v_scale[h] (1.0: vLLM's default); it runs the unfused path
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads, dtype=torch.float32), persistent=False)
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> Tuple[Tuple[int, ...], ...]:
         """This layer's cache tensors: K and V, [Nb, S, Hkv, d] each (this rank's KV heads)."""
@@ -120,11 +125,19 @@ class Attention(nn.Module):
         """Whether `forward` can take `rows`: the backend's attend-only part is at hand."""
         return self._rope_fused is not None or hasattr(self._attend, "attend")
 
+    def _fused(self) -> Optional[RopeFusedAttention]:
+        """The rope-fused backend, unless the cache is fp8 (its kernels write and read 16-bit caches only)."""
+        return self._rope_fused if self.kv_cache is None or self.kv_cache[0].dtype != KV_FP8 else None
+
+    def _kv_scales(self) -> Dict[str, Any]:
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.kv_cache[0].dtype == KV_FP8 else {}
+
     def _qkv(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
         qkv = linear(x_TD, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        norm = self.qk_norm if self.fused_norm == "none" else "none"  # the norm run here, not in the kernel
+        in_kernel = self.fused_norm != "none" and self._fused() is not None
+        norm = "none" if in_kernel else self.qk_norm  # the norm run here, not in the kernel
         if norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -153,7 +166,7 @@ class Attention(nn.Module):
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound; call model.bind_kv_cache(...) first")
         q_THd, k_THd, v_THd = self._qkv(x_TD)
         k_cache, v_cache = self.kv_cache
-        fused = self._rope_fused
+        fused = self._fused()
         if rows is not None:
             return self._last_rows(q_THd, k_THd, v_THd, positions_T, attn, rows)
         if fused is not None:
@@ -171,14 +184,14 @@ class Attention(nn.Module):
         else:
             q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
             o_THd = self._attend(q_THd, k_THd, v_THd, k_cache, v_cache, attn, positions_T, self.scale,
-                                 self.sliding_window, **self._sinks)
+                                 self.sliding_window, **self._sinks, **self._kv_scales())
         return self.o_proj(o_THd.reshape(x_TD.shape[0], self.q_size))
 
     def _last_rows(self, q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, positions_T: torch.Tensor,
                    attn, rows: LastRows) -> torch.Tensor:
         """Every row's K/V rotated and written, then only rows.keep_B attended (one query a sequence) -> [B, D]."""
         k_cache, v_cache = self.kv_cache
-        fused = self._rope_fused
+        fused = self._fused()
         if fused is not None:
             cos_sin_Pd = self.rotary.cos_sin_cache(q_THd.device, q_THd.dtype)
             q_THd = fused.rope_store_kv(q_THd, k_THd, v_THd, positions_T, cos_sin_Pd, k_cache, v_cache,
@@ -186,9 +199,9 @@ class Attention(nn.Module):
             attend = fused.attend
         else:
             q_THd, k_THd = self.rotary(positions_T, q_THd, k_THd)
-            store_kv(k_THd, v_THd, k_cache, v_cache, attn.slot_mapping_T)
+            store_kv(k_THd, v_THd, k_cache, v_cache, attn.slot_mapping_T, **self._kv_scales())
             attend = self._attend.attend
         q_BHd = q_THd.index_select(0, rows.keep_B)
         o_BHd = attend_cached(attend, q_BHd, k_cache, v_cache, rows.attn, rows.attn.positions_T, self.scale,
-                              self.sliding_window, self.sinks)
+                              self.sliding_window, self.sinks, **self._kv_scales())
         return self.o_proj(o_BHd.reshape(q_BHd.shape[0], self.q_size))

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from moe_infer.quant import FP8, linear_fp8
+from moe_infer.quant import linear_quantized
 from moe_infer.registry import Registry
 
 
@@ -53,9 +53,9 @@ def graph_kernels() -> Iterator[None]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through LINEAR_KERNELS["triton"] for a 2-D CUDA x of 16-bit rows where the
     kernel says it is faster (one row; a few for a narrow output), inside `graph_kernels()`. A quantized weight
-    (one that carries its format, moe_infer/quant.py) goes through `linear_fp8`."""
-    if weight.dtype == FP8:
-        return linear_fp8(x, weight, bias)
+    (one that carries its format, moe_infer/quant.py) goes through `linear_quantized`."""
+    if getattr(weight, "quant", None) is not None:
+        return linear_quantized(x, weight, bias)
     if x.dim() == 2 and x.is_cuda and "triton" in LINEAR_KERNELS:
         kernel = LINEAR_KERNELS.get("triton")
         if (kernel.takes(x.shape[0], weight.shape[0]) and x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype

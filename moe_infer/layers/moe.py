@@ -34,7 +34,7 @@ from moe_infer.experts.local_dispatch import LocalDispatcher
 from moe_infer.experts.reference import EXPERT_BACKENDS
 from moe_infer.layers.forward_context import at_forward_end, current_forward_context, valid_tokens
 from moe_infer.layers.linear import linear
-from moe_infer.quant import BlockFp8, QuantSpec, make_linear
+from moe_infer.quant import QuantSpec, make_linear
 from moe_infer.offload.compute import slot_experts
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
 from moe_infer.offload.store import EXPERT_STORES
@@ -43,6 +43,8 @@ from moe_infer.routing.select import ROUTING_BACKENDS
 from moe_infer.routing.spec import RoutingSpec
 from moe_infer.routing.stats import ExpertLoadStats
 from moe_infer.routing.trace_recorder import RoutingTraceRecorder
+
+FUSED_FORMATS = ("fp8_block", "int4", "mxfp4")  # weight formats the fused experts kernels read (fused_experts_any)
 
 
 @dataclass
@@ -152,11 +154,12 @@ class MoELayer(nn.Module):
     @property
     def can_fuse_experts(self) -> bool:
         """Whether the experts backend's fused path (`fused_experts`) can run this layer: plain SwiGLU experts
-        without biases, unquantized or fp8 (the kernels this tree has); else the per-call path of the backend."""
+        without biases, unquantized, fp8 (W8A8) or int4 / mxfp4 (W4A16); else the per-call path of the backend.
+        Experts with biases or another activation (GPT-OSS) never fuse: no fused kernel applies them."""
         if self.expert_bias or self.expert_act != SILU:
             return False
         quant = getattr(self.store.weights()[0], "quant", None) if self.store.is_resident else None
-        return quant is None or isinstance(quant, BlockFp8)
+        return quant is None or getattr(quant, "fmt", None) in FUSED_FORMATS
 
     def route(self, x_TD: torch.Tensor) -> tuple:
         """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""

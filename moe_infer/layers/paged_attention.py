@@ -36,15 +36,39 @@ from moe_infer.registry import Registry
 
 def store_kv(
     k_THd: torch.Tensor, v_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
-    slot_mapping_T: torch.Tensor,
+    slot_mapping_T: torch.Tensor, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """Write each token's K/V into the cache at its slot (in place); negative slots are skipped."""
+    """Write each token's K/V into the cache at its slot (in place); negative slots are skipped. An fp8 cache
+    stores k / k_scale[h] and v / v_scale[h] in e4m3 (`quantize_kv`)."""
     if k_THd.shape != v_THd.shape or k_THd.shape[1:] != k_cache_NbSHd.shape[2:]:
         raise ValueError(
             f"k {tuple(k_THd.shape)} / v {tuple(v_THd.shape)} do not fit cache {tuple(k_cache_NbSHd.shape)}"
         )
-    for new_THd, cache in ((k_THd, k_cache_NbSHd), (v_THd, v_cache_NbSHd)):
+    for new_THd, cache, kv_scale in ((k_THd, k_cache_NbSHd, k_scale), (v_THd, v_cache_NbSHd, v_scale)):
+        if cache.dtype == KV_FP8:
+            new_THd, cache = quantize_kv(new_THd, kv_scale).view(torch.uint8), cache.view(torch.uint8)
         store_rows(new_THd, cache, slot_mapping_T)
+
+
+KV_FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def quantize_kv(new_THd: torch.Tensor, scale_H: Optional[torch.Tensor]) -> torch.Tensor:
+    """e4m3 of new / scale per head (scale None: 1), saturated at +-448."""
+    x = new_THd.float()
+    if scale_H is not None:
+        x = x / scale_H.float()[None, :, None]
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8)
+
+
+def _gather_rows(cache_NbSHd: torch.Tensor, slots_BL: torch.Tensor, scale_H: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows [B, L, H, d] of a cache at the slots; an fp8 cache's dequantized to float32 (times its scale)."""
+    Nb, S, H, d = cache_NbSHd.shape
+    if cache_NbSHd.dtype != KV_FP8:
+        return cache_NbSHd.view(Nb * S, H, d)[slots_BL]
+    rows = cache_NbSHd.view(torch.uint8).view(Nb * S, H, d)[slots_BL].view(KV_FP8).float()
+    return rows if scale_H is None else rows * scale_H.float()[None, None, :, None]
 
 
 def store_rows(new_THd: torch.Tensor, cache_NbSHd: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
@@ -86,13 +110,17 @@ def paged_attention_ref(
     max_seq_len: int,
     sliding_window: Optional[int] = None,
     sinks_H: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """q [T, H, d] -> out [T, H, dv] over the cached keys of each token's sequence (float32 math). The value
     cache may be narrower than the key cache (dv <= d: MLA reads its values as the first kv_lora_rank entries of
     the latent row, a view of the key cache). sinks_H: a logit per query head added to each softmax's
-    denominator (GPT-OSS's attention sinks; a key-less extra column that takes probability and gives no value)."""
+    denominator (GPT-OSS's attention sinks; a key-less extra column that takes probability and gives no value).
+    An fp8 cache is read as e4m3 values times k_scale / v_scale [Hkv]."""
     return _paged(_dense_fp32, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
-                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H)
+                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H,
+                  k_scale, v_scale)
 
 
 def paged_attention_sdpa(
@@ -108,15 +136,19 @@ def paged_attention_sdpa(
     max_seq_len: int,
     sliding_window: Optional[int] = None,
     sinks_H: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """paged_attention_ref's gather, then torch's scaled_dot_product_attention in q's dtype (a
     faster, leaner stand-in on GPU until a paged Triton kernel exists; not the reference)."""
     return _paged(_dense_sdpa, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B,
-                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H)
+                  query_start_loc_B1, positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H,
+                  k_scale, v_scale)
 
 
 def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens_B, query_start_loc_B1,
-           positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H=None) -> torch.Tensor:
+           positions_T, scale, max_query_len, max_seq_len, sliding_window, sinks_H=None, k_scale=None,
+           v_scale=None) -> torch.Tensor:
     T, H, d = q_THd.shape
     Nb, S, Hkv, dk = k_cache_NbSHd.shape
     B, dv = seq_lens_B.shape[0], v_cache_NbSHd.shape[-1]
@@ -135,7 +167,7 @@ def _paged(dense, q_THd, k_cache_NbSHd, v_cache_NbSHd, block_tables_BM, seq_lens
     starts_B1 = query_start_loc_B1.long()
     seq_T = torch.searchsorted(starts_B1[1:], tok_T, right=True).clamp_max(B - 1)
     row_T = tok_T - starts_B1[seq_T]
-    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window, dense, sinks_H)
+    args = (k_cache_NbSHd, v_cache_NbSHd, scale, L, sliding_window, dense, sinks_H, k_scale, v_scale)
     if Qmax > 1:  # a mixed step: padding decodes to Qmax would cost B * Qmax rows, so split them off
         is_multi_B = (starts_B1[1:] - starts_B1[:-1]) > 1
         num_multi = int(is_multi_B.sum())  # the one host sync, in steps with a prefill chunk only
@@ -158,11 +190,11 @@ def _attend_padded(
     block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, Qmax: int,
     k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor, scale: float, L: int, sliding_window: Optional[int],
     dense: Callable[..., torch.Tensor], sinks_H: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Queries scattered to [B, Qmax] (token t at row_T[t] of sequence seq_T[t]), keys gathered to [B, L]."""
     T, H, d = q_THd.shape
     Nb, S, Hkv, _ = k_cache_NbSHd.shape
-    dv = v_cache_NbSHd.shape[-1]
     B, dev = block_tables_BM.shape[0], q_THd.device
     q_BQHd = q_THd.new_zeros(B, Qmax, H, d)
     q_BQHd[seq_T, row_T] = q_THd
@@ -176,8 +208,8 @@ def _attend_padded(
     is_key_BL = (key_L[None, :] < seq_lens_B.long()[:, None]) & (blocks_BL >= 0)
     # slots past a sequence's end were never written (garbage, even NaN): zero them so 0 * x stays 0
     not_key_BL11 = ~is_key_BL[:, :, None, None]
-    k_BLHd = k_cache_NbSHd.view(Nb * S, Hkv, d)[slots_BL].masked_fill(not_key_BL11, 0.0)
-    v_BLHd = v_cache_NbSHd.view(Nb * S, Hkv, dv)[slots_BL].masked_fill(not_key_BL11, 0.0)
+    k_BLHd = _gather_rows(k_cache_NbSHd, slots_BL, k_scale).masked_fill(not_key_BL11, 0.0)
+    v_BLHd = _gather_rows(v_cache_NbSHd, slots_BL, v_scale).masked_fill(not_key_BL11, 0.0)
 
     key_pos_BQL = key_L[None, None, :]
     visible_BQL = (key_pos_BQL <= pos_BQ[:, :, None]) & is_key_BL[:, None, :]
@@ -245,9 +277,14 @@ def attend_cached(
     attend: Callable[..., torch.Tensor], q_THd: torch.Tensor, k_cache_NbSHd: torch.Tensor,
     v_cache_NbSHd: torch.Tensor, attn: AttentionMetadata, positions_T: torch.Tensor, scale: float,
     sliding_window: Optional[int] = None, sinks_H: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """attend (paged_attention_ref's signature) over caches that already hold the step's K/V -> out [T, H, d]."""
-    extra = {} if sinks_H is None else {"sinks_H": sinks_H}  # attend functions without sinks (MLA's) never get one
+    """attend (paged_attention_ref's signature) over caches that already hold the step's K/V -> out [T, H, d].
+    Attend functions without sinks (MLA's) never get sinks_H; k_scale / v_scale (an fp8 cache's per-head scales) are
+    passed only with one."""
+    extra = {} if sinks_H is None else {"sinks_H": sinks_H}
+    if k_scale is not None:
+        extra.update(k_scale=k_scale, v_scale=v_scale)
     return attend(
         q_THd, k_cache_NbSHd, v_cache_NbSHd, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
         positions_T, scale, attn.max_query_len, attn.max_seq_len, sliding_window, **extra,
@@ -260,11 +297,12 @@ def store_then_attend(attend: Callable[..., torch.Tensor]) -> AttentionFn:
         k_cache_NbSHd: torch.Tensor, v_cache_NbSHd: torch.Tensor,
         attn: AttentionMetadata, positions_T: torch.Tensor, scale: float, sliding_window: Optional[int] = None,
         sinks_H: Optional[torch.Tensor] = None,
+        k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """store_kv at attn.slot_mapping_T, then attend over the cache -> out [T, H, d]."""
-        store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T)
+        store_kv(k_THd, v_THd, k_cache_NbSHd, v_cache_NbSHd, attn.slot_mapping_T, k_scale, v_scale)
         return attend_cached(attend, q_THd, k_cache_NbSHd, v_cache_NbSHd, attn, positions_T, scale, sliding_window,
-                             sinks_H)
+                             sinks_H, k_scale, v_scale)
 
     backend.attend = attend  # the attend-only part: for queries of fewer rows than the K/V written
     return backend

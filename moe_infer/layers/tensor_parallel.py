@@ -155,7 +155,7 @@ class RowParallelLinear(nn.Module):
         else:
             from moe_infer.quant import quantized_param
 
-            quantized_param(self, "weight", (out_features, in_local), quant)
+            quantized_param(self, "weight", (out_features, in_local), quant, dtype)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from moe_infer.models.dummy import init_dummy_weights
 from moe_infer.models.families import MODEL_FAMILIES
 from moe_infer.models.loader import load_weights
 from moe_infer.models.mtp import build_mtp_layers
+from moe_infer.models.online_quant import with_online_quant
 from moe_infer.models.shard import WHOLE, ModelShard
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,6 +34,7 @@ def load_model(
     load_format: str = "auto",
     shard: ModelShard = WHOLE,
     mtp: bool = False,
+    quantization: Optional[str] = None,
 ) -> MoEModel:
     """Build the model of the local checkpoint folder `path` on `device` in `dtype` and load its weights.
 
@@ -42,11 +44,14 @@ def load_model(
     load_format "dummy": random weights, no safetensors read (moe_infer.models.dummy). shard: this rank's
     stage layers and tensor shards (whole model by default); only those tensors are read. mtp: also build and load
     the checkpoint's multi-token-prediction layers (DeepSeek-V3; `model.mtp`, on the last stage, models/mtp.py).
+    quantization "fp8" / "int4": a bf16 checkpoint's linear weights quantized as they are read
+    (moe_infer/models/online_quant.py).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
     attn_backend = resolve_attention_backend(attn_backend, device)
     arch, hf_config = load_arch(path)
+    arch = with_online_quant(arch, quantization, device)
     with torch.device(device):
         model = MoEModel(arch, hf_config, dtype, backends, attn_backend, shard)
         if mtp:

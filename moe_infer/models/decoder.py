@@ -100,6 +100,7 @@ class MoEModel(nn.Module):
     ) -> None:
         super().__init__()
         self.arch, self.hf_config, self.dtype, self.shard = arch, hf_config, dtype, shard
+        self.kv_cache_dtype = dtype  # or torch.float8_e4m3fn (`set_kv_cache_dtype`)
         self.backends = backends or MoEBackends()
         self.rotary = RotaryEmbedding(hf_config, arch.rope_dim)
         self.local_layers = shard.layer_range(arch.num_layers)
@@ -197,10 +198,19 @@ class MoEModel(nn.Module):
         KV heads), or MLA's one latent cache [Nb, S, 1, kv_lora_rank + qk_rope_head_dim]."""
         return [self.layers[i].self_attn.cache_shapes(num_blocks, block_size) for i in self.local_layers]
 
+    def set_kv_cache_dtype(self, kv_dtype: torch.dtype) -> None:
+        """The dtype of the KV caches: the model's, or float8_e4m3fn (per-head K/V only: MLA's latent cache refuses)."""
+        if kv_dtype not in (self.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"KV cache dtype {kv_dtype}: the model's {self.dtype} or torch.float8_e4m3fn")
+        if kv_dtype != self.dtype and self.arch.mla is not None:
+            raise NotImplementedError("an fp8 KV cache for MLA's latent cache (DeepSeek-V2/V3) is not supported yet: "
+                                      "use cache.kv_cache_dtype=auto")
+        self.kv_cache_dtype = kv_dtype
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device,
                           fill: float = 0.0) -> List[Tuple[torch.Tensor, ...]]:
-        """The cache tensors of `kv_cache_shapes`, in the model dtype, filled with `fill`."""
-        return [tuple(torch.full(shape, fill, dtype=self.dtype, device=device) for shape in shapes)
+        """The cache tensors of `kv_cache_shapes`, in the KV cache dtype, filled with `fill`."""
+        return [tuple(torch.full(shape, fill, dtype=self.kv_cache_dtype, device=device) for shape in shapes)
                 for shapes in self.kv_cache_shapes(num_blocks, block_size)]
 
     def bind_kv_cache(self, kv_caches: Sequence[Tuple[torch.Tensor, ...]]) -> None:
@@ -216,14 +226,14 @@ class MoEModel(nn.Module):
             got = tuple(tuple(t.shape) for t in kv)
             if got != want:
                 raise ValueError(f"layer {n}: KV cache tensors {list(got)}, this layer needs {list(want)}")
-            if any(t.dtype != self.dtype for t in kv):
-                raise ValueError(f"layer {n}: KV cache dtype {[t.dtype for t in kv]}, model dtype {self.dtype}")
+            if any(t.dtype != self.kv_cache_dtype for t in kv):
+                raise ValueError(f"layer {n}: KV cache dtype {[t.dtype for t in kv]}, expected {self.kv_cache_dtype}")
         for i, kv in zip(self.local_layers, kv_caches):
             self.layers[i].self_attn.kv_cache = tuple(kv)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of this rank's cache (its layers, its KV heads or latent rows) for one block of block_size tokens."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(math.prod(shape) for shapes in self.kv_cache_shapes(1, block_size) for shape in shapes) * itemsize
 
     def moe_layers(self) -> List[MoELayer]:

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from moe_infer.layers.attention import head_split
-from moe_infer.quant import FP8
+from moe_infer.quant import FP8, logical_shape
 from moe_infer.layers.tensor_parallel import ShardGroup, padded_vocab
 from moe_infer.models.arch import ModelArch
 
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
 _ALL = slice(None)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -396,6 +397,42 @@ def _scale_targets(targets: Dict[str, _Target], params: Dict[str, torch.Tensor],
     return out
 
 
+def _packed_targets(targets: Dict[str, _Target], params: Dict[str, torch.Tensor], spec) -> Dict[str, _Target]:
+    """compressed-tensors pack-quantized: each `<x>.weight` of an int4 parameter is read as `<x>.weight_packed` (int32
+    [..., N, K / 8]) into the parameter and `<x>.weight_scale` ([..., N, K / group]) into its `_scale` buffer, at the
+    same places with the column slices in words / groups; `<x>.weight_shape` is known and not read."""
+    out = {}
+    for name, tgt in targets.items():
+        quantized = (tgt.param is not None and params[tgt.param].dtype == torch.int32) or (
+            tgt.param is None and name.startswith("model.layers.") and name.endswith(".weight") and len(tgt.shape) >= 2
+            and not name.endswith((".gate.weight", "shared_expert_gate.weight")))  # another rank's: known, not read
+        if not quantized:
+            out[name] = tgt
+            continue
+        n, k = tgt.shape[-2:]
+        lead = tgt.shape[:-2]
+        for suffix, per, param in (("_packed", 8, tgt.param), ("_scale", spec.group_size,
+                                                               tgt.param and tgt.param + "_scale")):
+            places = [(d, _column_index(s_, len(tgt.shape), per)) for d, s_ in tgt.places()]
+            out[name + suffix] = _Target(param, lead + (n, k // per), places[0][0], places[0][1], tuple(places[1:]))
+        out[name + "_shape"] = _Target(None, (2,))
+    return out
+
+
+def _column_index(idx: tuple, ndim: int, per: int) -> tuple:
+    """An index into a weight [..., N, K] as the index into its packed words or groups along K (whole ones)."""
+    out = []
+    for dim, ix in enumerate(idx):
+        if dim == ndim - 1 and isinstance(ix, slice) and ix != _ALL:
+            start, stop = ix.start or 0, ix.stop
+            if start % per or (stop is not None and stop % per):
+                raise ValueError(f"a shard of columns [{ix.start}, {ix.stop}) cuts the int4 checkpoint's {per}-wide "
+                                 f"words / groups: choose tp so shards align to {per}")
+            ix = slice(start // per, None if stop is None else stop // per)
+        out.append(ix)
+    return tuple(out)
+
+
 def local_expert_ids(dispatcher, num_experts: int) -> List[int]:
     """Logical expert of each local slot: `local_expert_ids` (EP placements, replicas) or the
     contiguous range [expert_start, expert_start + num_local_experts)."""
@@ -417,12 +454,20 @@ def load_weights(model, path: str) -> None:
     """Fill every parameter of `model` from the checkpoint folder `path` (in place)."""
     files = checkpoint_files(path)
     by_canon = {_canonical(n): n for n in files}
-    targets = weight_targets(model, set(by_canon))
+    # a packed int4 checkpoint names `<x>.weight_packed` where others name `<x>.weight` (the naming detection reads it)
+    targets = weight_targets(model, set(by_canon) | {c[:-len("_packed")] for c in by_canon if c.endswith("_packed")})
     params = dict(model.named_parameters(remove_duplicate=False))
-    params.update((n, b) for n, b in model.named_buffers()
-                  if n.endswith(("e_score_correction_bias", "_scale_inv", "_scales")))
-    if model.arch.quant is not None and model.arch.quant.method == "fp8":
-        targets.update(_scale_targets(targets, params, model.arch.quant))
+    quant = model.arch.quant
+    stored = quant is not None and not quant.online  # the checkpoint holds the scales (else: quantized as read)
+    # the stored scales: fp8's `_scale_inv`, mxfp4's `_scales` (not the attention's k_scale / v_scale)
+    scale_suffix = {"fp8": ("_scale_inv",), "mxfp4": ("_scales",)}.get(quant.method, ()) if stored else ()
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias",) + scale_suffix))
+    if stored and quant.method == "int4":  # the scales of the int4 weights (not the attention's k_scale / v_scale)
+        params.update((n, b) for n, b in model.named_buffers()
+                      if n.endswith("_scale") and getattr(params.get(n[:-len("_scale")]), "quant", None) is not None)
+        targets = _packed_targets(targets, params, quant)
+    elif stored and quant.method == "fp8":
+        targets.update(_scale_targets(targets, params, quant))
     extra = _extra_layers(model, by_canon)
     unexpected = sorted(n for c, n in by_canon.items()
                         if c not in targets and c not in extra and not c.endswith("rotary_emb.inv_freq"))
@@ -473,6 +518,7 @@ def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -
         raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
     if shape != tgt.shape:
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(tgt.shape)} (file {file})")
+    fmt = getattr(param, "quant", None)
     for dst_idx, src_idx in tgt.places():
         try:
             src = handle.get_tensor(name) if all(i == _ALL for i in src_idx) else sl[src_idx]
@@ -480,6 +526,13 @@ def _copy_one(handle, file: str, name: str, tgt: _Target, param: torch.Tensor) -
             raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {e}") from None
         if tgt.fn is not None:
             src = tgt.fn(src)
+        if fmt is not None and src.dtype in _FLOAT_DTYPES:  # a bf16 checkpoint quantized as it is read
+            want = torch.empty(logical_shape(param), device="meta")[dst_idx].shape
+            if tuple(src.shape) != tuple(want):
+                raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(want)}")
+            with torch.no_grad():
+                fmt.store(param, dst_idx, src.to(param.device))
+            continue
         dst = param[dst_idx] if dst_idx != (_ALL,) else param
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"tensor {name!r} slice {list(src.shape)} does not fit parameter slice {list(dst.shape)}")

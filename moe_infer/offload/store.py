@@ -39,8 +39,8 @@ class ResidentExpertStore(nn.Module):
         if quant is not None:
             from moe_infer.quant import quantized_param
 
-            quantized_param(self, "w13_E2FD", (E, 2 * F, D), quant)
-            quantized_param(self, "w2_EDF", (E, D, F), quant)
+            quantized_param(self, "w13_E2FD", (E, 2 * F, D), quant, dtype)
+            quantized_param(self, "w2_EDF", (E, D, F), quant, dtype)
             return
         self.w13_E2FD = nn.Parameter(torch.empty(E, 2 * F, D, dtype=dtype), requires_grad=False)
         self.w2_EDF = nn.Parameter(torch.empty(E, D, F, dtype=dtype), requires_grad=False)
