@@ -19,6 +19,7 @@ Legend: T tokens, D hidden, F expert intermediate, E local experts, K top-k, N =
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -26,7 +27,7 @@ import torch
 import triton
 
 from moe_infer.kernels.fused_moe import combine_topk
-from moe_infer.kernels.fused_moe_config import FusedMoEConfig, get_config
+from moe_infer.kernels.fused_moe_config import FusedMoEConfig, device_name, get_config, load_configs
 from moe_infer.kernels.fused_moe_schedule import block_schedule
 from moe_infer.kernels.fused_moe_w4a16_kernels import down_w4_kernel, gate_up_w4_kernel, w4a16_gemm_kernel
 from moe_infer.kernels.w4_format import INT4_PER_WORD, MXFP4_GROUP, SCALE_DTYPES
@@ -49,10 +50,19 @@ def format_name(fmt: str, group: int, has_zero: bool = False) -> str:
     return "mxfp4" if fmt == "mxfp4" else f"int4_g{group}" + ("_zp" if has_zero else "")
 
 
+W4_MAX_STAGES = 2  # the bf16 heuristic's 3-4 stages overflow an H200's 227 KB of shared memory (241,664 bytes asked)
+
+
 def w4_config(num_tokens: int, E: int, F: int, D: int, top_k: int, fmt_name: str) -> FusedMoEConfig:
     """The tuned config of this shape, format and device (configs/E=..,F=..,D=..,dtype=<fmt_name>,device=..json),
-    else the bf16 shape heuristic (logged once)."""
-    return get_config(num_tokens, E, F, D, top_k, fmt_name)
+    else the bf16 shape heuristic (logged once) with at most W4_MAX_STAGES pipeline stages: the 4-bit kernels stage
+    their dequantized tiles too, and the heuristic's stages did not fit an H200's shared memory."""
+    if load_configs(E, F, D, fmt_name, device_name()):
+        return get_config(num_tokens, E, F, D, top_k, fmt_name)
+    cfg = get_config(num_tokens, E, F, D, top_k, fmt_name)
+    return dataclasses.replace(
+        cfg, gate_up=dataclasses.replace(cfg.gate_up, num_stages=min(cfg.gate_up.num_stages, W4_MAX_STAGES)),
+        down=dataclasses.replace(cfg.down, num_stages=min(cfg.down.num_stages, W4_MAX_STAGES)))
 
 
 def _check_weight(name: str, w: torch.Tensor, s: torch.Tensor, z: Optional[torch.Tensor], fmt: str, group: int,
