@@ -34,7 +34,7 @@ CANNOT_RUN_ON_CPU = [
     (r"from openai import", "a client of a running server"),
     (r"benchmarks/(attention|fused_moe|routing|deepseek_v3|mesh_scaling|offload|serving|quant_moe|quant_e2e)\.py$",
      GPU),
-    (r"benchmarks/(e2e_generate|engine_roofline|startup)\.py$", GPU),
+    (r"benchmarks/(e2e_generate|engine_roofline|startup|speculative)\.py$", GPU),
     (r"run_ep_gpu\.sh", "needs 2 or 4 GPUs"),
     (r"scripts/tune_fused_moe\.py", GPU),
     (r"group=option", "a template of the syntax, not a command"),

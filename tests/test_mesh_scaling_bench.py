@@ -20,7 +20,7 @@ def test_mesh_scaling_runs_every_layout_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["models"]["small"]["rows"]
-    assert list(rows) == ["one GPU", "mesh x1", "tp=2", "ep=2", "pp=2", "tp=2 ep=2"]
+    assert list(rows) == ["one GPU", "mesh x1", "tp=2", "ep=2", "pp=2", "tp=2 ep=2", "ep=2 dp"]
     for name, row in rows.items():
         assert row["gpus"] == (1 if name in ("one GPU", "mesh x1") else 2), name
         for b in ("1", "4"):
