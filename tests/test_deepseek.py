@@ -1,6 +1,5 @@
 """DeepSeek-V2/V3 specifics beside the parity tests (test_models_parity.py, test_engine_parity.py): the latent KV
 cache's size, the multi-token-prediction layers of a real checkpoint, refused configurations."""
-import json
 import logging
 import os
 
@@ -9,18 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_infer.models import load_arch, load_model
-from tiny_hf import make_tiny_checkpoint
+from tiny_hf import edit_config, make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _edit_config(path, **fields):
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update(fields)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
 
 
 def test_latent_cache_bytes_per_token(tmp_path, caplog):
@@ -51,10 +41,10 @@ def test_mtp_layers_of_a_checkpoint_are_known_not_read(tmp_path):
     sd[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
     sd[f"model.layers.{n}.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 28, 32)
     save_file(sd, file, metadata={"format": "pt"})
-    _edit_config(path, num_nextn_predict_layers=0)
+    edit_config(path, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match=f"unexpected tensors.*model.layers.{n}"):
         load_model(path, torch.float32, "cpu")
-    _edit_config(path, num_nextn_predict_layers=1)
+    edit_config(path, num_nextn_predict_layers=1)
     load_model(path, torch.float32, "cpu")
 
 
@@ -67,7 +57,7 @@ def test_mtp_layers_of_a_checkpoint_are_known_not_read(tmp_path):
 ])
 def test_unsupported_quantization_is_refused_by_name(tmp_path, qcfg, match):
     path = make_tiny_checkpoint("deepseek_v3", tmp_path / "ds", seed=0)
-    _edit_config(path, quantization_config=qcfg)
+    edit_config(path, quantization_config=qcfg)
     with pytest.raises(NotImplementedError, match=match):
         load_arch(path)
 
@@ -79,6 +69,6 @@ def test_unsupported_quantization_is_refused_by_name(tmp_path, qcfg, match):
 ])
 def test_unsupported_router_variants_are_refused(tmp_path, family, fields, match):
     path = make_tiny_checkpoint(family, tmp_path / "ds", seed=0)
-    _edit_config(path, **fields)
+    edit_config(path, **fields)
     with pytest.raises(ValueError, match=match):
         load_arch(path)

@@ -3,7 +3,6 @@
 experts: a tiny checkpoint written with this test's own e2m1/e8m0 packing, checked against transformers' model
 whose experts hold transformers' own dequantization of the same bytes.
 """
-import json
 import os
 
 import pytest
@@ -13,18 +12,9 @@ from safetensors.torch import load_file, save_file
 from moe_infer.models import arch_from_config, load_arch, load_model
 from paged_sim import PagedSim, run_schedule
 from parity_cases import SCHEDULE, hf_logits, make_tokens
-from tiny_hf import load_hf_model, make_tiny_checkpoint
+from tiny_hf import edit_config, load_hf_model, make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _edit_config(path, **fields):
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update(fields)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
 
 
 def test_release_config_reads_as_the_family():
@@ -47,7 +37,7 @@ def test_release_config_reads_as_the_family():
 ])
 def test_bad_layer_configs_are_refused(tmp_path, fields, match):
     path = make_tiny_checkpoint("gpt_oss", tmp_path / "g", seed=0)
-    _edit_config(path, **fields)
+    edit_config(path, **fields)
     with pytest.raises(ValueError, match=match):
         load_arch(path)
 
@@ -131,7 +121,7 @@ def _mxfp4_checkpoint(tmp_path, seed=3):
         assert deq.shape == w.shape and (deq - w).abs().max() < 0.3 * w.abs().max()  # a coarse copy of w
         hf.get_parameter(name).data.copy_(deq)
     save_file(sd, file, metadata={"format": "pt"})
-    _edit_config(path, quantization_config={
+    edit_config(path, quantization_config={
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
                                    "lm_head"]})

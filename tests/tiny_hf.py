@@ -232,3 +232,13 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 def hf_model_class(family: str) -> Tuple[type, type]:
     """(config class, causal-LM class) of a family."""
     return _hf_classes(family)
+
+
+def edit_config(path, **fields) -> None:
+    """Set fields of a checkpoint folder's config.json (tests of configurations transformers would not write)."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(fields)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
