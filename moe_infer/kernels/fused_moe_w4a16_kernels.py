@@ -5,9 +5,9 @@ expert weights dequantized in registers.
 Both walk the block-padded schedule of the bf16 fused MoE (`tile_rows`: sorted_P / expert_B / num_padded, or the
 inline decode schedule), in the grouped tile order of `tile_of`; tiles past num_padded exit at once (static grid,
 CUDA-graph capturable). Per K step a program loads its activation tile as the bf16 path does and its weight tile
-[BLOCK_K, BLOCK_N] as 4-bit codes (`load_w4`: each packed word or byte is read by the 8 or 2 lanes of its values,
-which the cache serves, and the group scale by each of its values' lanes), dequantizes it to the activations' dtype
-and runs tl.dot (float32 operands under the interpreter: IS_FP32_DOT).
+[BLOCK_K, BLOCK_N] as 4-bit codes (`load_w4`: the packed words or bytes and the group scales each loaded once as
+tiles contiguous along K, unpacked in registers), dequantizes it to the activations' dtype and runs tl.dot
+(float32 operands under the interpreter: IS_FP32_DOT).
 
 FMT 0: int4, packed int32 [E, N, K / 8], scales [E, N, K / GROUP], zeros uint8 [E, N, K / GROUP] (HAS_ZERO; else 8).
 FMT 1: mxfp4, packed uint8 [E, N, K / 2] (low nibble first), e8m0 scales uint8 [E, N, K / 32] (GROUP = 32); the
@@ -23,31 +23,52 @@ from moe_infer.kernels.fused_moe_gemm import tile_of
 
 
 @triton.jit
+def load_groups(ptr, e, offs_n, is_n, k0, K, stride_se, stride_sn, other, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """The per-group values (scales, zero points) of the tile's rows k0 .. k0 + BLOCK_K: [1, BLOCK_N] when one group
+    covers the tile, else each group's [BLOCK_N] values loaded once and repeated over its GROUP rows."""
+    col = e * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
+    if BLOCK_K <= GROUP:
+        v = tl.load(ptr + col + k0 // GROUP, mask=is_n[None, :], other=other)
+    else:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        BN: tl.constexpr = offs_n.shape[0]
+        g = k0 // GROUP + tl.arange(0, NG)
+        v_GN = tl.load(ptr + col + g[:, None], mask=(g[:, None] < K // GROUP) & is_n[None, :], other=other)
+        v = tl.reshape(tl.broadcast_to(v_GN[:, None, :], [NG, GROUP, BN]), [BLOCK_K, BN])
+    return v
+
+
+@triton.jit
 def load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
             FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
-    """Expert e's weight rows offs_n, columns k0 + offs_k, as a float32 tile [BLOCK_K, BLOCK_N] (w^T)."""
-    k = k0 + offs_k
-    mask = (k[:, None] < K) & is_n[None, :]
+    """Expert e's weight rows offs_n, columns k0 .. k0 + BLOCK_K, as a float32 tile [BLOCK_K, BLOCK_N] (w^T).
+
+    Each packed word / byte and each group's scale is loaded once, as a tile contiguous along K (coalesced), and
+    unpacked in registers: the codes [BLOCK_K / PER, PER, BLOCK_N] reshaped to [BLOCK_K, BLOCK_N] (k = PER * word +
+    nibble, low nibble first)."""
+    BLOCK_K: tl.constexpr = offs_k.shape[0]
+    BN: tl.constexpr = offs_n.shape[0]
+    PER: tl.constexpr = 8 if FMT == 0 else 2
+    KW: tl.constexpr = BLOCK_K // PER
+    kw = k0 // PER + tl.arange(0, KW)
     row = e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-    s_off = e * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + (k // GROUP)[:, None]
+    word = tl.load(w_ptr + row + kw[:, None], mask=(kw[:, None] < K // PER) & is_n[None, :], other=0).to(tl.int32)
+    nib = tl.arange(0, PER) * 4
+    code = tl.reshape((word[:, None, :] >> nib[None, :, None]) & 0xF, [BLOCK_K, BN])
     if FMT == 0:
-        word = tl.load(w_ptr + row + (k // 8)[:, None], mask=mask, other=0)
-        code = (word >> ((k % 8) * 4)[:, None]) & 0xF
-        scale = tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        scale = load_groups(s_ptr, e, offs_n, is_n, k0, K, stride_se, stride_sn, 0.0, BLOCK_K, GROUP).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(z_ptr + s_off, mask=mask, other=0).to(tl.float32)
+            zero = load_groups(z_ptr, e, offs_n, is_n, k0, K, stride_se, stride_sn, 0, BLOCK_K, GROUP).to(tl.float32)
         else:
             zero = 8.0
         w = (code.to(tl.float32) - zero) * scale
     else:
-        byte = tl.load(w_ptr + row + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((k % 2) * 4)[:, None]) & 0xF
         ex = (code >> 1) & 3
         m = code & 1
         # e2m1 -> float32 bits: exponent ex - 1 (biased ex + 126) and the mantissa bit at bit 22; ex 0: m * 0.5
         bits = tl.where(ex == 0, m * (126 << 23), ((ex + 126) << 23) | (m << 22)) | ((code >> 3) << 31)
-        s_bits = tl.load(s_ptr + s_off, mask=mask, other=127).to(tl.int32) << 23
-        w = bits.to(tl.float32, bitcast=True) * s_bits.to(tl.float32, bitcast=True)
+        s_bits = load_groups(s_ptr, e, offs_n, is_n, k0, K, stride_se, stride_sn, 127, BLOCK_K, GROUP).to(tl.int32)
+        w = bits.to(tl.float32, bitcast=True) * (s_bits << 23).to(tl.float32, bitcast=True)
     return w
 
 
