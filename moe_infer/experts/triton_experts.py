@@ -95,7 +95,8 @@ def fused_experts_any(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weight
 
 
 def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
-    """`launch_variant`; fp8 experts: their token count's power of two (what their kernels' tiles follow); 4-bit
+    """`launch_variant`; fp8 experts: their token count's power of two (what the dense fp8 GEMMs' tiles follow) and
+    their tiles (tuned or `moe_tiles`; the matrix-vector kernels at one token); 4-bit
     experts: their config, schedule backend and the specialised row counts."""
     q = getattr(w13_E2FD, "quant", None)
     if q is None:
@@ -112,7 +113,12 @@ def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
         backend = auto_schedule_backend(N, E, True) if cfg.schedule == "auto" else cfg.schedule
         n_pad = max(16, triton.next_power_of_2(N)) if backend == "inline" else 16
         return (name, cfg, backend, n_pad, tuple((n == 1, n % 16 == 0) for n in (N, tiles_m)))
-    return ("fp8", max(num_tokens * top_k - 1, 0).bit_length())
+    from moe_infer.kernels.fp8_expert_gemv import MAX_TOKENS
+    from moe_infer.kernels.fused_moe_fp8 import fp8_tiles
+
+    E, F2, D = w13_E2FD.shape
+    tiles = "gemv" if num_tokens <= MAX_TOKENS else fp8_tiles(num_tokens, E, F2 // 2, D, top_k, q.block_n, q.block_k)
+    return ("fp8", max(num_tokens * top_k - 1, 0).bit_length(), tiles)
 
 
 experts_triton.fused_experts = fused_experts_any
