@@ -320,6 +320,22 @@ def test_one_token_takes_the_gemv_and_a_dropped_token_gets_zeros(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_ids_past_the_local_experts_add_nothing(T):
+    """An id >= E (another rank's expert, as the engine hands them at expert_start 0) is skipped, as -1 is:
+    the gemv (T 1) and the tile path (schedule, kernels, combine)."""
+    _, fm = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(T)
+    case = list(_moe_case(gen, T, 64, 32, 4, 2, 16, 16, torch.float32))
+    ids = case[1]
+    ids[0, 0] = 4
+    ids[-1, 1] = 9
+    out = fm.fused_moe_fp8(*case, 16, 16)
+    ref = fused_moe_fp8_ref(*case[:1], torch.where(ids >= 4, -1, ids), *case[2:], 16, 16)
+    diff = (out - ref).abs()
+    assert (diff <= FUSED_CPU_RTOL * ref.abs().max()).all(), f"max diff {diff.max():.3g}"
+
+
 def test_fused_moe_rejects_bad_inputs():
     _, fm = _kernels()
     gen = torch.Generator(device=DEVICE).manual_seed(0)

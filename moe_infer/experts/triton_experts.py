@@ -88,8 +88,10 @@ def fused_experts_any(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weight
     from moe_infer.kernels.fused_moe_fp8 import fused_moe_fp8
 
     E = w13_E2FD.shape[0]
-    local_TK = topk_ids_TK.to(torch.int64) - expert_start
-    local_TK = torch.where((local_TK >= 0) & (local_TK < E), local_TK, -1).to(topk_ids_TK.dtype)
+    local_TK = topk_ids_TK  # the kernels skip ids outside [0, E): only a shifted range needs its ids moved (3 launches)
+    if expert_start:
+        local_TK = topk_ids_TK.to(torch.int64) - expert_start
+        local_TK = torch.where((local_TK >= 0) & (local_TK < E), local_TK, -1).to(topk_ids_TK.dtype)
     return fused_moe_fp8(x_TD, local_TK, topk_weights_TK, w13_E2FD, q13.scale_inv, w2_EDF, q2.scale_inv,
                          q13.block_n, q13.block_k)
 
