@@ -320,6 +320,19 @@ def test_one_token_takes_the_gemv_and_a_dropped_token_gets_zeros(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("tiles", [(32, 64, 1, 4, 3, 8, 4), (64, 128, 8, 8, 3, 4, 3), (128, 16, 8, 4, 4, 4, 4)])
+def test_tile_path_with_the_tuner_s_tiles(tiles):
+    """Every BLOCK_M the fp8 tuner tries (16 above) and down's own tile, warps and stages give the reference's
+    result (the tuner keeps the fastest, so a wrong tile must fail here, not be picked)."""
+    _, fm = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(tiles[0])
+    case = _moe_case(gen, 6, 64, 32, 4, 2, 16, 16, torch.float32)
+    out = fm.fused_moe_fp8(*case, 16, 16, config=fm.MoETiles(*tiles))
+    ref = fused_moe_fp8_ref(*case, 16, 16)
+    diff = (out - ref).abs()
+    assert (diff <= FUSED_CPU_RTOL * ref.abs().max()).all(), f"max diff {diff.max():.3g}"
+
+
 @pytest.mark.parametrize("T", [1, 5])
 def test_ids_past_the_local_experts_add_nothing(T):
     """An id >= E (another rank's expert, as the engine hands them at expert_start 0) is skipped, as -1 is:
