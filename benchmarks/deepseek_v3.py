@@ -3,6 +3,7 @@ computed from rates measured on the same machine in the same run.
 
     python benchmarks/deepseek_v3.py            # GPU: 4 layers of DeepSeek-V3's real widths (1 dense, 3 MoE), bf16
     python benchmarks/deepseek_v3.py --tiny     # CPU smoke run of the same code (tiny widths)
+    python benchmarks/deepseek_v3.py --skip-attention --kv-cache-dtype fp8   # engine runs, e4m3 latent cache
 
 attention: decode (one query a sequence) of DeepSeek-V3's 128 heads over the latent cache (576 values a token), batch
   1 / 16 / 64 x context 1k / 4k / 16k / 32k: the Triton kernel (moe_infer/kernels/mla_attention.py) against the
@@ -251,7 +252,7 @@ def write_config(dims: dict, folder: str, fp8_block: int = 0) -> str:
 
 
 def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hbm: float, flops: float,
-                 fp8_block: int = 0) -> dict:
+                 fp8_block: int = 0, kv_cache_dtype: str = "auto") -> dict:
     from moe_infer import LLM, SamplingParams
 
     seqs, length = prefill
@@ -260,7 +261,8 @@ def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hb
     start = time.perf_counter()
     llm = LLM(model=folder, load_format="dummy", dtype="bfloat16" if device.type == "cuda" else "float32",
               device=str(device), max_num_seqs=max(batches + [seqs]), max_model_len=max(prompt + new, length + 1),
-              max_num_batched_tokens=max(seqs * length // 4, 8), enable_prefix_caching=False)
+              max_num_batched_tokens=max(seqs * length // 4, 8), enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype)
     out = dict(startup_s=time.perf_counter() - start, decode=[], kv_bytes_per_token=llm.engine.runner.model
                .kv_cache_bytes_per_block(1))
     gen = torch.Generator().manual_seed(0)
@@ -303,6 +305,7 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-attention", action="store_true", help="only the engine runs")
     ap.add_argument("--formats", default="bf16,fp8", help="weight formats of the engine runs (bf16, fp8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine runs' latent cache: auto (model dtype), fp8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -321,7 +324,8 @@ def main() -> None:
     if not args.skip_engine:
         result["engine"] = {fmt: bench_engine(dims, batches, 8 if args.tiny else 128, 4 if args.tiny else 64,
                                               (2, 32) if args.tiny else (16, 1024), device, hbm, flops,
-                                              fp8_block=(16 if args.tiny else 128) if fmt == "fp8" else 0)
+                                              fp8_block=(16 if args.tiny else 128) if fmt == "fp8" else 0,
+                                              kv_cache_dtype=args.kv_cache_dtype)
                             for fmt in args.formats.split(",")}
         if {"bf16", "fp8"} <= set(result["engine"]):
             bf16, fp8 = ({d["batch"]: d["tok_s"] for d in result["engine"][f]["decode"]} for f in ("bf16", "fp8"))

@@ -20,11 +20,19 @@ Minutes instead of an hour: what a short session on a newly lent GPU has time fo
 that format, each BLOCK_M's gate_up tile then its down tile chosen by timing the whole call (no TMA / persistent
 variants: those kernels have none); written as dtype=<format> files, which `w4_config` reads.
 
+--format fp8_w8a8: the block-scaled W8A8 kernels (moe_infer/kernels/fused_moe_fp8.py) on random fp8 weights with
+128 x 128 block scales: per BLOCK_M, gate_up's warps / stages (its column and K tiles are the 128-wide scale group),
+then down's column tile, warps and stages, each timed as the whole call (7 calls a BLOCK_M); dtype=fp8_w8a8 files,
+which `fp8_tiles` reads. One token also times the matrix-vector path that the engine takes there (fp8_expert_gemv),
+for comparison. On an H200, the qwen3-30b-a3b and deepseek-v3 shapes at tokens 1,8,32,128,512,2048 take about
+3-4 minutes (about 36 kernel compilations a shape at ~2 s, ~100 timed calls at ~0.1 s, and ~10 s making
+DeepSeek-V3's 11 GB of fp8 experts).
+
 An existing file for the shape and device keeps its other token counts (--replace: write only those tuned).
 
     python scripts/tune_fused_moe.py [--shapes mixtral-8x7b,64:8:2048:1024,...] [--tokens 1,8,...] [--out-dir DIR]
                                      [--persistent] [--one-dot] [--refine [--min-gain 0.02]] [--replace]
-                                     [--format bf16|int4_g128|int4_g32|mxfp4]
+                                     [--format bf16|int4_g128|int4_g32|mxfp4|fp8_w8a8]
 """
 from __future__ import annotations
 
@@ -158,6 +166,59 @@ def tune_w4_point(T, E, K, D, F, fmt, w13, w2):
     return best
 
 
+FP8_FORMAT = "fp8_w8a8"
+FP8_BLOCK = 128  # the block of the weights tuned for (DeepSeek-V3's and Qwen3 FP8's 128 x 128)
+FP8_GATE_UP = [(4, 3), (4, 4), (8, 3)]  # (num_warps, num_stages); its column and K tiles are FP8_BLOCK
+FP8_DOWN = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]  # (block_n, num_warps, num_stages)
+
+
+def fp8_weights(E: int, D: int, F: int):
+    """Random fp8 experts with 128 x 128 block scales: ((w13, scale), (w2, scale)), made an expert at a time (the
+    bf16 temporaries of DeepSeek-V3's 256 experts at once would take 22 GB)."""
+    out = []
+    for N, K in ((2 * F, D), (D, F)):
+        w = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
+        for e in range(E):
+            w[e] = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 32).to(torch.float8_e4m3fn)
+        scale = torch.full((E, triton.cdiv(N, FP8_BLOCK), K // FP8_BLOCK), K ** -0.5 / 32, device="cuda")
+        out.append((w, scale))
+    return out
+
+
+def fp8_candidates(block_m: int):
+    """(gate_up MoETiles list, down MoETiles list of a given gate_up) at one BLOCK_M."""
+    from moe_infer.kernels.fused_moe_fp8 import MoETiles
+
+    group_m = 1 if block_m <= 32 else 8
+    down_n = 64 if block_m <= 16 else 128
+    gate_ups = [MoETiles(block_m, down_n, group_m, w, s) for w, s in FP8_GATE_UP]
+    return gate_ups, lambda gu: [dataclasses.replace(gu, block_n_down=n, down_warps=w, down_stages=s)
+                                 for n, w, s in FP8_DOWN]
+
+
+def tune_fp8_point(T, E, K, D, F, w13, w2):
+    """(us, FusedMoEConfig) of the W8A8 tile path at T tokens (as `fused_moe_fp8` with config=...): per BLOCK_M the
+    best gate_up setting, then the best down tile with it, each timed as the whole call."""
+    from moe_infer.kernels.fused_moe_fp8 import fused_moe_fp8
+
+    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D)
+
+    def run(tiles=None):
+        return fused_moe_fp8(x_TD, ids_TK, w_TK, *w13, *w2, FP8_BLOCK, FP8_BLOCK, config=tiles)
+
+    if T == 1:
+        print(f"  T=1: the matrix-vector path the engine takes: {_bench(run):.1f} us")
+    best = None
+    for block_m in block_m_candidates(T * K / E):
+        gate_ups, downs = fp8_candidates(block_m)
+        t_gu, gu = min(((_bench(lambda c=c: run(c)), c) for c in gate_ups), key=lambda tc: tc[0])
+        t_all, tiles = min(((_bench(lambda c=c: run(c)), c) for c in downs(gu)), key=lambda tc: tc[0])
+        print(f"  T={T} BLOCK_M={block_m}: {t_all:.1f} us, {tiles}")
+        if best is None or t_all < best[0]:
+            best = (t_all, tiles.to_config(FP8_BLOCK))
+    return best
+
+
 def option_variants(cfg: GemmConfig, block_m: int, is_gate_up: bool):
     """cfg with its tiles kept and the options toggled: one dot or two (gate_up), one program a tile or
     persistent (BLOCK_M >= 64, as `candidates`), flattened or not, warp-specialised or not (down, where
@@ -256,20 +317,31 @@ def main() -> None:
                         help="from the config in use, toggle only the options (one dot, persistent, flatten, warp specialisation)")
     parser.add_argument("--min-gain", type=float, default=0.02, help="--refine: the whole path's gain in each round")
     parser.add_argument("--replace", action="store_true", help="write only the token counts tuned now")
-    parser.add_argument("--format", default="bf16", choices=("bf16",) + W4_FORMATS,
-                        help="the experts' weight format (4-bit: the W4A16 kernels)")
+    parser.add_argument("--format", default="bf16", choices=("bf16",) + W4_FORMATS + (FP8_FORMAT,),
+                        help="the experts' weight format (4-bit: the W4A16 kernels; fp8_w8a8: the W8A8 kernels)")
     args = parser.parse_args()
     if args.format != "bf16" and (args.refine or args.persistent or args.one_dot):
-        raise SystemExit("--format: the W4A16 kernels have no --refine / --persistent / --one-dot options")
+        kernels = "W8A8" if args.format == FP8_FORMAT else "W4A16"
+        raise SystemExit(f"--format: the {kernels} kernels have no --refine / --persistent / --one-dot options")
     if not 0.0 <= args.min_gain < 1.0:
         raise SystemExit(f"--min-gain: {args.min_gain} must be a fraction in [0, 1), e.g. 0.02 for 2 %")
     tokens = parse_tokens(args.tokens)
     shapes = [(name, parse_shape(name)) for name in args.shapes.split(",")]  # a typo fails before any tuning
     os.makedirs(args.out_dir, exist_ok=True)
     for name, (E, K, D, F) in shapes:
-        w13, w2 = make_weights(E, D, F) if args.format == "bf16" else w4_weights(args.format, E, D, F)
+        if args.format == FP8_FORMAT:
+            if D % FP8_BLOCK or F % FP8_BLOCK:
+                raise SystemExit(f"--format {FP8_FORMAT}: D={D} and F={F} must be multiples of {FP8_BLOCK}")
+            w13, w2 = fp8_weights(E, D, F)
+        else:
+            w13, w2 = make_weights(E, D, F) if args.format == "bf16" else w4_weights(args.format, E, D, F)
         table, t0 = {}, time.time()
         for T in tokens:
+            if args.format == FP8_FORMAT:
+                total_us, cfg = tune_fp8_point(T, E, K, D, F, w13, w2)
+                table[str(T)] = cfg.to_dict()
+                print(f"{name} {args.format} T={T}: {total_us:.1f} us with {cfg}", flush=True)
+                continue
             if args.format != "bf16":
                 total_us, cfg = tune_w4_point(T, E, K, D, F, args.format, w13, w2)
                 table[str(T)] = cfg.to_dict()

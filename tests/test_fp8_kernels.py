@@ -284,6 +284,71 @@ def test_fused_moe_kernel_matches_ref(T, bn, bk, dtype):
     assert (diff <= tol).all(), f"max diff {diff.max():.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,F,E,K,bn,bk", [(64, 32, 4, 2, 16, 16), (80, 48, 6, 3, 48, 16), (64, 64, 8, 8, 32, 32)])
+def test_one_token_gemv_matches_ref_and_the_tile_path(D, F, E, K, bn, bk, dtype):
+    """One token goes through fp8_expert_gemv (the kernels quantize x and the intermediate in their prologues); it
+    agrees with the reference and with the tile path (forced by a config) up to float32 order. D 80 at block_k 16:
+    5 groups, a partial group tile (4 a step); K 3: a padded row; block_n 48: partial scale blocks; a dropped row."""
+    _, fm = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(D + F + K)
+    case = _moe_case(gen, 1, D, F, E, K, bn, bk, dtype)
+    case[1][0, 1] = -1
+    out = fm.fused_moe_fp8(*case, bn, bk)
+    tiles = fm.fused_moe_fp8(*case, bn, bk, config=fm.MoETiles(16, 32))
+    ref = fused_moe_fp8_ref(*case, bn, bk)
+    assert out.shape == ref.shape and out.dtype == dtype
+    tol = FUSED_CPU_RTOL * ref.float().abs().max() + (BF16_ULP * ref.float().abs() if dtype != torch.float32 else 0)
+    for got in (out, tiles):
+        diff = (got.float() - ref.float()).abs()
+        assert (diff <= tol).all(), f"max diff {diff.max():.3g}"
+
+
+def test_one_token_takes_the_gemv_and_a_dropped_token_gets_zeros(monkeypatch):
+    _, fm = _kernels()
+    from moe_infer.kernels import fp8_expert_gemv
+
+    calls = []
+    monkeypatch.setattr(fm, "fp8_expert_gemv", lambda *a, **k: calls.append(1) or fp8_expert_gemv.fp8_expert_gemv(*a))
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    case = _moe_case(gen, 1, 64, 32, 4, 2, 16, 16, torch.float32)
+    case[1][:] = -1
+    assert (fm.fused_moe_fp8(*case, 16, 16) == 0).all() and calls == [1]
+    fm.fused_moe_fp8(*_moe_case(gen, 2, 64, 32, 4, 2, 16, 16, torch.float32), 16, 16)
+    monkeypatch.setenv("MOE_EXPERT_GEMV", "0")
+    fm.fused_moe_fp8(*_moe_case(gen, 1, 64, 32, 4, 2, 16, 16, torch.float32), 16, 16)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("tiles", [(32, 64, 1, 4, 3, 8, 4), (64, 128, 8, 8, 3, 4, 3), (128, 16, 8, 4, 4, 4, 4)])
+def test_tile_path_with_the_tuner_s_tiles(tiles):
+    """Every BLOCK_M the fp8 tuner tries (16 above) and down's own tile, warps and stages give the reference's
+    result (the tuner keeps the fastest, so a wrong tile must fail here, not be picked)."""
+    _, fm = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(tiles[0])
+    case = _moe_case(gen, 6, 64, 32, 4, 2, 16, 16, torch.float32)
+    out = fm.fused_moe_fp8(*case, 16, 16, config=fm.MoETiles(*tiles))
+    ref = fused_moe_fp8_ref(*case, 16, 16)
+    diff = (out - ref).abs()
+    assert (diff <= FUSED_CPU_RTOL * ref.abs().max()).all(), f"max diff {diff.max():.3g}"
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_ids_past_the_local_experts_add_nothing(T):
+    """An id >= E (another rank's expert, as the engine hands them at expert_start 0) is skipped, as -1 is:
+    the gemv (T 1) and the tile path (schedule, kernels, combine)."""
+    _, fm = _kernels()
+    gen = torch.Generator(device=DEVICE).manual_seed(T)
+    case = list(_moe_case(gen, T, 64, 32, 4, 2, 16, 16, torch.float32))
+    ids = case[1]
+    ids[0, 0] = 4
+    ids[-1, 1] = 9
+    out = fm.fused_moe_fp8(*case, 16, 16)
+    ref = fused_moe_fp8_ref(*case[:1], torch.where(ids >= 4, -1, ids), *case[2:], 16, 16)
+    diff = (out - ref).abs()
+    assert (diff <= FUSED_CPU_RTOL * ref.abs().max()).all(), f"max diff {diff.max():.3g}"
+
+
 def test_fused_moe_rejects_bad_inputs():
     _, fm = _kernels()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -347,11 +412,13 @@ def test_gpu_fused_moe_matches_ref(T, E):
 
 
 @pytest.mark.gpu
-def test_gpu_kernels_capture_in_a_cuda_graph():
-    """Replays of captured launches with new inputs (copied into the captured buffers) give the eager output."""
+@pytest.mark.parametrize("T", [1, 8])
+def test_gpu_kernels_capture_in_a_cuda_graph(T):
+    """Replays of captured launches with new inputs (copied into the captured buffers) give the eager output
+    (T 1: the one-token matrix-vector kernels)."""
     fp8_gemm, fm = _kernels()
     gen = torch.Generator(device="cuda").manual_seed(5)
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(gen, 8, 1024, 256, 8, 4, 128, 128, torch.bfloat16, device="cuda")
+    x, ids, wts, w13, s13, w2, s2 = _moe_case(gen, T, 1024, 256, 8, 4, 128, 128, torch.bfloat16, device="cuda")
     w, s = w13[0], s13[0]
     fm.fused_moe_fp8(x, ids, wts, w13, s13, w2, s2, 128, 128)  # compile before capture
     fp8_gemm.w8a8_block_gemm(x, w, s, 128, 128)
@@ -360,7 +427,7 @@ def test_gpu_kernels_capture_in_a_cuda_graph():
         out = fm.fused_moe_fp8(x, ids, wts, w13, s13, w2, s2, 128, 128)
         y = fp8_gemm.w8a8_block_gemm(x, w, s, 128, 128)
     for seed in (1, 2):
-        new = _moe_case(torch.Generator(device="cuda").manual_seed(seed), 8, 1024, 256, 8, 4, 128, 128,
+        new = _moe_case(torch.Generator(device="cuda").manual_seed(seed), T, 1024, 256, 8, 4, 128, 128,
                         torch.bfloat16, device="cuda")
         for buf, src in zip((x, ids, wts), new[:3]):
             buf.copy_(src)

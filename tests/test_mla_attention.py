@@ -194,3 +194,78 @@ def test_triton_value_split_over_programs(new, block_v):
                                      scale, attn.max_query_len, attn.max_seq_len, splits=splits if new == DECODE else 1,
                                      config=TileConfig(block_h=2, block_v=block_v, block_n=16, warps=4, block_q=2))
         torch.testing.assert_close(torch.einsum("thc,hvc->thv", o_lat.float(), w_uv), ref, atol=1e-4, rtol=1e-4)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_cache(cache, kv_scale):
+    """The latent cache in e4m3 (rows / kv_scale) and its values dequantized in float32."""
+    cache8 = (cache.float() / kv_scale).to(FP8)
+    return cache8, cache8.float() * kv_scale
+
+
+@pytest.mark.parametrize("new", [MIXED, DECODE, PREFILL], ids=["mixed", "decode", "prefill"])
+@pytest.mark.parametrize("attend", [mla_attend_torch, _triton(), _triton(2)], ids=lambda f: f.__name__)
+def test_fp8_latent_cache_reads_as_its_dequantized_values(new, attend):
+    """An e4m3 latent cache with kv_scale 0.75: the reference and the kernel (scale folded into the scores and the
+    output) give the reference's output over the dequantized float32 cache, up to float32 order; and the result
+    stays within e4m3's rounding of the unquantized cache's (attention averages the values' 2^-4 steps)."""
+    q, cache, attn, w_uv, scale, ref = _case(new)
+    kv_scale = torch.tensor([0.75])
+    cache8, deq = _fp8_cache(cache, kv_scale)
+    want = mla_attend_torch(q, deq, 32, attn, attn.positions_T, scale)
+    if attend is mla_attend_torch:
+        got = attend(q, cache8, 32, attn, attn.positions_T, scale, kv_scale=kv_scale)
+    else:
+        from moe_infer.kernels.mla_attention import mla_attention_triton
+
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
+        splits = 2 if attend.__name__.endswith("2") else None
+        got = mla_attention_triton(q, cache8, 32, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1,
+                                   scale, attn.max_query_len, attn.max_seq_len, splits=splits, kv_scale=kv_scale)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    out = torch.einsum("thc,hvc->thv", got.float(), w_uv)
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=0.1)
+
+
+def test_fp8_latent_cache_up_projected_and_refusals():
+    """The up-projected prompt form reads an e4m3 cache dequantized (times kv_scale); the kernel refuses an fp8
+    cache without a float32 [1] kv_scale."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CUDA or under TRITON_INTERPRET=1")
+    from moe_infer.kernels.mla_attention import mla_attention_triton
+    from moe_infer.layers.mla_triton import up_projected_prompt_attention
+
+    q, cache, attn, w_uv, scale, ref, q_nope, q_rot, w_uk = _case(MIXED, parts=True)
+    kv_scale = torch.tensor([1.25])
+    cache8, deq = _fp8_cache(cache, kv_scale)
+    got = up_projected_prompt_attention(q_nope, q_rot, cache8, w_uk, w_uv, attn, scale, kv_scale=kv_scale)
+    want = up_projected_prompt_attention(q_nope, q_rot, deq, w_uk, w_uv, attn, scale)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    args = (q, cache8, 32, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1, scale, attn.max_query_len,
+            attn.max_seq_len)
+    for bad in (None, torch.tensor([1.0, 1.0]), torch.tensor([1.0], dtype=torch.float64)):
+        with pytest.raises(ValueError, match="kv_scale float32"):
+            mla_attention_triton(*args, kv_scale=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("new,cached", [([1] * 8, (4000, 17, 900, 1, 2047, 64, 333, 1500)), ([1, 300, 1, 77],
+                                                                                            (1500, 0, 31, 2000))])
+def test_fp8_latent_cache_gpu(new, cached):
+    """DeepSeek-V3's latent row (512 + 64), 128 heads, bf16 queries over an e4m3 cache (kv_scale 0.5), against the
+    float32 reference on the same cache (the bf16 tolerance of the other GPU tests)."""
+    from moe_infer.kernels.mla_attention import mla_attention_triton
+
+    Nb = sum(-(-(c + n) // 16) for c, n in zip(cached, new)) + 8
+    q, cache, attn, _, scale, _ = _case(new, cached, H=128, c=512, r=64, n=128, v=128, S=16, Nb=Nb,
+                                        dtype=torch.bfloat16, device="cuda")
+    kv_scale = torch.tensor([0.5], device="cuda")
+    cache8 = (cache.float() / kv_scale).to(FP8)
+    got = mla_attention_triton(q, cache8, 512, attn.block_tables_BM, attn.seq_lens_B, attn.query_start_loc_B1, scale,
+                               attn.max_query_len, attn.max_seq_len, kv_scale=kv_scale).float()
+    want = mla_attend_torch(q, cache8, 512, attn, attn.positions_T, scale, kv_scale=kv_scale).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -157,3 +157,48 @@ def test_w4_format_options(monkeypatch, tmp_path):
         assert w4_config(20, 8, 64, 128, 2, "mxfp4") != cfg  # another format: the heuristic
     finally:
         fused_moe_config.load_configs.cache_clear()
+
+
+def test_fp8_format_candidates_and_the_file_fp8_tiles_reads(monkeypatch, tmp_path):
+    """--format fp8_w8a8: the bf16-only options refused; each candidate survives the file round trip (MoETiles ->
+    FusedMoEConfig -> MoETiles) with its column / K tiles at the 128 block; `fp8_tiles` takes the nearest token
+    count's entry of the file named as the tuner names it, and without a file (or another block size) `moe_tiles`."""
+    import json
+    import sys
+
+    from moe_infer.kernels import fused_moe_config, fused_moe_fp8
+
+    tuner = _tuner()
+    monkeypatch.setattr(sys, "argv", ["tune_fused_moe.py", "--format", "fp8_w8a8", "--one-dot"])
+    with pytest.raises(SystemExit, match="W8A8 kernels have no"):
+        tuner.main()
+    assert fused_moe_fp8.fp8_config_name(tuner.FP8_BLOCK, tuner.FP8_BLOCK) == tuner.FP8_FORMAT
+    for block_m in (16, 32, 64, 128):
+        gate_ups, downs = tuner.fp8_candidates(block_m)
+        cands = [t for gu in gate_ups for t in downs(gu)]
+        assert len(gate_ups) == 3 and len(cands) == 12 and len(set(cands)) == 12
+        for tiles in cands:
+            cfg = tiles.to_config(128)
+            assert cfg.gate_up.block_n == cfg.gate_up.block_k == cfg.down.block_k == 128
+            assert fused_moe_fp8.MoETiles.from_config(fused_moe_config.FusedMoEConfig.from_dict(cfg.to_dict())) == tiles
+    E, F, D, K = 16, 256, 512, 4
+    small = fused_moe_fp8.MoETiles(16, 64, 1, 4, 4, 8, 3)
+    large = fused_moe_fp8.MoETiles(64, 128, 8, 8, 3, 4, 4)
+    name = fused_moe_config.config_file_name(E, F, D, "fp8_w8a8", fused_moe_config.device_name())
+    (tmp_path / name).write_text(json.dumps({"1": small.to_config(128).to_dict(),
+                                             "512": large.to_config(128).to_dict()}))
+    monkeypatch.setattr(fused_moe_config, "CONFIG_DIR", str(tmp_path))
+    fused_moe_config.load_configs.cache_clear()
+    try:
+        assert fused_moe_fp8.fp8_tiles(1, E, F, D, K, 128, 128) == small
+        assert fused_moe_fp8.fp8_tiles(200, E, F, D, K, 128, 128) == small  # nearer to 1 than to 512
+        assert fused_moe_fp8.fp8_tiles(300, E, F, D, K, 128, 128) == large
+        assert fused_moe_fp8.fp8_tiles(300, E, F, D, K, 64, 64) == fused_moe_fp8.moe_tiles(300 * K, E)  # no file
+        assert fused_moe_fp8.fp8_tiles(300, E, F, 2 * D, K, 128, 128) == fused_moe_fp8.moe_tiles(300 * K, E)
+        bad = dict(small.to_config(128).to_dict(), down=dict(small.to_config(128).to_dict()["down"], block_k=64))
+        (tmp_path / name).write_text(json.dumps({"1": bad}))
+        fused_moe_config.load_configs.cache_clear()
+        with pytest.raises(ValueError, match="block_k=128"):
+            fused_moe_fp8.fp8_tiles(1, E, F, D, K, 128, 128)
+    finally:
+        fused_moe_config.load_configs.cache_clear()

@@ -278,7 +278,7 @@ class ModelRunner:
                              f"compute capability 8.9+ (Ada, Hopper), this one is "
                              f"{torch.cuda.get_device_capability(self.device)}: use cache.kv_cache_dtype=auto")
         self.model.set_kv_cache_dtype(torch.float8_e4m3fn)
-        logger.info("KV cache in fp8 (e4m3, per-head scales 1.0): %d bytes a token against %d in %s, twice the tokens "
+        logger.info("KV cache in fp8 (e4m3, scales 1.0): %d bytes a token against %d in %s, twice the tokens "
                     "in the same memory", self.model.kv_cache_bytes_per_block(self.block_size) // self.block_size,
                     self.model.kv_cache_bytes_per_block(self.block_size) // self.block_size
                     * self.dtype.itemsize, self.dtype)

@@ -88,14 +88,17 @@ def fused_experts_any(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weight
     from moe_infer.kernels.fused_moe_fp8 import fused_moe_fp8
 
     E = w13_E2FD.shape[0]
-    local_TK = topk_ids_TK.to(torch.int64) - expert_start
-    local_TK = torch.where((local_TK >= 0) & (local_TK < E), local_TK, -1).to(topk_ids_TK.dtype)
+    local_TK = topk_ids_TK  # the kernels skip ids outside [0, E): only a shifted range needs its ids moved (3 launches)
+    if expert_start:
+        local_TK = topk_ids_TK.to(torch.int64) - expert_start
+        local_TK = torch.where((local_TK >= 0) & (local_TK < E), local_TK, -1).to(topk_ids_TK.dtype)
     return fused_moe_fp8(x_TD, local_TK, topk_weights_TK, w13_E2FD, q13.scale_inv, w2_EDF, q2.scale_inv,
                          q13.block_n, q13.block_k)
 
 
 def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
-    """`launch_variant`; fp8 experts: their token count's power of two (what their kernels' tiles follow); 4-bit
+    """`launch_variant`; fp8 experts: their token count's power of two (what the dense fp8 GEMMs' tiles follow) and
+    their tiles (tuned or `moe_tiles`; the matrix-vector kernels at one token); 4-bit
     experts: their config, schedule backend and the specialised row counts."""
     q = getattr(w13_E2FD, "quant", None)
     if q is None:
@@ -112,7 +115,12 @@ def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
         backend = auto_schedule_backend(N, E, True) if cfg.schedule == "auto" else cfg.schedule
         n_pad = max(16, triton.next_power_of_2(N)) if backend == "inline" else 16
         return (name, cfg, backend, n_pad, tuple((n == 1, n % 16 == 0) for n in (N, tiles_m)))
-    return ("fp8", max(num_tokens * top_k - 1, 0).bit_length())
+    from moe_infer.kernels.fp8_expert_gemv import MAX_TOKENS
+    from moe_infer.kernels.fused_moe_fp8 import fp8_tiles
+
+    E, F2, D = w13_E2FD.shape
+    tiles = "gemv" if num_tokens <= MAX_TOKENS else fp8_tiles(num_tokens, E, F2 // 2, D, top_k, q.block_n, q.block_k)
+    return ("fp8", max(num_tokens * top_k - 1, 0).bit_length(), tiles)
 
 
 experts_triton.fused_experts = fused_experts_any

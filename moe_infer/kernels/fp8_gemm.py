@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import triton
 
-from moe_infer.kernels.fp8_kernels import per_token_group_quant_kernel, w8a8_block_gemm_kernel
+from moe_infer.kernels.fp8_kernels import per_token_group_quant_kernel, split_sum_kernel, w8a8_block_gemm_kernel
 from moe_infer.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, SCALE_EPS, check_block_scale
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -80,6 +80,7 @@ class GemmTiles:
     split_k: int = 1
 
 
+QUANT_IN_GEMM_MAX_T = 16  # up to this many tokens the GEMM quantizes x in its prologue (no quantization launch)
 SPLIT_K_WAVES = 2  # few tokens: split K until the programs fill the SMs this many times over
 MIN_K_BLOCKS_A_SPLIT = 4  # ... keeping at least this many K blocks a program
 
@@ -114,8 +115,10 @@ def _num_sms(t: torch.Tensor) -> int:
 
 def w8a8_block_gemm(x_TK: torch.Tensor, w_NK_fp8: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
                     block_k: int, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y_TN = x_TK @ dequant(w_NK_fp8)^T, W8A8: x quantized per token group of block_k (this module), then
-    one GEMM with an fp8 dot per K block, the block scales applied to each block's float32 partial sum.
+    """y_TN = x_TK @ dequant(w_NK_fp8)^T, W8A8: x quantized per token group of block_k (up to
+    QUANT_IN_GEMM_MAX_T tokens in the GEMM's prologue, else by per_token_group_quant_fp8), then one GEMM with an fp8
+    dot per K block, the block scales applied to each block's float32 partial sum. Launches: one, or two where K is
+    split (the partial sums' kernel); three from 17 tokens on, where the quantization has its own.
     out_dtype: x's dtype by default. K must be a multiple of block_k; N need not be of block_n."""
     _check(x_TK.dim() == 2 and w_NK_fp8.dim() == 2, f"x {tuple(x_TK.shape)} and w {tuple(w_NK_fp8.shape)} must be 2-D")
     (T, K), N = x_TK.shape, w_NK_fp8.shape[0]
@@ -126,19 +129,30 @@ def w8a8_block_gemm(x_TK: torch.Tensor, w_NK_fp8: torch.Tensor, scale_inv: torch
     _check(x_TK.device == w_NK_fp8.device, f"x on {x_TK.device}, w on {w_NK_fp8.device}")
     out_dtype = out_dtype or x_TK.dtype
     _check(out_dtype in ACT_DTYPES, f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
-    x_fp8, x_scale_TG = per_token_group_quant_fp8(x_TK, block_k)  # checks K % block_k, dtype, device
+    _check(x_TK.dtype in ACT_DTYPES, f"x must be one of {ACT_DTYPES}, got {x_TK.dtype}")
+    _check(K % block_k == 0, f"K={K} must be a multiple of the group size {block_k}")
+    _check(x_TK.stride(1) == 1 or K <= 1, f"x needs a unit stride along K, got strides {x_TK.stride()}")
+    check_device(x_TK)
     if T == 0 or N == 0:
         return torch.empty(T, N, dtype=out_dtype, device=x_TK.device)
+    quant_a = T <= QUANT_IN_GEMM_MAX_T  # x quantized in the GEMM's prologue, else by its own launch
+    x_in, xs_in = (x_TK, x_TK) if quant_a else per_token_group_quant_fp8(x_TK, block_k)
     tiles = gemm_tiles(T, N, K, block_k, _num_sms(x_TK))
     split = tiles.split_k
-    # split: float32 partial tiles [split, T, N], summed below in split order (deterministic)
+    # split: float32 partial tiles [split, T, N], summed after in split order (deterministic)
     y_STN = torch.empty(split, T, N, dtype=out_dtype if split == 1 else torch.float32, device=x_TK.device)
     grid = (triton.cdiv(T, tiles.block_m) * triton.cdiv(N, tiles.block_n), split)
     w8a8_block_gemm_kernel[grid](
-        x_fp8, x_scale_TG, w_NK_fp8, scale_inv, y_STN, T, N, K,
-        x_fp8.stride(0), x_scale_TG.stride(0), w_NK_fp8.stride(0), scale_inv.stride(0), y_STN.stride(1),
+        x_in, xs_in, w_NK_fp8, scale_inv, y_STN, T, N, K,
+        x_in.stride(0), 0 if quant_a else xs_in.stride(0), w_NK_fp8.stride(0), scale_inv.stride(0), y_STN.stride(1),
         SCALE_BLOCK_N=block_n, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        GROUP_M=tiles.group_m, DOT_UPCAST=dot_upcast(x_TK, block_k), SPLIT_K=split,
+        GROUP_M=tiles.group_m, DOT_UPCAST=dot_upcast(x_TK, block_k), SPLIT_K=split, QUANT_A=quant_a,
+        FP8_MAX=FP8_MAX, SCALE_EPS=SCALE_EPS, EXACT_RNE=is_interpreter(),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return y_STN[0] if split == 1 else y_STN.sum(0).to(out_dtype)
+    if split == 1:
+        return y_STN[0]
+    y_TN = torch.empty(T, N, dtype=out_dtype, device=x_TK.device)
+    block = 1024
+    split_sum_kernel[(triton.cdiv(T * N, block),)](y_STN, y_TN, T * N, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return y_TN

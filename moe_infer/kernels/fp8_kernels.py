@@ -14,7 +14,10 @@ cores (sm_89+). DOT_UPCAST 0: fp8 operands; 1: bfloat16 (exact
 for e4m3 values; a GPU whose fp8 dot needs a K tile over BLOCK_K); 2: float32 (the interpreter, whose
 fp8/bf16 dot is wrong). SPLIT_K > 1 (few tokens: more programs than output tiles to stream the weight): each split
 writes its float32 partial tile to y[split] of a [SPLIT_K, T, N] buffer, which the wrapper sums in a fixed order
-(no atomics: the result does not depend on the order programs finish).
+(no atomics: the result does not depend on the order programs finish); split_sum_kernel sums them in one launch.
+QUANT_A (few tokens): x is read in its own dtype and quantized per row and K block in the prologue, bit for bit as
+per_token_group_quant_kernel (each column tile's programs quantize the same rows again: at <= 16 rows that is
+L2 reads of x, cheaper than a launch of its own).
 
 Legend: T tokens, K reduction dim, N output columns, G groups (K / GROUP), k = K / BLOCK_K blocks.
 """
@@ -91,7 +94,8 @@ def w8a8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, K,
                            stride_xt, stride_xst, stride_wn, stride_wsn, stride_yt,
                            SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                           SPLIT_K: tl.constexpr):
+                           SPLIT_K: tl.constexpr, QUANT_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+                           SCALE_EPS: tl.constexpr = 1e-10, EXACT_RNE: tl.constexpr = False):
     """y_TN = sum_kb dot(x_fp8[:, kb], w_fp8[:, kb]^T) * xs_Tk[:, kb] * ws_nk[n // SCALE_BLOCK_N, kb]; the K blocks
     of split program_id(1) of SPLIT_K, written at y_ptr + split * T * stride_yt.
 
@@ -112,9 +116,14 @@ def w8a8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, K,
     ws_ptrs = ws_ptr + (offs_n // SCALE_BLOCK_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(kb_start, kb_end):
-        a = tl.load(x_ptrs, mask=is_m[:, None], other=0.0)
+        if QUANT_A:  # x in its own dtype: this block's group scale and fp8 values, as the quantization kernel's
+            x = tl.load(x_ptrs, mask=is_m[:, None], other=0.0).to(tl.float32)
+            a_s = group_scale(tl.max(tl.abs(x), axis=1), FP8_MAX, SCALE_EPS)
+            a = quant_e4m3(x, a_s[:, None], FP8_MAX, EXACT_RNE)
+        else:
+            a = tl.load(x_ptrs, mask=is_m[:, None], other=0.0)
+            a_s = tl.load(xs_ptrs + kb, mask=is_m, other=0.0)
         b = tl.load(w_ptrs, mask=is_n[None, :], other=0.0)
-        a_s = tl.load(xs_ptrs + kb, mask=is_m, other=0.0)
         b_s = tl.load(ws_ptrs + kb, mask=is_n, other=0.0)
         a, b = dot_operands(a, b, DOT_UPCAST)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -122,3 +131,14 @@ def w8a8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, T, N, K,
         w_ptrs += BLOCK_K
     y_ptrs = y_ptr + (split * T + offs_m.to(tl.int64))[:, None] * stride_yt + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=is_m[:, None] & is_n[None, :])
+
+
+@triton.jit
+def split_sum_kernel(y_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over s in order of y[s * numel + i] (float32 partials of a split GEMM), cast to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(y_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -67,10 +67,11 @@ def decode_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.de
 def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora_rank: int,
                          block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, query_start_loc_B1: torch.Tensor,
                          scale: float, max_query_len: int, max_seq_len: int, splits: int | None = None,
-                         config: TileConfig | None = None) -> torch.Tensor:
+                         config: TileConfig | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed queries [T, H, C] over the latent cache [Nb, S, 1, C] -> [T, H, c] (c = kv_lora_rank) in q's dtype.
     A sequence's step tokens are its last positions (seq_lens_B - q_len ...). splits, config: force a split count,
-    a tile configuration (tests, benchmarks)."""
+    a tile configuration (tests, benchmarks). An fp8 (e4m3) cache holds rows / kv_scale (float32 [1], on q's
+    device): read in q's dtype, kv_scale folded into the scores and the output."""
     T, H, C = q_THC.shape
     Nb, S, one, C_cache = cache_NbS1C.shape
     B = seq_lens_B.shape[0]
@@ -78,7 +79,13 @@ def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora
     _check(one == 1 and C_cache == C and 0 < c < C, f"q {tuple(q_THC.shape)} does not fit the latent cache "
            f"{tuple(cache_NbS1C.shape)} with kv_lora_rank {c}")
     _check(q_THC.stride(2) == 1 and cache_NbS1C.stride(3) == 1, "q and the cache need a unit last stride")
-    _check(q_THC.dtype == cache_NbS1C.dtype, f"q is {q_THC.dtype}, the cache {cache_NbS1C.dtype}")
+    kv_fp8 = cache_NbS1C.dtype == torch.float8_e4m3fn
+    _check(q_THC.dtype == cache_NbS1C.dtype or kv_fp8, f"q is {q_THC.dtype}, the cache {cache_NbS1C.dtype}")
+    if kv_fp8:
+        _check(kv_scale is not None and kv_scale.dtype == torch.float32 and tuple(kv_scale.shape) == (1,)
+               and kv_scale.device == q_THC.device,
+               f"an fp8 latent cache needs kv_scale float32 [1] on {q_THC.device}, got "
+               f"{None if kv_scale is None else (kv_scale.dtype, tuple(kv_scale.shape), kv_scale.device)}")
     bt = block_tables_BM
     _check(bt.dim() == 2 and bt.shape[0] == B and bt.stride(1) == 1 and query_start_loc_B1.shape == (B + 1,),
            "block_tables must be [B, M] (unit last stride) and query_start_loc [B + 1]")
@@ -103,7 +110,8 @@ def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora
     v_parts = triton.cdiv(c, block_v)
     mla_attention_kernel[(B, num_q_tiles * n_split, triton.cdiv(H, cfg.block_h) * v_parts)](
         q_THC, cache_NbS1C, out_THc, part_STHc, m_STH, l_STH, bt, seq_lens_B, query_start_loc_B1,
-        float(scale), q_THC.stride(0), q_THC.stride(1), out_THc.stride(0), out_THc.stride(1),
+        float(scale), kv_scale if kv_fp8 else seq_lens_B, q_THC.stride(0), q_THC.stride(1), out_THc.stride(0),
+        out_THc.stride(1),
         cache_NbS1C.stride(0), cache_NbS1C.stride(1), bt.stride(0),
         part_STHc.stride(0) if n_split > 1 else 0, part_STHc.stride(1) if n_split > 1 else 0,
         part_STHc.stride(2) if n_split > 1 else 0, m_STH.stride(0) if n_split > 1 else 0,
@@ -111,7 +119,7 @@ def mla_attention_triton(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora
         H=H, C_LAT=c, C_ROPE=C - c, LAT_P=lat_p, ROPE_P=rope_p, PAGE=S, BLOCK_Q=block_q, BLOCK_H=cfg.block_h,
         BLOCK_N=cfg.block_n, BLOCK_V=block_v, V_PARTS=v_parts, NUM_SPLITS=n_split, DOT_FP32=not q_THC.is_cuda,
         DOT_PRECISION="ieee" if q_THC.dtype == torch.float32 or not q_THC.is_cuda else "tf32",
-        num_warps=cfg.warps, **use_pdl(q_THC, PDL_ENV),
+        KV_FP8=kv_fp8, num_warps=cfg.warps, **use_pdl(q_THC, PDL_ENV),
     )
     if n_split > 1:
         merge_splits(part_STHc, m_STH, l_STH, out_THc, lat_p)

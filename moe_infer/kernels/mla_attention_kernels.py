@@ -12,6 +12,8 @@ product (two dots: the row is not a power of two wide); the value accumulator is
 by position as the paged MHA kernel (`paged_attention_kernels`): the step's q_len tokens of a sequence are its last
 q_len positions. Online softmax in exp2 units. Split-KV for decodes of few programs: split s takes keys
 [s * SPLIT_N, (s + 1) * SPLIT_N) into a float32 workspace, merged by `paged_attention_reduce_kernel`.
+KV_FP8: an e4m3 cache holding row / kv_scale (one float32 scale, the latent "head"'s): its values are read in q's
+dtype (exact), the scale folded into the score scale (keys) and the accumulator (values) as the paged MHA kernel does.
 
 Legend: T query tokens, B sequences, H heads, C_LAT latent width (kv_lora_rank), C_ROPE rotary width, Nb blocks,
 S block size (PAGE).
@@ -25,14 +27,14 @@ from moe_infer.kernels.pdl import pdl_enter
 @triton.jit(do_not_specialize=["stride_bt", "stride_ps", "stride_ms"])
 def mla_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_ptr, m_part_ptr, l_part_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr, scale,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, scale, kv_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt,
     SPLIT_N,
     H: tl.constexpr, C_LAT: tl.constexpr, C_ROPE: tl.constexpr, LAT_P: tl.constexpr, ROPE_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, V_PARTS: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     q_tile = tl.program_id(1) // NUM_SPLITS
@@ -70,6 +72,9 @@ def mla_attention_kernel(
     if NUM_SPLITS > 1:
         kv_start = split * SPLIT_N
         kv_end = tl.minimum(kv_end, (split + 1) * SPLIT_N)
+    if KV_FP8:
+        kv_scale = tl.load(kv_scale_ptr)
+        scale = scale * kv_scale
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
@@ -84,6 +89,9 @@ def mla_attention_kernel(
         if DOT_FP32:
             k_lat = k_lat.to(tl.float32)
             k_rot = k_rot.to(tl.float32)
+        else:  # an fp8 cache: its values in q's dtype (exact); a no-op for a 16-bit cache
+            k_lat = k_lat.to(q_lat.dtype)
+            k_rot = k_rot.to(q_rot.dtype)
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
         s += tl.dot(q_rot, tl.trans(k_rot), input_precision=DOT_PRECISION)
         s = s * qk_scale
@@ -98,14 +106,15 @@ def mla_attention_kernel(
             v = k_lat
         else:  # this program's columns of the value (the rows' latent part), from L1 / L2 after the key load
             v = tl.load(row_base + offs_v[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
-            if DOT_FP32:
-                v = v.to(tl.float32)
+            v = v.to(tl.float32) if DOT_FP32 else v.to(q_lat.dtype)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * kv_scale
     t = q_start + tok
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -43,7 +43,7 @@ from moe_infer.layers.forward_context import AttentionMetadata, get_forward_cont
 from moe_infer.layers.last_rows import LastRows
 from moe_infer.layers.linear import linear
 from moe_infer.layers.norm import RMSNorm
-from moe_infer.layers.paged_attention import paged_attention_ref, store_rows
+from moe_infer.layers.paged_attention import KV_FP8, paged_attention_ref, quantize_kv, store_rows
 from moe_infer.quant import dequantized, make_linear
 from moe_infer.layers.rotary import RotaryEmbedding
 from moe_infer.layers.tensor_parallel import SINGLE, RowParallelLinear, ShardGroup
@@ -61,18 +61,20 @@ LORA_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm keep the RMSNo
 UP_PROJECT_SHARE = 8
 
 # An MLA backend attends H absorbed queries [T, H, C] over the latent cache [Nb, S, 1, C] (values: its first c
-# entries) -> [T, H, c]: (q_THC, cache_NbS1C, kv_lora_rank, attn, positions_T, scale).
+# entries) -> [T, H, c]: (q_THC, cache_NbS1C, kv_lora_rank, attn, positions_T, scale), and kv_scale=[1] float32 for
+# an fp8 (e4m3) cache, which holds rows / kv_scale (its `prompt`, where it has one, takes kv_scale too).
 MLAAttendFn = Callable[[torch.Tensor, torch.Tensor, int, AttentionMetadata, torch.Tensor, float], torch.Tensor]
 MLA_BACKENDS: Registry[MLAAttendFn] = Registry("MLA attention backend")
 
 
 @MLA_BACKENDS.register("torch")
 def mla_attend_torch(q_THC: torch.Tensor, cache_NbS1C: torch.Tensor, kv_lora_rank: int, attn: AttentionMetadata,
-                     positions_T: torch.Tensor, scale: float) -> torch.Tensor:
-    """The reference: the paged gather attention (float32) with keys = the rows, values = their latent part."""
+                     positions_T: torch.Tensor, scale: float, kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The reference: the paged gather attention (float32) with keys = the rows, values = their latent part (an fp8
+    cache's rows dequantized, times kv_scale)."""
     return paged_attention_ref(q_THC, cache_NbS1C, cache_NbS1C[..., :kv_lora_rank], attn.block_tables_BM,
                                attn.seq_lens_B, attn.query_start_loc_B1, positions_T, scale, attn.max_query_len,
-                               attn.max_seq_len)
+                               attn.max_seq_len, k_scale=kv_scale, v_scale=kv_scale)
 
 
 mla_attend_torch.compute_dtype = torch.float32  # the absorbed products around it (None: the model dtype)
@@ -125,6 +127,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = make_linear(c, H * (mla.qk_nope_head_dim + mla.v_head_dim), False, dtype, quant)
         self.o_proj = RowParallelLinear(H * mla.v_head_dim, D, arch.o_bias, dtype, tp, quant)
         self.kv_cache: Optional[Tuple[torch.Tensor]] = None
+        # an fp8 latent cache holds row / kv_scale, one scale for the layer's one latent "head" (1.0, as the per-head
+        # K/V scales of `Attention`: vLLM's default)
+        self.register_buffer("kv_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self._absorbed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     supports_last_rows = True  # `forward` takes rows (moe_infer/layers/last_rows.py)
@@ -191,18 +196,25 @@ class MLAttention(nn.Module):
             q_rot_THr, k_rot_T1r = deinterleave(q_rot_THr), deinterleave(k_rot_T1r)
         q_rot_THr, k_rot_T1r = self.rotary(positions_T, q_rot_THr, k_rot_T1r)
         (cache_NbS1C,) = self.kv_cache
-        store_rows(torch.cat((c_Tc[:, None], k_rot_T1r), dim=-1), cache_NbS1C, attn.slot_mapping_T)
+        row_T1C = torch.cat((c_Tc[:, None], k_rot_T1r), dim=-1)
+        fp8 = {}
+        if cache_NbS1C.dtype == KV_FP8:  # e4m3 of row / kv_scale, written as bytes (as store_kv does)
+            fp8 = dict(kv_scale=self.kv_scale)
+            store_rows(quantize_kv(row_T1C, self.kv_scale).view(torch.uint8), cache_NbS1C.view(torch.uint8),
+                       attn.slot_mapping_T)
+        else:
+            store_rows(row_T1C, cache_NbS1C, attn.slot_mapping_T)
         w_uk_Hnc, w_uv_Hvc = self.absorbed()
         cd = self.compute_dtype
         if rows is None and self._takes_up_projection(attn, T, cache_NbS1C.shape[1]):
             o_THv = self._attend.prompt(q_nope_THn.to(cd), q_rot_THr.to(cd), cache_NbS1C, w_uk_Hnc, w_uv_Hvc, attn,
-                                        mla.softmax_scale)
+                                        mla.softmax_scale, **fp8)
             return self.o_proj(o_THv.reshape(T, H * mla.v_head_dim).to(x_TD.dtype))
         q_lat_HTc = torch.bmm(q_nope_THn.transpose(0, 1).to(cd), w_uk_Hnc)
         q_THC = torch.cat((q_lat_HTc.transpose(0, 1), q_rot_THr.to(cd)), dim=-1)
         if rows is not None:  # the rows attended: one query a sequence, its own metadata
             q_THC, attn, T = q_THC.index_select(0, rows.keep_B), rows.attn, rows.keep_B.shape[0]
             positions_T = attn.positions_T
-        o_lat_THc = self._attend(q_THC, cache_NbS1C, c, attn, positions_T, mla.softmax_scale)
+        o_lat_THc = self._attend(q_THC, cache_NbS1C, c, attn, positions_T, mla.softmax_scale, **fp8)
         o_HTv = torch.bmm(o_lat_THc.transpose(0, 1).to(cd), w_uv_Hvc.transpose(1, 2))
         return self.o_proj(o_HTv.transpose(0, 1).reshape(T, H * mla.v_head_dim).to(x_TD.dtype))

@@ -199,12 +199,9 @@ class MoEModel(nn.Module):
         return [self.layers[i].self_attn.cache_shapes(num_blocks, block_size) for i in self.local_layers]
 
     def set_kv_cache_dtype(self, kv_dtype: torch.dtype) -> None:
-        """The dtype of the KV caches: the model's, or float8_e4m3fn (per-head K/V only: MLA's latent cache refuses)."""
+        """The dtype of the KV caches: the model's, or float8_e4m3fn (per-head K/V, or MLA's latent rows)."""
         if kv_dtype not in (self.dtype, torch.float8_e4m3fn):
             raise ValueError(f"KV cache dtype {kv_dtype}: the model's {self.dtype} or torch.float8_e4m3fn")
-        if kv_dtype != self.dtype and self.arch.mla is not None:
-            raise NotImplementedError("an fp8 KV cache for MLA's latent cache (DeepSeek-V2/V3) is not supported yet: "
-                                      "use cache.kv_cache_dtype=auto")
         self.kv_cache_dtype = kv_dtype
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device,
