@@ -51,6 +51,15 @@ def test_costs_are_kept_per_batch_bucket_and_skip_the_first_sample():
     assert one.count(2, 1) == 1 and (2, 1) not in one.seconds and SKIP_FIRST == 1
 
 
+def test_a_capture_outlier_is_left_out_a_lasting_change_is_not():
+    costs = _costs(1, [1.0], samples=5)
+    costs.add(1, 0, 50.0)  # a step that captured a graph for a new context bucket
+    assert costs.seconds[(1, 0)] == pytest.approx(1.0)
+    for _ in range(3):  # the step really got slower
+        costs.add(1, 0, 5.0)
+    assert costs.seconds[(1, 0)] > 4.0
+
+
 def test_unmeasured_k_is_estimated_from_a_measured_one():
     costs = StepCosts()
     for _ in range(4):

@@ -3,7 +3,8 @@
 The engine times every step whose sequences all decode (host time from the proposals to the postprocessed tokens:
 proposing, scheduling, the forward and the sampling, with the host syncs the step really has), and files it under
 the step's batch bucket (a power of two) and its k. Per (bucket, k) it keeps an exponential average of the seconds;
-the first step of each pair is left out (it may have captured a CUDA graph or compiled a kernel).
+the first step of each pair is left out (it may have captured a CUDA graph or compiled a kernel), and so is a step
+over OUTLIER times its pair's average (a graph captured for a new context bucket) unless MAX_OUTLIERS come in a row.
 
 With a the measured per-token acceptance rate, a step at k emits E(k) = 1 + a + ... + a^k tokens a sequence
 (E(0) = 1), and k is chosen to maximise E(k) / t(bucket, k). A pair not measured yet is estimated from the pair of
@@ -13,7 +14,7 @@ by reading the weights, more as the batch grows; a proposal costs `proposal_cost
     prior(k) = 1 + k * B / saturation + k * c
 
 so an unmeasured k is tried when the prior says it pays, and dropped once its measured time says it does not. Every
-PROBE_EVERY-th step (every PROBE_SETTLED-th once each k of the bucket has MIN_SAMPLES samples) measures the k of the
+PROBE_EVERY-th step (8; every PROBE_SETTLED-th once each k of the bucket has MIN_SAMPLES samples) measures the k of the
 bucket with the fewest samples instead, so that the acceptance rate and the costs stay current (a plain step where
 speculation pays, a verify step where it does not: at 128 steps apart, a probe twice as slow as the step it
 replaces costs under 1%).
@@ -25,10 +26,12 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 EMA = 0.2  # the weight of a new step time in its pair's average
-PROBE_EVERY = 16  # steps: measure the least-measured k of the bucket this often while one has < MIN_SAMPLES
+PROBE_EVERY = 8  # steps: measure the least-measured k of the bucket this often while one has < MIN_SAMPLES
 PROBE_SETTLED = 128  # steps: the same once every k of the bucket has them (a probe is a slower step)
 MIN_SAMPLES = 3
 SKIP_FIRST = 1  # samples of a pair left out (graph capture, kernel compiles)
+OUTLIER = 3.0  # a sample this many times its pair's average is left out (a graph captured for a new context
+MAX_OUTLIERS = 3  # bucket), unless this many come in a row (the step really got slower)
 
 
 def batch_bucket(batch: int) -> int:
@@ -41,6 +44,7 @@ class StepCosts:
     def __init__(self) -> None:
         self.seconds: Dict[Tuple[int, int], float] = {}
         self.counts: Dict[Tuple[int, int], int] = {}
+        self._outliers: Dict[Tuple[int, int], int] = {}  # outliers in a row, per pair
 
     def add(self, batch: int, k: int, seconds: float) -> None:
         key = (batch_bucket(batch), k)
@@ -48,6 +52,12 @@ class StepCosts:
         if n <= SKIP_FIRST:
             return
         old = self.seconds.get(key)
+        if old is not None and seconds > OUTLIER * old:
+            n_out = self._outliers[key] = self._outliers.get(key, 0) + 1
+            if n_out < MAX_OUTLIERS:
+                return
+            old = None  # a new level: start over from it
+        self._outliers[key] = 0
         self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def count(self, batch: int, k: int) -> int:
