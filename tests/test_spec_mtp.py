@@ -91,3 +91,21 @@ def test_mtp_greedy_equals_plain_and_proposals_are_the_layers(mtp_checkpoint, k)
     with torch.no_grad():
         for tokens, proposed in seen:
             assert proposed == _expected_proposals(target, block, extra, tokens, len(proposed)), tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_mtp_on_the_gpu(mtp_checkpoint):
+    """On the GPU (float32): the same greedy tokens as the plain engine, verify steps replayed as graphs (which leave
+    the LM head out: the MTP layer reads their hidden states), no KV block leaked."""
+    path, _, _ = mtp_checkpoint
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kw = dict(model=path, dtype="float32", device="cuda", block_size=4, num_kv_blocks=128)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, _params(), use_tqdm=False)]
+    llm = LLM(**kw, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and not graphs.with_logits and graphs.max_query_len == 3
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _params(), use_tqdm=False)] == want
+    assert graphs.disabled is None and graphs.verify_runs > 0, (graphs.disabled, graphs.verify_runs)
+    stats = llm.engine.get_stats()
+    assert stats.num_spec_proposed_tokens > 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
