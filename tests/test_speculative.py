@@ -355,3 +355,29 @@ def test_verify_steps_through_the_decode_graph_buffers_cpu():
     # a step of uneven queries, or one whose rows do not all sample, is not a verify step of the graphs
     assert not runner.graphs.can_run((10, 3, 10, 2, 4, 12)) and not runner.graphs.can_run((12, 3, 3, 2, 4, 12))
     assert not runner.graphs.can_run((10, 2, 10, 2, 5, 12))  # 5 tokens a sequence: over max_query_len
+
+
+@pytest.mark.timeout(900)  # the interpreter runs every attention call
+def test_verify_steps_through_the_decode_graph_buffers_triton_interpreter():
+    """The same through the paged Triton kernel (its grid from the bucket: q queries a sequence, padding sequences
+    of q rows over block 0), as the GPU's verify graphs launch it: transformers' greedy tokens."""
+    pytest.importorskip("moe_infer.layers.attention_triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU test captures the real graphs")
+    from moe_infer.engine.cuda_graph import DecodeGraphs
+    from moe_infer.engine.speculative.graphs import verify_graph_shape
+
+    path = checkpoint("qwen3_moe")
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=64, attention_backend="triton",
+              speculative_config={**NGRAM, "adaptive": False})
+    runner = llm.engine.runner
+    assert verify_graph_shape(llm.engine.cfg, runner.model, 4) == (4, 4)  # a static-launch backend: verify graphs
+    runner.graphs = DecodeGraphs(runner.model, 4, -(-runner.max_model_len // BLOCK), BLOCK, runner.device,
+                                 capture=False, lm_head=runner.model.lm_head, max_query_len=4, max_verify_batch=4)
+    prompts = PROMPTS[:2]
+    n = 10
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    assert runner.graphs.verify_runs > 0
+    assert [o.outputs[0].token_ids for o in outs] == [t[:n] for t in _hf_reference(path)[:2]]
