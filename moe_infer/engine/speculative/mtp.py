@@ -102,20 +102,23 @@ class MTPProposer:
         for it in items:
             total += len(it.token_ids)
             ends.append(total - 1)
-        tokens = argmax_R[ends].tolist()
-        for it, end, t in zip(items, ends, tokens):
-            self._last[it.seq_id] = (it.start_pos + len(it.token_ids) - 1, y_RD[end], t)
+        for it, end in zip(items, ends):  # the proposal stays on the device: read with the others (`propose`)
+            self._last[it.seq_id] = (it.start_pos + len(it.token_ids) - 1, y_RD[end], argmax_R[end])
 
     def _item(self, seq: Sequence, token_ids, start: int) -> ScheduledSeq:
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=list(token_ids), start_pos=start,
                             block_table=list(seq.block_table), do_sample=False, params=None,
                             num_prompt_tokens=seq.num_prompt_tokens)
 
-    def _predict(self, items: List[ScheduledSeq], hidden_RD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The layer over the items' rows (their KV written) -> (its hidden states [R, D], argmax tokens [R])."""
+    def _predict(self, items: List[ScheduledSeq], hidden_RD: torch.Tensor,
+                 ids_R: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The layer over the items' rows (their KV written) -> (its hidden states [R, D], argmax tokens [R]).
+        ids_R: the rows' input tokens on the device (then the items' own token ids are placeholders)."""
         flat, sizes = flat_inputs(SchedulerOutput(seqs=items), self.block_size)
         inputs = decode_inputs(torch.from_numpy(flat).to(hidden_RD.device, non_blocking=True), sizes,
                                self.block_size)
+        if ids_R is not None:
+            inputs.input_ids_T.copy_(ids_R)
         with forward_context(inputs.meta):
             y_RD = self.layer.predict(inputs.input_ids_T, inputs.meta.positions_T, hidden_RD)
         return y_RD, self.layer.compute_logits(y_RD).argmax(-1)
@@ -123,6 +126,8 @@ class MTPProposer:
     # ------------------------------------------------------------------ before the schedule
     @torch.inference_mode()
     def propose(self, seqs: List[Sequence], num_tokens: List[int]) -> None:
+        """Each sequence's k proposals: the observed first one, then the chained ones, kept on the device and read
+        in one host copy at the end (one sync a step, whatever k)."""
         bm = self.block_manager
         live: List[Tuple[Sequence, int]] = []
         for seq, k in zip(seqs, num_tokens):
@@ -130,18 +135,26 @@ class MTPProposer:
             last = self._last.get(seq.seq_id)
             if last is None or last[0] != len(seq) - 2:  # its last step not observed
                 continue
-            seq.spec_token_ids = [last[2]]
             L = len(seq)
             while k > 1 and not bm.can_append(seq, L + k - 1):  # the chained rows' KV: positions up to L + k - 3
                 k -= 1
             if k > 1:
                 bm.append(seq, L + k - 1)
-                live.append((seq, k))
+            live.append((seq, k))
+        if not live:
+            return
+        tokens = {seq.seq_id: [self._last[seq.seq_id][2]] for seq, _ in live}  # device scalars
         prev = {seq.seq_id: self._last[seq.seq_id][1] for seq, _ in live}  # the hidden state a chained row reads
-        for j in range(1, max((k for _, k in live), default=1)):
+        for j in range(1, max(k for _, k in live)):
             go = [seq for seq, k in live if k > j]
-            items = [self._item(seq, seq.spec_token_ids[-1:], len(seq) - 2 + j) for seq in go]
-            y_RD, argmax_R = self._predict(items, torch.stack([prev[seq.seq_id] for seq in go]))
-            for i, (seq, t) in enumerate(zip(go, argmax_R.tolist())):
-                seq.spec_token_ids.append(t)
+            items = [self._item(seq, [0], len(seq) - 2 + j) for seq in go]  # token: ids_R
+            y_RD, argmax_R = self._predict(items, torch.stack([prev[seq.seq_id] for seq in go]),
+                                           torch.stack([tokens[seq.seq_id][-1] for seq in go]))
+            for i, seq in enumerate(go):
+                tokens[seq.seq_id].append(argmax_R[i])
                 prev[seq.seq_id] = y_RD[i]
+        flat = torch.cat([torch.stack(tokens[seq.seq_id]) for seq, _ in live]).tolist()  # the step's one sync
+        at = 0
+        for seq, k in live:
+            seq.spec_token_ids = flat[at:at + k]
+            at += k
