@@ -10,7 +10,9 @@ Workloads (each prompt asks for text that is largely in it, or continues a repea
           loops, which prompt lookup then predicts.
 Decode tok/s = B x (new - 1) / (time of `generate` with new tokens - time with 1 token): prefill left out. Each
 configuration is warmed up first (Triton compiles, CUDA graphs captured). Reports the acceptance rate and the mean
-accepted length (tokens a verifying sequence-step emits) from `get_stats`, and the speed-up over the plain engine.
+accepted length (tokens a verifying sequence-step emits) from `get_stats`, and the speed-up over the plain engine;
+with speculation, the verify steps that replayed the decode graphs' verify graphs and adaptive k's measured step
+times per k at the batch.
 
     python benchmarks/speculative.py            # GPU (one H200): the large target has Qwen3-30B-A3B's layer shape
     python benchmarks/speculative.py --tiny     # CPU: small shapes, few tokens, a smoke run
@@ -95,10 +97,19 @@ def measure(llm, prompts, batch: int, new: int) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    run(new)  # warm-up: compiles, graph captures, the acceptance average settles
+    run(new)  # warm-up: compiles, graph captures, the acceptance average and the step costs settle
+    graphs, spec = llm.engine.runner.graphs, llm.engine.speculator
+    runs_before = graphs.verify_runs if graphs is not None else 0
     before = llm.engine.get_stats()
     t_new, t_one = run(new), run(1)
     after = llm.engine.get_stats()
+    extra = {}
+    if spec is not None:  # verify steps replayed as graphs; adaptive k's measured step times (ms) at this batch
+        from moe_infer.engine.speculative.cost import batch_bucket
+
+        extra = dict(verify_graph_runs=(graphs.verify_runs if graphs is not None else 0) - runs_before,
+                     step_ms_by_k={k: 1e3 * sec for (bucket, k), sec in sorted(spec.costs.seconds.items())
+                                   if bucket == batch_bucket(batch)})
     proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
     accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
     verified = after.num_spec_verified - before.num_spec_verified
@@ -106,7 +117,7 @@ def measure(llm, prompts, batch: int, new: int) -> dict:
                 decode_tok_s=batch * (new - 1) / max(t_new - t_one, 1e-9),
                 proposed=proposed, accepted=accepted,
                 acceptance_rate=accepted / proposed if proposed else 0.0,
-                mean_accepted_length=1 + accepted / verified if verified else 0.0)
+                mean_accepted_length=1 + accepted / verified if verified else 0.0, **extra)
 
 
 def main() -> None:
@@ -144,8 +155,11 @@ def main() -> None:
             for b in batches:
                 r = dict(workload=name, speculation=label, **measure(llm, PROMPTS, b, new))
                 rows.append(r)
+                costs = " ".join(f"k{k}={ms:.2f}" for k, ms in r.get("step_ms_by_k", {}).items())
                 print(f"{name:12s} {label:3s} batch {b:3d}: {r['decode_tok_s']:9.1f} tok/s  acceptance "
-                      f"{r['acceptance_rate']:.2f}  mean accepted length {r['mean_accepted_length']:.2f}", flush=True)
+                      f"{r['acceptance_rate']:.2f}  mean accepted length {r['mean_accepted_length']:.2f}"
+                      + (f"  verify graph replays {r['verify_graph_runs']}  step ms {costs}" if label == "on" else ""),
+                      flush=True)
             del llm
             gc.collect()  # the engine's objects refer to each other: its KV cache and graphs go only now
             if device.type == "cuda":

@@ -71,9 +71,11 @@ def test_greedy_rows_are_prefix_matching():
 
 
 def test_adaptive_k():
-    """k from the measured acceptance and the batch size (moe_infer/engine/speculative/speculator.py)."""
+    """k from the measured acceptance and the batch size, before any step time is measured (the prior cost model:
+    moe_infer/engine/speculative/cost.py; measured costs: tests/test_spec_cost.py)."""
     from moe_infer.config import EngineConfig, SpeculativeConfig
-    from moe_infer.engine.speculative.speculator import PROBE_EVERY, Speculator
+    from moe_infer.engine.speculative.cost import PROBE_EVERY
+    from moe_infer.engine.speculative.speculator import Speculator
 
     cfg = EngineConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                                      disable_by_batch_size=32))

@@ -263,6 +263,25 @@ def test_speculative_gpu_graphs(method):
         assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_proposed_tokens
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_verify_steps_replay_decode_graphs_gpu():
+    """On the GPU (float32): verify steps of k + 1 tokens every sequence replay the decode graphs' verify graphs
+    (attention over the k + 1 queries inside the graph); greedy tokens equal the plain engine's and transformers'."""
+    path = checkpoint("qwen3_moe")
+    kw = dict(model=path, dtype="float32", device="cuda", block_size=BLOCK, num_kv_blocks=256)
+    llm = LLM(**kw, speculative_config={**NGRAM, "adaptive": False})
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.max_query_len == 4 and graphs.max_verify_batch >= 4
+    outs = [o.outputs[0].token_ids for o in _run(llm, PROMPTS, _greedy())]
+    assert graphs.disabled is None, graphs.disabled
+    assert graphs.verify_runs > 0 and any(len(key) == 4 for key in graphs.graphs), (graphs.verify_runs, graphs.graphs)
+    plain = LLM(**kw)
+    assert outs == [o.outputs[0].token_ids for o in _run(plain, PROMPTS, _greedy())]
+    assert outs == [hf_greedy(path, p, NUM_NEW, device="cuda")[0] for p in PROMPTS]
+    _check_spec_ran_and_freed(llm)
+
+
 def test_draft_catches_up_a_long_prompt_in_chunks():
     """A prompt longer than the token budget reaches the draft in chunks (as the target's chunked prefill): the draft
     is the target's weights, so every proposal must still be accepted, and the tokens are HF's."""
@@ -287,3 +306,78 @@ def test_draft_catches_up_a_long_prompt_in_chunks():
     assert any(sum(s) > 0 for s in steps)  # the long prompt went through the chunks
     stats = llm.engine.get_stats()
     assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens > 0
+
+
+def test_verify_steps_through_the_decode_graph_buffers_cpu():
+    """Verify steps of k + 1 tokens every sequence through DecodeGraphs' padded static buffers (capture=False on the
+    CPU: the layout the GPU's captured graphs read, padding sequences included), the LM head over every row, give
+    transformers' tokens; proposals shorter than k are filled so that the steps are uniform."""
+    from moe_infer.engine.cuda_graph import DecodeGraphs
+
+    path = checkpoint("qwen3_moe")
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256, max_num_seqs=4,
+              max_num_batched_tokens=64, speculative_config={**NGRAM, "adaptive": False})
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, 4, -(-runner.max_model_len // BLOCK), BLOCK, runner.device,
+                                 capture=False, lm_head=runner.model.lm_head, max_query_len=4, max_verify_batch=4)
+    seen = []
+    load = runner.graphs.load
+
+    def spy(flat, sizes, num_extra):
+        seen.append(sizes)
+        return load(flat, sizes, num_extra)
+
+    runner.graphs.load = spy
+    spec = llm.engine.speculator
+    record, verify_steps = spec.record, []
+
+    def count(plan, tokens):  # verify steps where every sequence decodes or verifies (no prompt chunk beside them)
+        if any(s.spec_token_ids for s in plan.seqs) and all(len(s.token_ids) == 1 + len(s.spec_token_ids)
+                                                            for s in plan.seqs):
+            verify_steps.append(len(plan.seqs))
+        record(plan, tokens)
+
+    spec.record = count
+    outs = _run(llm, PROMPTS, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == _hf_reference(path)
+    assert runner.graphs.verify_runs > 0
+    # a prompt without repeats: its sequence proposes nothing until its output repeats, and is filled up to k
+    # beside the others (every such verify step is uniform: the graphs took them all)
+    odd = list(range(100, 112))
+    verify_steps.clear()
+    before = runner.graphs.verify_runs
+    outs = _run(llm, [PROMPTS[0], odd], _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_reference(path)[0], hf_greedy(path, odd, NUM_NEW)[0]]
+    assert len(verify_steps) > 0 and runner.graphs.verify_runs - before == len(verify_steps)
+    # 3 sequences (padded to 4) of 4 tokens each went through the buffers
+    assert (12, 3, 12, max(s[3] for s in seen if s[:3] == (12, 3, 12)), 4) in [s[:5] for s in seen]
+    _check_spec_ran_and_freed(llm)
+    # a step of uneven queries, or one whose rows do not all sample, is not a verify step of the graphs
+    assert not runner.graphs.can_run((10, 3, 10, 2, 4, 12)) and not runner.graphs.can_run((12, 3, 3, 2, 4, 12))
+    assert not runner.graphs.can_run((10, 2, 10, 2, 5, 12))  # 5 tokens a sequence: over max_query_len
+
+
+@pytest.mark.timeout(900)  # the interpreter runs every attention call
+def test_verify_steps_through_the_decode_graph_buffers_triton_interpreter():
+    """The same through the paged Triton kernel (its grid from the bucket: q queries a sequence, padding sequences
+    of q rows over block 0), as the GPU's verify graphs launch it: transformers' greedy tokens."""
+    pytest.importorskip("moe_infer.layers.attention_triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU test captures the real graphs")
+    from moe_infer.engine.cuda_graph import DecodeGraphs
+    from moe_infer.engine.speculative.graphs import verify_graph_shape
+
+    path = checkpoint("qwen3_moe")
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=64, attention_backend="triton",
+              speculative_config={**NGRAM, "adaptive": False})
+    runner = llm.engine.runner
+    assert verify_graph_shape(llm.engine.cfg, runner.model, 4) == (4, 4)  # a static-launch backend: verify graphs
+    runner.graphs = DecodeGraphs(runner.model, 4, -(-runner.max_model_len // BLOCK), BLOCK, runner.device,
+                                 capture=False, lm_head=runner.model.lm_head, max_query_len=4, max_verify_batch=4)
+    prompts = PROMPTS[:2]
+    n = 10
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    assert runner.graphs.verify_runs > 0
+    assert [o.outputs[0].token_ids for o in outs] == [t[:n] for t in _hf_reference(path)[:2]]

@@ -27,8 +27,16 @@ the same graphs, their collectives inside (tensor-parallel all-reduces, the EP r
 all-gather and, as the graphs' `prologue` on the first stage, the broadcast of the driver's inputs); a capture
 that fails there stops the engine (`MeshError`), since that rank could not keep in step with the others.
 
-Legend: B sequences of the step (one token each), Bp padded batch, Bmax largest capture size,
-M blocks per sequence of the whole table, Mp blocks of the context bucket, D hidden.
+Speculative verify steps: where every sequence of a step runs the same q = k + 1 query tokens (its last token and k
+proposals, each row sampled), the step replays a graph of its own per (Bp, Mp, q), up to `max_query_len` and
+`max_verify_batch` sequences: the same static buffers (sized for Bmax_verify * q rows), the paged attention over q
+queries a sequence inside the graph (causal among them; the attention backend must size its launches from the
+bucket: `static_launch`), the LM head over every row. Padding sequences have q rows each (positions 0..q-1, keys of
+block 0, no KV slot written). `verify_runs` counts those replays.
+
+Legend: B sequences of the step, q query tokens a sequence (1: a decode step), T = B * q, Bp padded batch, Tp =
+Bp * q, Bmax largest capture size, M blocks per sequence of the whole table, Mp blocks of the context bucket, D
+hidden.
 """
 from __future__ import annotations
 
@@ -89,6 +97,16 @@ def graph_blocker(cfg, device: torch.device, backends, whole_step: bool = True, 
         return ("the model's experts (biases, GPT-OSS's clamped SwiGLU or mxfp4 weights) run the experts backend's "
                 "per-call path, which syncs with the host")
     return None
+
+
+def static_attention(model) -> Tuple[bool, str]:
+    """(whether the model's attention sizes its launches from the bucket, its backend's name)."""
+    from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
+
+    layer_attn = model.layers[model.local_layers[0]].self_attn
+    static = getattr(layer_attn, "static_launch", None)  # MLA layers say it themselves
+    name = layer_attn.backend
+    return (static if static is not None else getattr(ATTENTION_BACKENDS.get(name), "static_launch", False)), name
 
 
 def capture_graph(run: Callable[[], torch.Tensor], valid_R: torch.Tensor,
@@ -169,17 +187,24 @@ class DecodeGraphs:
     def __init__(self, forward: ForwardFn, max_batch: int, max_blocks: int, block_size: int,
                  device: torch.device, capture: bool = True, lm_head=None,
                  hidden_in: Optional[Tuple[int, torch.dtype]] = None, mesh: bool = False,
-                 prologue: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                 prologue: Optional[Callable[[torch.Tensor], None]] = None, max_query_len: int = 1,
+                 max_verify_batch: int = 0) -> None:
         """hidden_in (hidden size, dtype): a pipeline stage after the first, whose forward reads the previous
         stage's hidden states (`hidden_input`); mesh: under a mesh (collectives captured, capture failures raise);
         prologue(bytes): run first in every replayed step on the bytes it reads (`payload_region`): the mesh's
-        broadcast of the driver's inputs into every rank's buffer, so that it costs no host time of its own."""
+        broadcast of the driver's inputs into every rank's buffer, so that it costs no host time of its own.
+        max_query_len, max_verify_batch: speculative verify steps of q <= max_query_len query tokens every sequence
+        and at most max_verify_batch sequences (padded: a capture size) replay graphs too (1, 0: none)."""
         self.forward, self.block_size, self.max_blocks, self.mesh = forward, block_size, max_blocks, mesh
         self.prologue = prologue
         self.sizes = capture_sizes(max_batch)
         self.max_batch, self.capture = self.sizes[-1], capture
         Bmax, dev = self.max_batch, device
-        self.bufs = DecodeBuffers(Bmax, max_blocks, dev)  # the static inputs: views of one buffer (`load`)
+        self.max_query_len = max_query_len if max_verify_batch > 0 else 1
+        self.max_verify_batch = (next(b for b in self.sizes if b >= min(max_verify_batch, Bmax))
+                                 if max_verify_batch else 0)
+        Tmax = max(Bmax, self.max_verify_batch * self.max_query_len)  # query rows
+        self.bufs = DecodeBuffers(Bmax, max_blocks, dev, Tmax)  # the static inputs: views of one buffer (`load`)
         d = self.bufs.dev
         self.input_ids_B, self.positions_B, self.slot_mapping_B = d["ids"], d["positions"], d["slots"]
         self.block_tables_BM, self.seq_lens_B, self.valid_B = d["block_tables"], d["seq_lens"], d["valid"]
@@ -187,20 +212,28 @@ class DecodeGraphs:
         # with an LM head (a single rank's: `forward_into`), `load`ed steps replay it too, into one logits buffer
         self.lm_head = lm_head
         self.logits_BV = (None if lm_head is None else
-                          torch.empty(Bmax, lm_head.vocab_size, dtype=lm_head.weight.dtype, device=dev))
+                          torch.empty(Tmax, lm_head.vocab_size, dtype=lm_head.weight.dtype, device=dev))
         self.hidden_in_BD = (None if hidden_in is None else
-                             torch.zeros(Bmax, hidden_in[0], dtype=hidden_in[1], device=dev))
-        self.graphs: Dict[Tuple[int, int, bool], Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
+                             torch.zeros(Tmax, hidden_in[0], dtype=hidden_in[1], device=dev))
+        # the query starts of a verify step of q tokens a sequence: 0, q, 2q, ... (host, written at each `load`)
+        self._query_starts = {q: np.arange(Bmax + 1, dtype=np.int32) * q for q in range(1, self.max_query_len + 1)}
+        # keys: (Bp, Mp, with logits) for a decode step, (Bp, Mp, with logits, q) for a verify step of q > 1
+        self.graphs: Dict[tuple, Tuple[List[torch.cuda.CUDAGraph], torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: Optional[str] = None  # why graphs were switched off after a failed capture
         self.runs = 0  # decode steps that went through the static buffers (replayed, or eager with capture=False)
+        self.verify_runs = 0  # of those, speculative verify steps (q > 1 query tokens a sequence)
 
     def can_run(self, sizes) -> bool:
-        """A pure decode step (one token per sequence) that fits the largest capture size (sizes: the step's
+        """A pure decode step (one token per sequence) that fits the largest capture size, or a verify step of q
+        query tokens every sequence, all of them sampled, that fits the verify graphs (sizes: the step's
         `step_inputs.Sizes`)."""
-        T, B, _, m, max_query_len = sizes[:5]
-        return (self.disabled is None and max_query_len == 1 and T == B and T <= self.max_batch
-                and m <= self.max_blocks)
+        T, B, S, m, q = sizes[:5]
+        if self.disabled is not None or m > self.max_blocks:
+            return False
+        if q == 1:
+            return T == B and T <= self.max_batch
+        return q <= self.max_query_len and T == B * q and S == T and B <= self.max_verify_batch
 
     def _bucket(self, B: int, meta: AttentionMetadata) -> Tuple[int, int]:
         return self._bucket_of(B, meta.block_tables_BM.shape[1], meta.max_seq_len)
@@ -241,19 +274,21 @@ class DecodeGraphs:
         for Bp in self.sizes:
             self._run_static(Bp, 1)
 
-    def _meta(self, Bp: int, Mp: int) -> AttentionMetadata:
+    def _meta(self, Bp: int, Mp: int, q: int = 1) -> AttentionMetadata:
+        Tp = Bp * q
         return AttentionMetadata(
-            positions_T=self.positions_B[:Bp], slot_mapping_T=self.slot_mapping_B[:Bp],
+            positions_T=self.positions_B[:Tp], slot_mapping_T=self.slot_mapping_B[:Tp],
             block_tables_BM=self.block_tables_BM[:Bp, :Mp], query_start_loc_B1=self.query_start_loc_B1[:Bp + 1],
-            seq_lens_B=self.seq_lens_B[:Bp], max_query_len=1, max_seq_len=Mp * self.block_size,
+            seq_lens_B=self.seq_lens_B[:Bp], max_query_len=q, max_seq_len=Mp * self.block_size,
             block_size=self.block_size,
         )
 
-    def _run_static(self, Bp: int, Mp: int) -> torch.Tensor:
-        with forward_context(self._meta(Bp, Mp), valid_T=self.valid_B[:Bp]):
+    def _run_static(self, Bp: int, Mp: int, q: int = 1) -> torch.Tensor:
+        Tp = Bp * q
+        with forward_context(self._meta(Bp, Mp, q), valid_T=self.valid_B[:Tp]):
             if self.hidden_in_BD is None:
-                return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp])
-            return self.forward(self.input_ids_B[:Bp], self.positions_B[:Bp], self.hidden_in_BD[:Bp])
+                return self.forward(self.input_ids_B[:Tp], self.positions_B[:Tp])
+            return self.forward(self.input_ids_B[:Tp], self.positions_B[:Tp], self.hidden_in_BD[:Tp])
 
     def load(self, flat: np.ndarray, sizes: Sizes, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
         """The step of `flat_inputs`' buffer (its last num_extra entries: the caller's own), padding included,
@@ -268,14 +303,21 @@ class DecodeGraphs:
     def stage_step(self, v, flat: np.ndarray, sizes: Sizes, num_extra: int) -> None:
         """Writes the step, padding included, into host views `v` laid out as the buffer (`load`'s staging, or a
         replica's segment under attention data parallelism: moe_infer/engine/dp_inputs.py)."""
-        T, B, S, m, _, max_seq_len = sizes
+        T, B, S, m, q, max_seq_len = sizes
         Bp, _ = self._bucket_of(B, m, max_seq_len)
+        Tp = Bp * q
         src = host_segments(flat, sizes)
-        v["ids"][:B], v["ids"][B:Bp] = src.ids_T, 0  # rows B..Bp-1: padding (see `_pad`)
-        v["positions"][:B], v["positions"][B:Bp] = src.positions_T, 0
-        v["slots"][:B], v["slots"][B:Bp] = src.slots_T, -1
-        v["seq_lens"][:B], v["seq_lens"][B:Bp] = src.seq_lens_B, 1
-        v["valid"][:B], v["valid"][B:Bp] = True, False
+        v["ids"][:T], v["ids"][T:Tp] = src.ids_T, 0  # rows T..Tp-1: padding (see `_pad`)
+        v["positions"][:T], v["slots"][:T] = src.positions_T, src.slots_T
+        if q == 1:
+            v["positions"][T:Tp] = 0
+        else:  # a padding sequence's q rows: positions 0..q-1 (the attention reads keys 0..q-1 of block 0)
+            v["positions"][T:Tp] = np.tile(np.arange(q), Bp - B)
+        if self.max_query_len > 1:  # the staging buffer may hold another q's query starts
+            v["query_starts"][:Bp + 1] = self._query_starts[q][:Bp + 1]
+        v["slots"][T:Tp] = -1
+        v["seq_lens"][:B], v["seq_lens"][B:Bp] = src.seq_lens_B, q
+        v["valid"][:T], v["valid"][T:Tp] = True, False
         tables = v["block_tables"]
         tables[:B, :m], tables[:B, m:], tables[B:Bp] = src.block_tables_BM, -1, 0
         v["sample_rows"][:S], v["extra"][:num_extra] = src.sample_rows_S, src.extra
@@ -300,40 +342,40 @@ class DecodeGraphs:
         return sizes[1], sizes[3], sizes[5]
 
     def _inputs(self, sizes: Sizes, Bp: int, Mp: int, num_extra: int) -> Tuple[StepInputs, torch.Tensor]:
-        B, S = sizes[1], sizes[2]
+        T, S, q = sizes[0], sizes[2], sizes[4]
         d = self.bufs.dev
-        inputs = StepInputs(self.input_ids_B[:B], functools.partial(self._step_meta, sizes), d["sample_rows"][:S],
-                            sizes, decode_bucket=(Bp, Mp))
+        inputs = StepInputs(self.input_ids_B[:T], functools.partial(self._step_meta, sizes), d["sample_rows"][:S],
+                            sizes, decode_bucket=(Bp, Mp, q))
         return inputs, d["extra"][:num_extra]
 
     def _step_meta(self, sizes: Sizes) -> AttentionMetadata:
         """The step's own (unpadded) attention metadata over the static buffers: for an eager run."""
         T, B, _, m, max_query_len, max_seq_len = sizes
         return AttentionMetadata(
-            positions_T=self.positions_B[:B], slot_mapping_T=self.slot_mapping_B[:B],
+            positions_T=self.positions_B[:T], slot_mapping_T=self.slot_mapping_B[:T],
             block_tables_BM=self.block_tables_BM[:B, :m], query_start_loc_B1=self.query_start_loc_B1[:B + 1],
             seq_lens_B=self.seq_lens_B[:B], max_query_len=max_query_len, max_seq_len=max_seq_len,
             block_size=self.block_size)
 
     def replay(self, inputs: StepInputs) -> Optional[torch.Tensor]:
-        """For a step `load`ed into the buffers: logits [B, V] with an LM head (`with_logits`), else hidden [B, D];
+        """For a step `load`ed into the buffers: logits [T, V] with an LM head (`with_logits`), else hidden [T, D];
         None when the graph could not be captured (run eagerly)."""
-        Bp, Mp = inputs.decode_bucket
-        return self._replay(inputs.input_ids_T.shape[0], Bp, Mp, self.with_logits)
+        Bp, Mp, q = inputs.decode_bucket
+        return self._replay(inputs.input_ids_T.shape[0], Bp, Mp, self.with_logits, q)
 
     @property
     def with_logits(self) -> bool:
         return self.lm_head is not None
 
-    def _run_static_logits(self, Bp: int, Mp: int) -> torch.Tensor:
-        return self.lm_head.forward_into(self._run_static(Bp, Mp), self.logits_BV[:Bp])
+    def _run_static_logits(self, Bp: int, Mp: int, q: int = 1) -> torch.Tensor:
+        return self.lm_head.forward_into(self._run_static(Bp, Mp, q), self.logits_BV[:Bp * q])
 
     def payload_region(self, padded_batch: int) -> torch.Tensor:
         """The bytes a step padded to padded_batch rows reads (what the prologue broadcasts)."""
         return self.bufs.buffer[:self.bufs.nbytes(padded_batch)]
 
-    def _replay(self, B: int, Bp: int, Mp: int, logits: bool) -> Optional[torch.Tensor]:
-        forward = (lambda: self._run_static_logits(Bp, Mp)) if logits else (lambda: self._run_static(Bp, Mp))
+    def _replay(self, T: int, Bp: int, Mp: int, logits: bool, q: int = 1) -> Optional[torch.Tensor]:
+        forward = (lambda: self._run_static_logits(Bp, Mp, q)) if logits else (lambda: self._run_static(Bp, Mp, q))
         run = forward
         if self.prologue is not None:
             def run():
@@ -341,12 +383,16 @@ class DecodeGraphs:
                 return forward()
         if not self.capture:
             self.runs += 1
-            return run()[:B]
+            self.verify_runs += q > 1
+            return run()[:T]
 
         def capture():
             graph, out = capture_graph(run, self.valid_B, self.pool, mesh=self.mesh)
             return [graph], out
 
-        what = f"a decode step at batch {Bp}, {Mp} blocks{' with the LM head' if logits else ''}"
-        out_Bp = replay_graph(self, (Bp, Mp, logits), capture, what)
-        return None if out_Bp is None else out_Bp[:B]
+        what = (f"a {'decode' if q == 1 else f'verify ({q} tokens a sequence)'} step at batch {Bp}, {Mp} blocks"
+                f"{' with the LM head' if logits else ''}")
+        out_Tp = replay_graph(self, (Bp, Mp, logits) if q == 1 else (Bp, Mp, logits, q), capture, what)
+        if out_Tp is not None:
+            self.verify_runs += q > 1
+        return None if out_Tp is None else out_Tp[:T]

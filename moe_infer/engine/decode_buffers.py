@@ -9,12 +9,14 @@ buffer, and one copy moves the bytes the step's bucket reads.
 
 Layout (bytes; every segment 16-byte aligned), fixed for the largest batch Bmax and the table width M:
 
-    ids int64 [Bmax] | positions int64 [Bmax] | slots int64 [Bmax] | sample rows int64 [Bmax]
-    | query starts int32 [Bmax + 1] | seq lens int32 [Bmax] | valid bool [Bmax] | extra int64 [2 Bmax]
+    ids int64 [Tmax] | positions int64 [Tmax] | slots int64 [Tmax] | sample rows int64 [Tmax]
+    | query starts int32 [Bmax + 1] | seq lens int32 [Bmax] | valid bool [Tmax] | extra int64 [2 Bmax]
     | block tables int32 [Bmax, M]
 
-A step padded to Bp rows copies everything before the tables and Bp rows of them. The query starts (0..Bmax:
-one query token a sequence) are written once, in both staging buffers and on the device.
+Tmax = Bmax for plain decode steps (one query token a sequence); speculative verify steps (q = k + 1 query
+tokens every sequence) need Tmax = the most sequences of such a step times q. A step padded to Bp sequences
+copies everything before the tables and Bp rows of them. The query starts (0..Bmax: one query token a
+sequence) are written once, in both staging buffers and on the device; a verify step writes its own (0, q, 2q..).
 
 Two staging buffers are used in turn (`graph_inputs.PinnedStaging`, shared with the prefill graphs' inputs, which
 lay out each bucket on its own).
@@ -31,11 +33,12 @@ import torch
 from moe_infer.engine.graph_inputs import PinnedStaging
 
 _ALIGN = 16
-# (name, numpy dtype, torch dtype, elements as a function of Bmax); the block tables come last (M per row)
-_SEGMENTS = (("ids", np.int64, torch.int64, lambda b: b), ("positions", np.int64, torch.int64, lambda b: b),
-             ("slots", np.int64, torch.int64, lambda b: b), ("sample_rows", np.int64, torch.int64, lambda b: b),
-             ("query_starts", np.int32, torch.int32, lambda b: b + 1), ("seq_lens", np.int32, torch.int32, lambda b: b),
-             ("valid", np.bool_, torch.bool, lambda b: b), ("extra", np.int64, torch.int64, lambda b: 2 * b))
+# (name, numpy dtype, torch dtype, elements as a function of (Bmax, Tmax)); the block tables come last (M per row)
+_SEGMENTS = (("ids", np.int64, torch.int64, lambda b, t: t), ("positions", np.int64, torch.int64, lambda b, t: t),
+             ("slots", np.int64, torch.int64, lambda b, t: t), ("sample_rows", np.int64, torch.int64, lambda b, t: t),
+             ("query_starts", np.int32, torch.int32, lambda b, t: b + 1),
+             ("seq_lens", np.int32, torch.int32, lambda b, t: b),
+             ("valid", np.bool_, torch.bool, lambda b, t: t), ("extra", np.int64, torch.int64, lambda b, t: 2 * b))
 
 
 def _aligned(n: int) -> int:
@@ -46,12 +49,15 @@ class DecodeBuffers:
     """`dev[name]`: the device views (block tables as [Bmax, M]); `stage()` -> the host views of the staging
     buffer the next `load(Bp)` copies."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, max_tokens: int = 0) -> None:
+        """max_tokens: the most query rows of a step (speculative verify steps: several a sequence); at least
+        max_batch."""
         self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.max_tokens = max(max_tokens, max_batch)
         offsets, at = {}, 0
         for name, np_dt, _, count in _SEGMENTS:
-            offsets[name] = (at, count(max_batch))
-            at += _aligned(count(max_batch) * np.dtype(np_dt).itemsize)
+            offsets[name] = (at, count(max_batch, self.max_tokens))
+            at += _aligned(count(max_batch, self.max_tokens) * np.dtype(np_dt).itemsize)
         self.tables_at, self.offsets = at, offsets
         nbytes = at + max_batch * max_blocks * 4
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -122,6 +122,10 @@ class LLMEngine:
             from moe_infer.engine.speculative.draft import draft_reserve
 
             kv_reserve = draft_reserve(spec.draft_model, cfg, self.dtype)
+        elif spec.method == "mtp":  # the MTP layer's own KV cache, under the same block ids (its weights: loaded)
+            from moe_infer.engine.speculative.mtp import mtp_kv_bytes_per_block
+
+            kv_reserve = (mtp_kv_bytes_per_block(model_path, cfg.cache.block_size, self.dtype), 0)
         self.runner = ModelRunner(cfg, model_path, self.device, self.dtype, parallel=self.parallel,
                                   kv_reserve=kv_reserve)
         start = time.perf_counter()

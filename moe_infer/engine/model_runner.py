@@ -30,7 +30,7 @@ import torch
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
-from moe_infer.engine.cuda_graph import DecodeGraphs, gpu_note_level, graph_blocker
+from moe_infer.engine.cuda_graph import DecodeGraphs, gpu_note_level, graph_blocker, static_attention
 from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.layer_graphs import LayerGraphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler
@@ -73,7 +73,7 @@ class ModelRunner:
         start = time.perf_counter()  # startup_timings: where start-up goes (benchmarks/startup.py reads them)
         self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
                                 load_format=cfg.model.load_format, shard=shard,
-                                quantization=cfg.model.quantization)
+                                quantization=cfg.model.quantization, mtp=cfg.speculative.method == "mtp")
         if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
             self.offload.finish_load()
         self.startup_timings: Dict[str, float] = {"model_load_s": time.perf_counter() - start}
@@ -105,6 +105,8 @@ class ModelRunner:
         self.last_rows = self._last_rows_on()
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.verifier = None  # speculative decoding: the verification of proposed tokens (engine/speculative/)
+        # the MTP proposer reads each step's hidden states: (plan, hidden_TD) of the last step launched
+        self.keep_hidden, self.last_hidden = cfg.speculative.method == "mtp", None
         if cfg.speculative.enabled:
             from moe_infer.engine.speculative.verify import Verifier
 
@@ -154,10 +156,15 @@ class ModelRunner:
         if why_not:
             logger.log(gpu_note_level(self.device), "decode steps run eagerly: %s", why_not)
             return None
+        from moe_infer.engine.speculative.graphs import verify_graph_shape
+
         max_blocks = -(-self.max_model_len // self.block_size)
-        graphs = DecodeGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
-                              max_blocks, self.block_size, self.device, lm_head=self._graph_lm_head(),
-                              hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue())
+        max_batch = min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs)
+        max_q, max_verify = verify_graph_shape(self.cfg, self.model, max_batch)  # speculative verify steps
+        graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.block_size, self.device,
+                              lm_head=self._graph_lm_head(), hidden_in=self._hidden_in(),
+                              mesh=self.parallel.is_distributed, prologue=self._prologue(), max_query_len=max_q,
+                              max_verify_batch=max_verify)
         start = time.perf_counter()
         with torch.inference_mode():  # as the steps run (execute)
             graphs.warmup()
@@ -182,8 +189,8 @@ class ModelRunner:
         """The LM head the decode graphs replay too (one that writes into their logits buffer), else None (and
         with MOE_GRAPH_LM_HEAD=0 in the environment: A/B runs)."""
         lm_head = getattr(self.model, "lm_head", None)
-        if self.dp.communicates:  # the LM head runs on every replica's sampling rows, gathered (`sample`)
-            return None
+        if self.dp.communicates or self.keep_hidden:  # the LM head runs on every replica's sampling rows, gathered
+            return None  # (`sample`); or the step's hidden states are wanted (an MTP proposer)
         return lm_head if hasattr(lm_head, "forward_into") and os.environ.get("MOE_GRAPH_LM_HEAD", "1") != "0" else None
 
     def _layer_graphs(self) -> Optional[LayerGraphs]:
@@ -200,20 +207,15 @@ class ModelRunner:
 
     def _extend_graph_tokens(self) -> int:
         """The most tokens of a prefill / mixed step replayed as a CUDA graph here; 0 where none is (logged once)."""
-        from moe_infer.layers.paged_attention import ATTENTION_BACKENDS
-
         if self._extend_tokens is not None:
             return self._extend_tokens
         max_tokens = min(self.cfg.model.cuda_graph_max_tokens, self.cfg.scheduler.max_num_batched_tokens)
-        layer_attn = self.model.layers[self.model.local_layers[0]].self_attn
-        attn = layer_attn.backend
-        static = getattr(layer_attn, "static_launch", None)  # MLA layers say it themselves
+        static, attn = static_attention(self.model)
         why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed,
                                model=self.model)
         if why_not is None and max_tokens == 0:
             why_not = "model.cuda_graph_max_tokens=0"
-        if why_not is None and not (static if static is not None
-                                    else getattr(ATTENTION_BACKENDS.get(attn), "static_launch", False)):
+        if why_not is None and not static:
             why_not = f"attention backend {attn!r} sizes its launches from the data"
         if why_not:
             logger.log(gpu_note_level(self.device), "prefill and mixed steps run eagerly: %s", why_not)
@@ -347,6 +349,8 @@ class ModelRunner:
         inputs = self.prepare(plan, prev)
         self.before_forward(inputs)
         hidden_TD, logits_TV = self.forward_step(inputs)
+        if self.keep_hidden:
+            self.last_hidden = (plan, hidden_TD)
         if self.verifier is not None and any(s.spec_token_ids for s in plan.seqs):  # speculative decoding
             return LaunchedStep(plan, self.verifier.verify(self.sample_logits(inputs, hidden_TD, logits_TV), plan))
         return LaunchedStep(plan, self.sample(inputs, hidden_TD, plan_requests(plan), logits_TV))

@@ -16,22 +16,28 @@ from moe_infer.engine.sequence import Sequence
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> List[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of tokens of length in
-    [min_n, max_n]; [] when none occurs."""
+    """k tokens that followed the latest earlier occurrence of the longest suffix of tokens of length in
+    [min_n, max_n] (where the tokens end before k of them, the text from that occurrence on is taken as repeating:
+    its continuation is the repetition); [] when none occurs."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         windows = sliding_window_view(tokens[:L - 1], n)  # windows starting at 0..L-1-n (not the suffix itself)
         hits = np.flatnonzero((windows == tokens[L - n:]).all(1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            out = tokens[start:start + k].tolist()
+            period = L - start  # the suffix recurs this far after its match: past the end, the text repeats so
+            while len(out) < k:
+                out.append(out[len(out) - period])
+            return out
     return []
 
 
 class NgramProposer:
     def __init__(self, cfg, **_) -> None:
         self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-        self.proposal_cost = 0.0  # host work only (adaptive k, speculator.py)
+        self.proposal_cost = 0.0  # host work only (adaptive k's prior, cost.py)
+        self.can_fill = True  # deterministic proposals: a short one may be filled up to k (speculator.py)
 
     def propose(self, seqs: List[Sequence], num_tokens: List[int]) -> None:
         """Sets seq.spec_token_ids (at most num_tokens[i] tokens) and seq.spec_probs (None: one-hot)."""
