@@ -1,0 +1,97 @@
+"""moe_infer/kernels/precompile.py on the CPU: worker processes compile Triton kernel variants, given as Triton's own
+specialization data, for a CUDA target (no GPU needed: ptxas runs for the target's arch) into the disk cache, where
+the lookup of Triton's own compile then finds them; failures are reported, never raised. The dry pass that finds
+the variants needs a GPU: tests/test_jit_warmup.py (no compile after start-up) covers it there."""
+import inspect
+import os
+
+import pytest
+
+from moe_infer.config import ModelConfig
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from moe_infer.kernels.precompile import CompilePool, KernelSpec, default_workers, is_cached  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+
+# a JITFunction even under TRITON_INTERPRET=1 (set by conftest without a GPU), where @triton.jit gives the interpreter's
+scale_kernel = JITFunction(scale_kernel)
+
+
+def _spec(block: int, target) -> KernelSpec:
+    """The variant a launch with BLOCK=block would compile, serialized as Triton's launch hook gets it."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    options = make_backend(target).parse_options({"num_warps": 4})
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    args = ["scale_kernel", signature, {(3,): block}, {}, options, str(block)]
+    if "target" in inspect.signature(serialize_specialization_data).parameters:
+        args.append(target)
+    return KernelSpec(scale_kernel.fn.__module__, scale_kernel.fn.__qualname__, serialize_specialization_data(*args))
+
+
+@pytest.fixture
+def target(tmp_path, monkeypatch):
+    from triton.backends.compiler import GPUTarget
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+    return GPUTarget("cuda", 90, 32)
+
+
+@pytest.mark.timeout(300)
+def test_workers_fill_the_cache_triton_reads(target):
+    from triton import knobs
+    from triton.compiler import compile as triton_compile
+    from triton.compiler.compiler import ASTSource, make_backend
+
+    specs = [_spec(64, target), _spec(128, target)]
+    assert not any(is_cached(scale_kernel, s.data, target) for s in specs)
+    pool = CompilePool(2, target)
+    for s in specs:
+        pool.submit(s)
+    compiled, errors = pool.finish()
+    assert (compiled, errors, pool.num_submitted) == (2, [], 2)
+    assert all(is_cached(scale_kernel, s.data, target) for s in specs)
+    # Triton's own compile of the variant, as a launch asks for it, is a cache hit
+    hits = []
+    knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+    try:
+        src = ASTSource(scale_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                        {(3,): 64}, {})
+        triton_compile(src, target=target, options=make_backend(target).parse_options({"num_warps": 4}).__dict__)
+    finally:
+        knobs.compilation.listener = None
+    assert hits == [True]
+
+
+@pytest.mark.timeout(120)
+def test_failures_are_reported_not_raised(target):
+    pool = CompilePool(1, target)
+    pool.submit(KernelSpec("no_such_module_here", "kernel", _spec(64, target).data))
+    compiled, errors = pool.finish()
+    assert compiled == 0 and len(errors) == 1 and "no_such_module_here" in errors[0]
+
+    pool = CompilePool(2, target, python="/nonexistent/python")
+    pool.submit(_spec(64, target))  # no worker starts: nothing raised, the spec is left to its launch
+    compiled, errors = pool.finish()
+    assert compiled == 0 and len(errors) == 1 and "did not start" in errors[0]
+
+
+def test_worker_count():
+    assert 1 <= default_workers() <= 32
+    with pytest.raises(ValueError, match="compile_workers"):
+        ModelConfig(compile_workers=-1)
+    with pytest.raises(ValueError, match="at least one worker"):
+        CompilePool(0, None)
