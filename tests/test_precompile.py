@@ -95,3 +95,46 @@ def test_worker_count():
         ModelConfig(compile_workers=-1)
     with pytest.raises(ValueError, match="at least one worker"):
         CompilePool(0, None)
+
+
+# Qwen3-30B-A3B's layer shape, 2 layers, a small vocabulary and context
+SMALL = dict(vocab_size=4096, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+             head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+             norm_topk_prob=True, max_position_embeddings=1024,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, eos_token_id=0, bos_token_id=1,
+             pad_token_id=0, tie_word_embeddings=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_parallel_warmup_on_the_gpu(tmp_path, monkeypatch, caplog):
+    """A cold Triton cache: the start-up's warm-up sends its variants to 4 worker processes and compiles none in the
+    engine's process; the engine then generates the same greedy tokens as a second one started without workers (the
+    dry pass left nothing behind that a step reads)."""
+    import logging
+
+    from transformers import Qwen3MoeConfig
+
+    from moe_infer import LLM, SamplingParams
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    Qwen3MoeConfig(**SMALL).save_pretrained(tmp_path / "model")
+    kw = dict(model=str(tmp_path / "model"), load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=8,
+              max_num_batched_tokens=512, cuda_graph_max_batch=8, cuda_graph_max_tokens=512, num_kv_blocks=8 * 64 + 8)
+    in_process = []
+    triton.knobs.compilation.listener = lambda **k: None if k["cache_hit"] else in_process.append(k["src"].name)
+    try:
+        with caplog.at_level(logging.INFO, logger="moe_infer.engine.warmup"):
+            llm = LLM(compile_workers=4, **kw)
+    finally:
+        triton.knobs.compilation.listener = None
+    assert "compiled by 4 worker processes" in caplog.text, caplog.text[-3000:]
+    assert "dry pass of the Triton warm-up failed" not in caplog.text and not in_process, in_process[:20]
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 70, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "serial"))
+    want = [o.outputs[0].token_ids for o in LLM(compile_workers=0, **kw).generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -22,7 +22,8 @@ capture that is thrown away, with Triton launching nothing (`moe_infer.kernels.p
 variant they select that is not in Triton's disk cache goes to a pool of worker processes; then the forwards run
 for real and load those from disk. A warm start (every variant on disk) loads them in the dry pass and stops
 there. Anything that fails on the way (a capture, a worker) is logged once and leaves the kernels to the real
-forwards, which compile what is still missing one after the other, as with compile_workers=0.
+forwards, which compile what is still missing one after the other, as with compile_workers=0 (and always under
+a mesh, where a rank whose dry pass failed would leave the others waiting in their collectives).
 
 The forwards run padding rows only: no K/V slot written (slot -1), keys read from block 0, every row left
 out of the expert-load statistics (valid_T all False). Resident experts only (an offloading store would move
@@ -191,10 +192,11 @@ def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tupl
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        mempool = torch.cuda.graph_pool_handle()  # one pool: a step's captured activations reused by the next
         with dry_launches(pool.submit), torch.cuda.stream(stream):
             for step in steps:
                 graph = torch.cuda.CUDAGraph()  # the torch ops are captured, never run: no value is ever read
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
                 try:
                     forward(step)
                 finally:
@@ -249,7 +251,9 @@ def warm_up_runner(runner) -> Optional[float]:
         return None
     counts, decodes, last_rows = warmup_plan(runner)
     workers = runner.cfg.model.compile_workers
-    if workers is None:
+    if runner.parallel.is_distributed:  # a rank whose dry pass failed would leave the others' collectives waiting
+        workers = 0
+    elif workers is None:
         from moe_infer.kernels.precompile import default_workers
 
         workers = default_workers()
