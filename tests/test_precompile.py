@@ -17,6 +17,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from moe_infer.kernels.precompile import CompilePool, KernelSpec, default_workers, is_cached  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ATTRS = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}  # 16-byte aligned pointers, as launched
 
 
 def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -35,7 +36,7 @@ def _spec(block: int, target) -> KernelSpec:
 
     options = make_backend(target).parse_options({"num_warps": 4})
     signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
-    args = ["scale_kernel", signature, {(3,): block}, {}, options, str(block)]
+    args = ["scale_kernel", signature, {(3,): block}, ATTRS, options, str(block)]
     if "target" in inspect.signature(serialize_specialization_data).parameters:
         args.append(target)
     return KernelSpec(scale_kernel.fn.__module__, scale_kernel.fn.__qualname__, serialize_specialization_data(*args))
@@ -69,7 +70,7 @@ def test_workers_fill_the_cache_triton_reads(target):
     knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
     try:
         src = ASTSource(scale_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
-                        {(3,): 64}, {})
+                        {(3,): 64}, ATTRS)
         triton_compile(src, target=target, options=make_backend(target).parse_options({"num_warps": 4}).__dict__)
     finally:
         knobs.compilation.listener = None
@@ -131,6 +132,7 @@ def test_parallel_warmup_on_the_gpu(tmp_path, monkeypatch, caplog):
         triton.knobs.compilation.listener = None
     assert "compiled by 4 worker processes" in caplog.text, caplog.text[-3000:]
     assert "dry pass of the Triton warm-up failed" not in caplog.text and not in_process, in_process[:20]
+    assert "launchers left" not in caplog.text  # the workers built them too
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 70, 300)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -209,6 +209,9 @@ def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tupl
     if pool.num_submitted:
         logger.info("Triton kernels: %d of %d variants compiled by %d worker processes in %.1f s", compiled,
                     pool.num_submitted, pool.num_workers, pool.seconds)
+    if pool.launcher_errors:
+        logger.info("%d Triton kernel launchers left to the kernels' first launch: %s", len(pool.launcher_errors),
+                    pool.launcher_errors[0])
     if errors:
         logger.warning("%d Triton kernel variants were not compiled in parallel (compiled in the engine's process "
                        "instead): %s", len(errors), "; ".join(errors[:3]))

@@ -10,8 +10,9 @@ compiles are found first and done by a pool of processes, then the warm-up runs 
    format of `JITFunction.preload`) instead of being compiled. The caller runs its forwards inside a CUDA graph
    capture that it throws away, so that the torch ops between the skipped kernels execute nothing either.
 2. `CompilePool`: worker processes (`python -m moe_infer.kernels.precompile`, started at the first spec) each
-   compile the specs sent to them for the parent's GPU target (`compile_spec`, no CUDA needed) into the disk
-   cache, which they share with the parent (TRITON_CACHE_DIR, inherited).
+   compile the specs sent to them for the parent's GPU target (`compile_spec`, no CUDA needed), and build each
+   one's host-side launcher (C, compiled by the system compiler: `build_launcher`), into the disk cache, which
+   they share with the parent (TRITON_CACHE_DIR, inherited).
 3. The caller's real warm-up then loads every variant from disk (milliseconds each).
 
 ptxas runs as a subprocess either way; the MLIR passes run in the workers' own interpreters (no GIL shared). A
@@ -30,9 +31,10 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import IO, Callable, Iterator, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +101,22 @@ def _source(fn, data: str, target):
     return ASTSource(fn, signature, constexprs, attrs), make_backend(target).parse_options(options).__dict__
 
 
-def compile_spec(fn, data: str, target) -> None:
-    """Compile fn's variant for target into Triton's disk cache (no CUDA needed: ptxas runs for target's arch)."""
+def compile_spec(fn, data: str, target):
+    """Compile fn's variant for target into Triton's disk cache (no CUDA needed: ptxas runs for target's arch);
+    returns (its ASTSource, the CompiledKernel)."""
     from triton.compiler import compile as triton_compile
 
     src, options = _source(fn, data, target)
-    triton_compile(src, target=target, options=options)
+    return src, triton_compile(src, target=target, options=options)
+
+
+def build_launcher(src, kernel) -> None:
+    """The host-side launcher of a compiled CUDA kernel: Triton builds one per signature and constants, C compiled by
+    the system's compiler at the kernel's first launch, cached on disk by its source; built here, that launch finds
+    it (no CUDA call: the launcher links libcuda, found as Triton finds it)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    CudaLauncher(src, kernel.metadata)
 
 
 def is_cached(fn, data: str, target) -> bool:
@@ -178,9 +190,10 @@ class CompilePool:
         if num_workers <= 0:
             raise ValueError(f"a compile pool needs at least one worker, got {num_workers}")
         self.num_workers, self.target, self.python = num_workers, target, python
-        self.procs: List[subprocess.Popen] = []
+        self.procs: List[Tuple[subprocess.Popen, IO[str]]] = []
         self.num_submitted = 0
         self.errors: List[str] = []
+        self.launcher_errors: List[str] = []
         self.started: Optional[float] = None
 
     def _start(self) -> None:
@@ -190,10 +203,11 @@ class CompilePool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.started = time.perf_counter()
         for _ in range(self.num_workers):
+            err = tempfile.TemporaryFile("w+")  # not a pipe: nobody reads it before the end
             proc = subprocess.Popen([self.python, "-m", "moe_infer.kernels.precompile"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env)
             proc.stdin.write(json.dumps(target_dict(self.target)) + "\n")
-            self.procs.append(proc)
+            self.procs.append((proc, err))
 
     def submit(self, spec: KernelSpec) -> None:
         if not self.procs and not self.errors:
@@ -203,7 +217,7 @@ class CompilePool:
                 self.errors.append(f"the compile workers did not start: {err}")
         if not self.procs:
             return
-        proc = self.procs[self.num_submitted % len(self.procs)]
+        proc = self.procs[self.num_submitted % len(self.procs)][0]
         self.num_submitted += 1
         try:
             proc.stdin.write(json.dumps([spec.module, spec.qualname, spec.data]) + "\n")
@@ -214,20 +228,24 @@ class CompilePool:
     def finish(self, timeout: float = 600.0) -> Tuple[int, List[str]]:
         num_compiled = 0
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
+        for proc, err in self.procs:
             try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
                 proc.kill()
                 proc.wait()
                 self.errors.append(f"a compile worker did not finish: {type(exc).__name__}")
+                err.close()
                 continue
             try:
                 report = json.loads(out.strip().splitlines()[-1])
                 num_compiled += report["compiled"]
                 self.errors.extend(report["errors"])
+                self.launcher_errors.extend(report.get("launcher_errors", []))
             except (IndexError, KeyError, ValueError):
-                self.errors.append(f"a compile worker failed (exit {proc.returncode}): {err.strip()[-500:]}")
+                err.seek(0)
+                self.errors.append(f"a compile worker failed (exit {proc.returncode}): {err.read().strip()[-500:]}")
+            err.close()
         self.procs = []
         return num_compiled, self.errors
 
@@ -237,10 +255,10 @@ class CompilePool:
 
 
 def worker_main(lines=sys.stdin, out=sys.stdout) -> None:
-    """A compile worker: the first line is the target, each next one a spec [module, qualname, data]; at the end of
-    its input it prints {"compiled": n, "errors": [...]}."""
+    """A compile worker: the first line is the target, each next one a spec [module, qualname, data], compiled and
+    its launcher built; at the end of its input it prints {"compiled": n, "errors": [...], "launcher_errors": [...]}."""
     target = None
-    compiled, errors = 0, []
+    compiled, errors, launcher_errors = 0, [], []
     for line in lines:
         if not line.strip():
             continue
@@ -249,11 +267,17 @@ def worker_main(lines=sys.stdin, out=sys.stdout) -> None:
             continue
         module, qualname, data = json.loads(line)
         try:
-            compile_spec(jit_function(module, qualname), data, target)
+            src, kernel = compile_spec(jit_function(module, qualname), data, target)
             compiled += 1
         except Exception as err:  # noqa: BLE001 - reported; the parent compiles it where it launches it
             errors.append(f"{module}:{qualname}: {type(err).__name__}: {str(err)[:300]}")
-    out.write(json.dumps({"compiled": compiled, "errors": errors}) + "\n")
+            continue
+        if target.backend == "cuda":
+            try:
+                build_launcher(src, kernel)
+            except Exception as err:  # noqa: BLE001 - reported; the parent builds it at the kernel's first launch
+                launcher_errors.append(f"{module}:{qualname}: {type(err).__name__}: {str(err)[:300]}")
+    out.write(json.dumps({"compiled": compiled, "errors": errors, "launcher_errors": launcher_errors}) + "\n")
     out.flush()
 
 
