@@ -203,6 +203,8 @@ def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tupl
                     graph.capture_end()
                 del graph
         torch.cuda.current_stream(device).wait_stream(stream)
+        del mempool
+        torch.cuda.empty_cache()  # the dry captures' memory back to the device
     except Exception as err:  # noqa: BLE001 - any failure leaves the compiles to the real forwards
         failed = f"{type(err).__name__}: {err}"
     compiled, errors = pool.finish()

@@ -52,8 +52,9 @@ class KernelSpec:
 
 
 def default_workers() -> int:
-    """Worker processes when not configured: one per CPU core but one, at most MAX_WORKERS."""
-    return max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
+    """Worker processes when not configured: one per CPU core this process may run on but one, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(MAX_WORKERS, cores - 1))
 
 
 def jit_function(module: str, qualname: str):
