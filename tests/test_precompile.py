@@ -140,3 +140,34 @@ def test_parallel_warmup_on_the_gpu(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "serial"))
     want = [o.outputs[0].token_ids for o in LLM(compile_workers=0, **kw).generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_when_the_warmup_uses_workers():
+    """Workers where a step can be a CUDA graph (model.enforce_eager aside: the dry pass captures its own), none
+    under a mesh, with a capacity policy (its graphs are blocked) or compile_workers=0."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    from moe_infer.config import EngineConfig
+    from moe_infer.engine.backends import load_plugins
+    from moe_infer.engine.warmup import compile_workers
+    from moe_infer.layers.moe import MoEBackends
+
+    load_plugins()  # the Triton experts backend registered
+
+    def runner(distributed=False, policy="dropless", **model):
+        cfg = EngineConfig()
+        cfg = replace(cfg, model=replace(cfg.model, **model))
+        return SimpleNamespace(cfg=cfg, device=torch.device("cuda"),
+                               parallel=SimpleNamespace(is_distributed=distributed),
+                               backends=MoEBackends(experts="triton", policy=policy),
+                               model=SimpleNamespace(moe_layers=lambda: []))
+
+    assert compile_workers(runner()) == default_workers()
+    assert compile_workers(runner(enforce_eager=True)) == default_workers()
+    assert compile_workers(runner(compile_workers=3)) == 3
+    assert compile_workers(runner(compile_workers=0)) == 0
+    assert compile_workers(runner(distributed=True, compile_workers=3)) == 0
+    assert compile_workers(runner(policy="capacity", compile_workers=3)) == 0

@@ -255,15 +255,33 @@ def warm_up_runner(runner) -> Optional[float]:
         logger.log(gpu_note_level(runner.device), "no start-up warm-up of the Triton kernels: %s", why_not)
         return None
     counts, decodes, last_rows = warmup_plan(runner)
-    workers = runner.cfg.model.compile_workers
-    if runner.parallel.is_distributed:  # a rank whose dry pass failed would leave the others' collectives waiting
-        workers = 0
-    elif workers is None:
-        from moe_infer.kernels.precompile import default_workers
-
-        workers = default_workers()
+    workers = compile_workers(runner)
     seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device,
                              runner.last_rows, last_rows, compile_workers=workers)
     logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), %d + %d decodes (batch, "
                 "context) for the attention's tiles", seconds, len(counts), counts[-1], len(decodes), len(last_rows))
     return seconds
+
+
+def compile_workers(runner) -> int:
+    """The worker processes of the runner's warm-up (0: the kernels compile in its process): model.compile_workers
+    (None: `default_workers`), 0 under a mesh (a rank whose dry pass failed would leave the others waiting in their
+    collectives) and where a step cannot be a CUDA graph for another reason than model.enforce_eager (the dry pass
+    captures one: it would fail)."""
+    from dataclasses import replace
+
+    from moe_infer.engine.cuda_graph import graph_blocker
+
+    cfg = runner.cfg
+    if cfg.model.compile_workers == 0 or runner.parallel.is_distributed:
+        return 0
+    why_not = graph_blocker(replace(cfg, model=replace(cfg.model, enforce_eager=False)), runner.device,
+                            runner.backends, model=runner.model)
+    if why_not:
+        logger.info("the Triton kernels compile in the engine's process, one after the other: %s", why_not)
+        return 0
+    if cfg.model.compile_workers is None:
+        from moe_infer.kernels.precompile import default_workers
+
+        return default_workers()
+    return cfg.model.compile_workers
