@@ -171,3 +171,57 @@ def test_when_the_warmup_uses_workers():
     assert compile_workers(runner(compile_workers=0)) == 0
     assert compile_workers(runner(distributed=True, compile_workers=3)) == 0
     assert compile_workers(runner(policy="capacity", compile_workers=3)) == 0
+
+
+class _FakeDriver:
+    """Enough of a CUDA driver for Triton to bind a launch on the CPU (device 0, stream 0, sm_90)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+@pytest.mark.timeout(300)
+def test_dry_launches_find_compile_and_load_variants(target):
+    """Under dry_launches a launch runs nothing: its variant goes to on_missing once (Triton's own specialization data,
+    from the real binding), a worker-style compile of it puts it on disk, and the next dry launch loads it instead."""
+    import torch
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction as JF
+
+    from moe_infer.kernels.precompile import compile_spec, dry_launches
+
+    kernel = JITFunction(scale_kernel.fn)  # a fresh one: no variant in memory
+    run = JF.run
+    x, y = torch.zeros(256), torch.zeros(256)
+    missing = []
+    active = driver._active  # None on a machine without a GPU (its default driver cannot be made)
+    driver.set_active(_FakeDriver(target))
+    try:
+        with dry_launches(missing.append):
+            for _ in range(3):
+                assert kernel[(4,)](x, y, 200, BLOCK=64) is None  # nothing launched, nothing compiled
+        assert len(missing) == 1 and missing[0].qualname == "scale_kernel"
+        assert JF.run is run and triton.knobs.runtime.jit_cache_hook is None  # restored
+        assert not is_cached(kernel, missing[0].data, target)
+        compile_spec(kernel, missing[0].data, target)  # what a worker does
+        assert is_cached(kernel, missing[0].data, target)
+        again = []
+        with dry_launches(again.append):
+            kernel[(4,)](x, y, 200, BLOCK=64)
+        assert again == [] and len(kernel.device_caches[0][0]) == 1  # loaded from disk into memory
+    finally:
+        driver.set_active(active)

@@ -146,28 +146,33 @@ def target_of(d: dict):
 @contextlib.contextmanager
 def dry_launches(on_missing: Callable[[KernelSpec], None]) -> Iterator[None]:
     """While open: Triton launches launch nothing (`JITFunction.run` as its warmup); a variant on disk is loaded, one
-    that is not goes to on_missing (once per variant) and is left uncompiled. Not thread-safe: it patches Triton's
+    that is not goes to on_missing (once per variant) and is left uncompiled (one whose data cannot be decoded here
+    is compiled in this process). Not thread-safe: it patches Triton's
     launch for the whole process (and restores it)."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
     target = None
-    seen = {}  # (function, key) -> on disk
+    here = {}  # (function, key) -> compiled (or loaded) here, else sent to on_missing
 
     def hook(*, key, fn, compile, **_):
         nonlocal target
         jf = fn.jit_function
-        known = seen.get((id(jf), str(key)))
-        if known is None:
+        local = here.get((id(jf), str(key)))
+        if local is None:
             if target is None:
                 from triton.runtime.driver import driver
 
                 target = driver.active.get_current_target()
             data = compile["specialization_data"]
-            known = seen[(id(jf), str(key))] = is_cached(jf, data, target)
-            if not known:
+            try:
+                local = is_cached(jf, data, target)
+            except Exception:  # noqa: BLE001 - a variant this module cannot rebuild: Triton compiles it here
+                local = True
+            here[(id(jf), str(key))] = local
+            if not local:
                 on_missing(KernelSpec(jf.fn.__module__, jf.fn.__qualname__, data))
-        return None if known else True  # True: Triton skips the compile (and, here, never launches)
+        return None if local else True  # True: Triton skips the compile (and, here, never launches)
 
     run = JITFunction.run
 
