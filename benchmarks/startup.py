@@ -2,6 +2,7 @@
 
     python benchmarks/startup.py            # GPU: Qwen3-30B-A3B's layer shape, 8 layers, random bf16 weights
     python benchmarks/startup.py --tiny     # CPU: the tiny model in the repo
+    python benchmarks/startup.py --compile-workers 0   # the warm-up's kernels compiled one at a time (A/B)
 
 cold: empty Triton, TorchInductor and CUDA kernel caches (fresh folders), so every Triton kernel compiles; warm: a
 second process on the same machine with the caches the cold one left. Each process times, from its spawn:
@@ -26,6 +27,7 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from typing import Optional  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS_S = {"cold": 45.0, "warm": 15.0}
@@ -43,6 +45,8 @@ def child(spec: dict) -> dict:
     t1 = time.time()
     # The engine's defaults (graphs up to batch 256, warm-up up to 2048-token steps), as a user starts it.
     kw = dict(model=spec["model"], load_format="dummy", dtype="bfloat16") if spec["model"] else dict(num_kv_blocks=256)
+    if spec["compile_workers"] is not None:
+        kw["compile_workers"] = spec["compile_workers"]
     llm = LLM(**kw)
     t2 = time.time()
     parts = dict(llm.engine.startup_timings)
@@ -58,12 +62,12 @@ def child(spec: dict) -> dict:
                 triton_cache_files_at_start=cached, engine_parts=list(parts))
 
 
-def start(kind: str, model: str, caches: str, timeout: float) -> dict:
+def start(kind: str, model: str, caches: str, timeout: float, compile_workers: Optional[int] = None) -> dict:
     """Spawn one start in a fresh process with its caches under `caches` (kept between the cold and warm start)."""
     path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     env.update({var: os.path.join(caches, var.lower()) for var in CACHE_VARS})
-    spec = dict(model=model, spawn=time.time())
+    spec = dict(model=model, compile_workers=compile_workers, spawn=time.time())
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -89,6 +93,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny model in the repo on the CPU")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a start may take")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-workers", type=int, default=None,
+                    help="model.compile_workers (default: the engine's; 0: the warm-up compiles one kernel at a time)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -97,13 +103,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
         model = "" if args.tiny else write_config(os.path.join(tmp, "model"))
         caches = os.path.join(tmp, "caches")  # empty: the cold start compiles everything
-        runs = [start(kind, model, caches, args.timeout) for kind in ("cold", "warm")]
+        runs = [start(kind, model, caches, args.timeout, args.compile_workers) for kind in ("cold", "warm")]
     device = runs[0]["device"]
     label = "cpu" if device == "cpu" else __import__("torch").cuda.get_device_name().replace("NVIDIA ", "").replace(
         " ", "_").lower()
     gpu = device != "cpu"
     result = dict(benchmark="startup", device=label, model="tiny_moe (repo)" if args.tiny else
                   "Qwen3-30B-A3B layer shape, 8 layers, random bf16 weights", runs=runs,
+                  compile_workers=args.compile_workers,
                   targets_s=TARGETS_S if gpu else None,
                   met={r["kind"]: r["to_first_token_s"] <= TARGETS_S[r["kind"]] for r in runs} if gpu else None)
     print_table(result)
