@@ -24,7 +24,6 @@ Writes JSON (device named) to --out, else $OUT, else benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from device_rates import measure_rates  # noqa: E402
+from e2e_generate import device_label, sync, write_result  # noqa: E402
 
 REAL = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
@@ -49,17 +49,6 @@ TINY = dict(REAL, vocab_size=256, hidden_size=64, intermediate_size=96, moe_inte
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
             topk_group=2, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
             max_position_embeddings=512)
-
-
-def device_label(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "_").lower()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def clock(fn, device, reps: int = 10) -> float:
@@ -331,13 +320,7 @@ def main() -> None:
             bf16, fp8 = ({d["batch"]: d["tok_s"] for d in result["engine"][f]["decode"]} for f in ("bf16", "fp8"))
             result["fp8_decode_speedup"] = {b: fp8[b] / bf16[b] for b in bf16}
     print_table(result)
-    name = f"deepseek_v3_{result['device']}{'_tiny' if args.tiny else ''}.json"
-    folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    path = args.out or os.path.join(folder, name)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_result(result, f"deepseek_v3_{result['device']}{'_tiny' if args.tiny else ''}.json", args.out)
 
 
 def print_table(result: dict) -> None:

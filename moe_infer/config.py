@@ -31,11 +31,16 @@ class ModelConfig:
     # in a step with prompt tokens, the last layer computes past its K/V write only each sequence's last row (the
     # one the model's output is read at; moe_infer/layers/last_rows.py); off with a capacity policy or the trace
     prune_last_layer: bool = True
+    # worker processes that compile the start-up warm-up's Triton kernels in parallel (moe_infer/kernels/precompile.py;
+    # CUDA only): None: one per CPU core but one (at most 32); 0: compiled one after the other, in the engine's process
+    compile_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():
             raise ValueError("model.path is empty: model=hf needs model.path=/path/to/checkpoint "
                              "(leave model.path unset, model=tiny_moe, for the small model shipped in the repo)")
+        if self.compile_workers is not None and self.compile_workers < 0:
+            raise ValueError(f"model.compile_workers must be >= 0 (0: no worker processes), got {self.compile_workers}")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError(f"model.cuda_graph_max_batch must be positive, got {self.cuda_graph_max_batch}")
         if self.cuda_graph_max_tokens < 0:

@@ -36,6 +36,7 @@ from moe_infer.engine.request_state import Child, RequestState
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
 from moe_infer.engine.speculative.speculator import Speculator, speculation_blocker
+from moe_infer.engine.startup_timings import StartupTimings
 from moe_infer.parallel.engine_hooks import init_engine_parallel, make_executor
 from moe_infer.parallel.pipeline import StepFailed
 
@@ -110,12 +111,18 @@ class LLMEngine:
         tokens) and stop strings are not checked here; whoever reads the outputs detokenizes and ends a
         sample on its stop string with `stop_sample` (the engine core process: the server's process does it,
         moe_infer/engine/detok_assembler.py)."""
+        started = time.perf_counter()
         self.cfg = cfg
         self.detokenize = detokenize
         speculation_blocker(cfg)  # before any process group: a mesh with speculation is refused at once
-        self.parallel = init_engine_parallel(cfg, model_path)  # the mesh first: it picks this rank's GPU
-        self.device = resolve_device(cfg.model.device)
+        timings = StartupTimings()  # where start-up goes (moe_infer/engine/startup_timings.py)
+        with timings.part("parallel_init_s"):
+            self.parallel = init_engine_parallel(cfg, model_path)  # the mesh first: it picks this rank's GPU
+            self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        if self.device.type == "cuda":
+            with timings.part("cuda_init_s"):  # the context now, not inside the first part that touches the GPU
+                torch.zeros(1, device=self.device)
         torch.manual_seed(cfg.seed)
         kv_reserve, spec = (0, 0), cfg.speculative
         if spec.method == "draft" and spec.draft_model and os.path.isdir(spec.draft_model):
@@ -128,9 +135,11 @@ class LLMEngine:
             kv_reserve = (mtp_kv_bytes_per_block(model_path, cfg.cache.block_size, self.dtype), 0)
         self.runner = ModelRunner(cfg, model_path, self.device, self.dtype, parallel=self.parallel,
                                   kv_reserve=kv_reserve)
-        start = time.perf_counter()
-        self.tokenizer = load_tokenizer(model_path)
-        self.runner.startup_timings["tokenizer_s"] = time.perf_counter() - start
+        self.startup_timings = timings
+        timings.update(self.runner.startup_timings)
+        with timings.part("tokenizer_s"):
+            self.tokenizer = load_tokenizer(model_path)
+        scheduler_start = time.perf_counter()
         arch = self.runner.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -165,6 +174,10 @@ class LLMEngine:
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()
         self._pending: List[RequestOutput] = []  # outputs of requests that finished outside a step
+        timings["scheduler_s"] = time.perf_counter() - scheduler_start
+        total = time.perf_counter() - started
+        logger.info("engine started in %.1f s: %s, other %.2f s", total, timings.summary(),
+                    total - sum(timings.values()))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:

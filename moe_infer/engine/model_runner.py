@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from moe_infer.engine.cuda_graph import DecodeGraphs, gpu_note_level, graph_bloc
 from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.layer_graphs import LayerGraphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler
+from moe_infer.engine.startup_timings import StartupTimings
 from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.step_inputs import (
     LaunchedStep, Sizes, StepDecoder, StepEncoder, StepInputs, flat_inputs, message_layout, per_plan_entry,
@@ -63,20 +64,23 @@ class ModelRunner:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.kv_reserve = kv_reserve
         self.block_size = cfg.cache.block_size
-        self.backends = resolve_moe_backends(cfg, device)
+        # where start-up goes, in parts (moe_infer/engine/startup_timings.py; benchmarks/startup.py reads them)
+        self.startup_timings = timings = StartupTimings()
+        with timings.part("plugins_s"):
+            self.backends = resolve_moe_backends(cfg, device)
         self.parallel = parallel if parallel is not None else init_engine_parallel(cfg, model_path)
-        self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
-        self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
-        shard = self.parallel.model_shard(load_arch(model_path)[0].num_layers)
+        with timings.part("hf_config_s"):
+            self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
+            self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
+            shard = self.parallel.model_shard(load_arch(model_path)[0].num_layers)
         self.dp = shard.dp  # attention data parallelism: this stage's replicas, each with its own requests
         self.dp_paths = None
-        start = time.perf_counter()  # startup_timings: where start-up goes (benchmarks/startup.py reads them)
-        self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
-                                load_format=cfg.model.load_format, shard=shard,
-                                quantization=cfg.model.quantization, mtp=cfg.speculative.method == "mtp")
-        if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
-            self.offload.finish_load()
-        self.startup_timings: Dict[str, float] = {"model_load_s": time.perf_counter() - start}
+        with timings.part("model_load_s"):
+            self.model = load_model(model_path, dtype, device, self.backends, cfg.model.attention_backend,
+                                    load_format=cfg.model.load_format, shard=shard,
+                                    quantization=cfg.model.quantization, mtp=cfg.speculative.method == "mtp")
+            if self.offload is not None:  # NVMe files synced, the cost model measured; KV is sized after the cache
+                self.offload.finish_load()
         arch = self.model.arch
         self.arch = arch
         self._extend_tokens: Optional[int] = None  # _extend_graph_tokens, decided once
@@ -99,9 +103,10 @@ class ModelRunner:
                              f"max_position_embeddings={arch.max_position_embeddings}")
         if cfg.cache.kv_cache_dtype != "auto":
             self._use_fp8_kv_cache()
-        self.num_kv_blocks = self.parallel.agree_min(self._num_kv_blocks())  # the same block ids on every rank
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
-        self.model.bind_kv_cache(self.kv_caches)
+        with timings.part("kv_cache_s"):
+            self.num_kv_blocks = self.parallel.agree_min(self._num_kv_blocks())  # the same block ids on every rank
+            self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+            self.model.bind_kv_cache(self.kv_caches)
         self.last_rows = self._last_rows_on()
         self.sampler = Sampler(arch.vocab_size, arch.eos_token_ids, device, seed=cfg.seed)
         self.verifier = None  # speculative decoding: the verification of proposed tokens (engine/speculative/)
@@ -112,16 +117,15 @@ class ModelRunner:
 
             self.verifier = Verifier(self.sampler)
         self.encoder, self.decoder = StepEncoder(self.block_size), StepDecoder()  # the mesh's step messages
-        self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
-        self.startup_timings["kernel_warmup_s"] = self.warmup_s or 0.0
-        start = time.perf_counter()
-        self.graphs = self._decode_graphs()
-        self.layer_graphs = self._layer_graphs()
-        if self.offload is not None and self.offload.expert_graphs is not None and cfg.model.enforce_eager:
-            logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
-            self.offload.expert_graphs = None
-        self.extend_graphs = self._extend_graphs()
-        self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start  # decode graphs captured (with warm-up)
+        with timings.part("kernel_warmup_s"):
+            self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
+        with timings.part("cuda_graphs_s"):  # the graphs' buffers and warm-up forwards (captured at first use)
+            self.graphs = self._decode_graphs()
+            self.layer_graphs = self._layer_graphs()
+            if self.offload is not None and self.offload.expert_graphs is not None and cfg.model.enforce_eager:
+                logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
+                self.offload.expert_graphs = None
+            self.extend_graphs = self._extend_graphs()
         self.paths = StepPaths(self, device, self.block_size)
         if self.dp.communicates:  # attention data parallelism: dp segments a step (moe_infer/engine/dp_inputs.py)
             from moe_infer.engine.dp_inputs import DPPaths, fill_placeholders_dp

@@ -17,6 +17,14 @@ functions of:
 one (batch, context) decode for each distinct decode tile pair; `warmup_kernels` runs an eager forward at each.
 The GPU test (tests/test_jit_warmup.py) runs steps of many sizes after start-up and counts Triton compiles: none.
 
+Compiling in parallel (`model.compile_workers`, CUDA): the forwards first run dry, each inside a CUDA graph
+capture that is thrown away, with Triton launching nothing (`moe_infer.kernels.precompile.dry_launches`): every
+variant they select that is not in Triton's disk cache goes to a pool of worker processes; then the forwards run
+for real and load those from disk. A warm start (every variant on disk) loads them in the dry pass and stops
+there. Anything that fails on the way (a capture, a worker) is logged once and leaves the kernels to the real
+forwards, which compile what is still missing one after the other, as with compile_workers=0 (and always under
+a mesh, where a rank whose dry pass failed would leave the others waiting in their collectives).
+
 The forwards run padding rows only: no K/V slot written (slot -1), keys read from block 0, every row left
 out of the expert-load statistics (valid_T all False). Resident experts only (an offloading store would move
 experts for the padding rows); under a mesh every rank runs the same forwards (no pipeline stages).
@@ -27,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,24 +142,86 @@ def padding_step(lengths: Sequence[int], block_size: int, device: torch.device, 
 @torch.inference_mode()
 def warmup_kernels(model, token_counts: Sequence[int], decode_shapes: Sequence[Tuple[int, int]], max_model_len: int,
                    block_size: int, device: torch.device, last_rows: bool = False,
-                   last_row_shapes: Sequence[Tuple[int, int]] = ()) -> float:
+                   last_row_shapes: Sequence[Tuple[int, int]] = (), compile_workers: int = 0) -> float:
     """One eager forward per token count (sequences of at most max_model_len tokens), then a decode of B
     one-token sequences over L keys per (B, L) of decode_shapes. With last_rows (the runner's: a prompt step's last
     layer runs each sequence's last row, attended as a decode, moe_infer/layers/last_rows.py), every forward runs
     so, and a step of B two-token sequences over L keys per (B, L) of last_row_shapes warms that decode attention.
-    Returns the seconds it took."""
+    compile_workers > 0 (CUDA): the kernels missing from Triton's disk cache compiled first by that many worker
+    processes (`precompile_in_workers`). Returns the seconds it took."""
     start = time.perf_counter()
     steps = [([max_model_len] * (T // max_model_len) + ([T % max_model_len] if T % max_model_len else []), 0)
              for T in token_counts]
     steps += [([1] * B, L) for B, L in decode_shapes]
     steps += [([2] * B, L) for B, L in (last_row_shapes if last_rows else ())]
-    for lengths, max_seq_len in steps:
-        input_ids_T, meta, valid_T = padding_step(lengths, block_size, device, max_seq_len)
+
+    def forward(step) -> None:
+        input_ids_T, meta, valid_T = step
         with forward_context(meta, valid_T=valid_T, last_rows=last_rows), graph_kernels():  # as the graphs select
             model(input_ids_T, meta.positions_T)
+
+    def inputs():
+        return (padding_step(lengths, block_size, device, max_seq_len) for lengths, max_seq_len in steps)
+
+    if compile_workers > 0 and device.type == "cuda" and precompile_in_workers(forward, inputs(), device,
+                                                                               compile_workers) == 0:
+        return time.perf_counter() - start  # every variant was on disk: loaded by the dry pass
+    for step in inputs():
+        forward(step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tuple], device: torch.device,
+                          num_workers: int) -> Optional[int]:
+    """The dry pass: forward(step) for every step (its inputs, made outside the capture: host-to-device copies are not
+    capturable) inside a CUDA graph capture that is dropped, Triton launching nothing; the variants missing from
+    the disk cache compiled by num_workers processes meanwhile, waited for.
+    Returns how many were sent to them (0: all were on disk, and are loaded now), None where the dry pass failed
+    (logged; the real forwards compile what is missing)."""
+    try:
+        from triton.runtime.driver import driver
+
+        from moe_infer.kernels.precompile import CompilePool, dry_launches
+    except ImportError as err:
+        logger.info("Triton kernels compile in the engine's process: %s", err)
+        return None
+    pool = CompilePool(num_workers, driver.active.get_current_target())
+    failed = None
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        mempool = torch.cuda.graph_pool_handle()  # one pool: a step's captured activations reused by the next
+        with dry_launches(pool.submit), torch.cuda.stream(stream):
+            for step in steps:
+                graph = torch.cuda.CUDAGraph()  # the torch ops are captured, never run: no value is ever read
+                graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+                try:
+                    forward(step)
+                finally:
+                    graph.capture_end()
+                del graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        del mempool
+        torch.cuda.empty_cache()  # the dry captures' memory back to the device
+    except Exception as err:  # noqa: BLE001 - any failure leaves the compiles to the real forwards
+        failed = f"{type(err).__name__}: {err}"
+    compiled, errors = pool.finish()
+    if pool.num_submitted:
+        logger.info("Triton kernels: %d of %d variants compiled by %d worker processes in %.1f s", compiled,
+                    pool.num_submitted, pool.num_workers, pool.seconds)
+    if pool.launcher_errors:
+        logger.info("%d Triton kernel launchers left to the kernels' first launch: %s", len(pool.launcher_errors),
+                    pool.launcher_errors[0])
+    if errors:
+        logger.warning("%d Triton kernel variants were not compiled in parallel (compiled in the engine's process "
+                       "instead): %s", len(errors), "; ".join(errors[:3]))
+    if failed is not None:
+        logger.warning("the dry pass of the Triton warm-up failed (the kernels compile in the engine's process, one "
+                       "after the other): %s", failed)
+        return None
+    return pool.num_submitted
 
 
 def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]], List[Tuple[int, int]]]:
@@ -185,8 +255,33 @@ def warm_up_runner(runner) -> Optional[float]:
         logger.log(gpu_note_level(runner.device), "no start-up warm-up of the Triton kernels: %s", why_not)
         return None
     counts, decodes, last_rows = warmup_plan(runner)
+    workers = compile_workers(runner)
     seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device,
-                             runner.last_rows, last_rows)
+                             runner.last_rows, last_rows, compile_workers=workers)
     logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), %d + %d decodes (batch, "
                 "context) for the attention's tiles", seconds, len(counts), counts[-1], len(decodes), len(last_rows))
     return seconds
+
+
+def compile_workers(runner) -> int:
+    """The worker processes of the runner's warm-up (0: the kernels compile in its process): model.compile_workers
+    (None: `default_workers`), 0 under a mesh (a rank whose dry pass failed would leave the others waiting in their
+    collectives) and where a step cannot be a CUDA graph for another reason than model.enforce_eager (the dry pass
+    captures one: it would fail)."""
+    from dataclasses import replace
+
+    from moe_infer.engine.cuda_graph import graph_blocker
+
+    cfg = runner.cfg
+    if cfg.model.compile_workers == 0 or runner.parallel.is_distributed:
+        return 0
+    why_not = graph_blocker(replace(cfg, model=replace(cfg.model, enforce_eager=False)), runner.device,
+                            runner.backends, model=runner.model)
+    if why_not:
+        logger.info("the Triton kernels compile in the engine's process, one after the other: %s", why_not)
+        return 0
+    if cfg.model.compile_workers is None:
+        from moe_infer.kernels.precompile import default_workers
+
+        return default_workers()
+    return cfg.model.compile_workers
