@@ -3,12 +3,13 @@
     python benchmarks/offload.py                  # the lent H100: about 6 minutes, one command
     python benchmarks/offload.py --parts mixtral  # the Mixtral shape only (about 2 minutes)
     python benchmarks/offload.py --smoke          # CPU, tiny shapes: the same code paths end to end
-    python benchmarks/offload.py --quantization fp8 --parts mixtral,qwen3   # fp8 (block-scaled) experts
+    python benchmarks/offload.py --quantization fp8 --parts mixtral,qwen3   # fp8 (block-scaled) experts; or int4, mxfp4
 
-With --quantization fp8 the dummy weights are stored as an fp8 checkpoint would be (every linear weight of the
-decoder layers but the routers, 128 x 128 blocks): the tiers hold, move and slot fp8 experts with their scales,
-the budget buys about twice the bf16 experts, and the bound counts the fp8 bytes (the bound from the limits'
-CPU rate, a bf16 expert's, is left out; the one at the rate timed after the run dequantizes as the engine does).
+With --quantization the dummy weights are stored as a checkpoint of that format would be (fp8: every linear weight
+of the decoder layers but the routers, 128 x 128 blocks; int4: compressed-tensors W4A16, groups of 128; mxfp4: the
+experts only, as GPT-OSS): the tiers hold, move and slot the experts with their scales, the budget buys about 2x
+(fp8) or 3.5x (4-bit) the bf16 experts, and the bound counts the stored bytes (the bound from the limits' CPU rate,
+a bf16 expert's, is left out; the one at the rate timed after the run dequantizes as the engine does).
 
 The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from
 config.json alone), every expert in pinned host memory (`offload=cpu`), the whole process limited
@@ -98,8 +99,13 @@ def shapes(smoke: bool) -> dict:
 QUANT_CONFIGS = {
     "none": None,
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}},
+    "mxfp4": {"quant_method": "mxfp4"},
 }
-NOT_YET = {"int4": "group-wise int4", "mxfp4": "MXFP4"}
+SMOKE_BLOCK = 32  # the smoke shapes' blocks / groups (128 does not divide their widths)
+ATTN_BYTES = {None: 2, "fp8": 1, "int4": 0.5, "mxfp4": 2}  # a dense weight's bytes per value (mxfp4: experts only)
 
 
 def quant_spec(cfg):
@@ -126,7 +132,8 @@ def non_expert_bytes(cfg) -> int:
     """Bytes of attention (bf16, or 1 a weight quantized: the scales are under 0.01 %), routers, embedding and head
     (bf16): what the GPU holds besides the experts."""
     D, H = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * (1 if quant_spec(cfg) else 2)
+    q = quant_spec(cfg)
+    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * ATTN_BYTES[q and q.method]
     return cfg.num_hidden_layers * (attn + 2 * D * num_experts(cfg)) + 2 * 2 * cfg.vocab_size * D
 
 
@@ -323,15 +330,12 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch's intra-op threads for the host's experts, set before any of them runs (a pool made "
                          "smaller later may keep its threads spinning under ACTIVE); 0: as the environment says")
-    ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS) + list(NOT_YET),
-                    help="the experts' (and attention's) stored format: none (bf16) or fp8 (block-scaled, 128 x 128)")
+    ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS),
+                    help="the experts' (and attention's) stored format: none (bf16), fp8 (block-scaled, 128 x 128), "
+                         "int4 (W4A16, groups of 128) or mxfp4 (experts only)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
-    if args.quantization in NOT_YET:
-        ap.error(f"--quantization {args.quantization}: the {NOT_YET[args.quantization]} format is not in "
-                 "moe_infer.quant yet (the engine refuses its checkpoints); add its quantization_config to "
-                 "QUANT_CONFIGS once it is")
     if args.torch_threads < 0:
         ap.error("--torch-threads: must be >= 0 (0: torch's default)")
     if args.torch_threads:
@@ -360,8 +364,11 @@ def main() -> int:
     shp = shapes(args.smoke)
     mix, qwen = shp["mixtral"], shp["qwen3"]
     qcfg = QUANT_CONFIGS[args.quantization]
-    if qcfg is not None and args.smoke:  # blocks that divide the tiny shapes' widths
-        qcfg = dict(qcfg, weight_block_size=[32, 32])
+    if args.smoke and args.quantization == "fp8":  # blocks that divide the tiny shapes' widths
+        qcfg = dict(qcfg, weight_block_size=[SMOKE_BLOCK] * 2)
+    if args.smoke and args.quantization == "int4":
+        qcfg = copy.deepcopy(qcfg)
+        qcfg["config_groups"]["group_0"]["weights"]["group_size"] = SMOKE_BLOCK
     for c in (mix, qwen):
         if qcfg is not None:
             c.quantization_config = qcfg
