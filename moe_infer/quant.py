@@ -17,8 +17,8 @@ block_k) activation quantization where FP8_LINEAR_KERNELS has one for the device
 once). An int4 dense weight is dequantized per call on the CPU, through the W4A16 GEMM of
 `moe_infer.kernels.fused_moe_w4a16` on CUDA (W4_LINEAR_KERNELS, registered by `moe_infer.layers.quant_triton`).
 mxfp4 covers the routed experts only (`QuantSpec.quantizes_linear` False). The experts run
-`moe_infer.kernels.fused_moe_w4a16` for int4 and mxfp4 (`experts/triton_experts.py` dispatches on `fmt`); experts
-with biases or a clamped SwiGLU (GPT-OSS) run the reference loop, each expert dequantized for the call.
+`moe_infer.kernels.fused_moe_w4a16` for int4 and mxfp4 (`experts/triton_experts.py` dispatches on `fmt`), GPT-OSS's
+biases and clamped SwiGLU included (kernels/moe_epilogue.py); the formats themselves live in quant_w4.py.
 
 Online quantization (`online_quant_spec`, `LLM(..., quantization="fp8" | "int4")`, vLLM's names): the model is built
 with quantized weights and the loader quantizes each bf16 checkpoint tensor as it is read (`store_quantized`).

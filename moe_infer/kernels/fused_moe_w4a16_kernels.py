@@ -7,7 +7,8 @@ inline decode schedule), in the grouped tile order of `tile_of`; tiles past num_
 CUDA-graph capturable). Per K step a program loads its activation tile as the bf16 path does and its weight tile
 [BLOCK_K, BLOCK_N] as 4-bit codes (`load_w4`: each packed word or byte is read by the 8 or 2 lanes of its values,
 which the cache serves, and the group scale by each of its values' lanes), dequantizes it to the activations' dtype
-and runs tl.dot (float32 operands under the interpreter: IS_FP32_DOT).
+and runs tl.dot (float32 operands under the interpreter: IS_FP32_DOT): `dot_w4`, one K step of every GEMM here.
+The epilogues take the expert biases and GPT-OSS's clamped SwiGLU (moe_epilogue.py: HAS_BIAS, CLAMPED, HAS_BIAS2).
 
 FMT 0: int4, packed int32 [E, N, K / 8], scales [E, N, K / GROUP], zeros uint8 [E, N, K / GROUP] (HAS_ZERO; else 8).
 FMT 1: mxfp4, packed uint8 [E, N, K / 2] (low nibble first), e8m0 scales uint8 [E, N, K / 32] (GROUP = 32); the
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from moe_infer.kernels.fused_moe_align import tile_rows
 from moe_infer.kernels.fused_moe_gemm import tile_of
+from moe_infer.kernels.moe_epilogue_kernels import down_epilogue, gate_up_epilogue
 
 
 @triton.jit
@@ -52,13 +54,30 @@ def load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stri
 
 
 @triton.jit
+def dot_w4(acc, a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
+           FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """acc + a @ w^T[k0 + offs_k, offs_n]: the weight tile dequantized (`load_w4`) to a's dtype (float32 operands
+    under the interpreter)."""
+    w = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
+                FMT, GROUP, HAS_ZERO)
+    if IS_FP32_DOT:
+        a = a.to(tl.float32)
+    else:
+        w = w.to(a.dtype)
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
 def gate_up_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                       num_rows, ROW_DIV, D, F, num_tiles_m, expert_start, E,
                       stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
                       FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), w13_e = [w1; w3] [2F, D] in 4 bits."""
+                      IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      b13_ptr, stride_be, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
+                      LIMIT: tl.constexpr):
+    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), w13_e = [w1; w3] [2F, D] in 4 bits (with
+    the gate/up bias and the clamped SwiGLU where HAS_BIAS / CLAMPED)."""
     pid_m, pid_n = tile_of(tl.program_id(0), num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
@@ -75,18 +94,11 @@ def gate_up_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, expert_pt
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=is_row[:, None] & (offs_k[None, :] < D - k0), other=0.0)
-        g = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, D, stride_we, stride_wn, stride_se,
-                    stride_sn, FMT, GROUP, HAS_ZERO)
-        u = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n + F, is_n, k0, offs_k, D, stride_we, stride_wn, stride_se,
-                    stride_sn, FMT, GROUP, HAS_ZERO)
-        if IS_FP32_DOT:
-            a = a.to(tl.float32)
-        else:
-            g = g.to(a.dtype)
-            u = u.to(a.dtype)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+        acc_g = dot_w4(acc_g, a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, D, stride_we, stride_wn,
+                       stride_se, stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
+        acc_u = dot_w4(acc_u, a, w_ptr, s_ptr, z_ptr, e, offs_n + F, is_n, k0, offs_k, D, stride_we, stride_wn,
+                       stride_se, stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
+    act = gate_up_epilogue(acc_g, acc_u, b13_ptr, e, offs_n, is_n, F, stride_be, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
 
@@ -97,8 +109,10 @@ def down_w4_kernel(act_ptr, w_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ptr,
                    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """y_ND[row_p] = weights_N[row_p] * act_PF[p] @ w2_e.T (w2_e [D, F] in 4 bits) for the real rows of a live tile."""
+                   IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                   b2_ptr, stride_b2e, HAS_BIAS2: tl.constexpr):
+    """y_ND[row_p] = weights_N[row_p] * (act_PF[p] @ w2_e.T (+ b2[e])) (w2_e [D, F] in 4 bits) for the real rows of a
+    live tile."""
     pid_m, pid_n = tile_of(tl.program_id(0), num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
@@ -114,13 +128,9 @@ def down_w4_kernel(act_ptr, w_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=offs_k[None, :] < F - k0, other=0.0)
-        w = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, F, stride_we, stride_wn, stride_se,
-                    stride_sn, FMT, GROUP, HAS_ZERO)
-        if IS_FP32_DOT:
-            a = a.to(tl.float32)
-        else:
-            w = w.to(a.dtype)
-        acc = tl.dot(a, w, acc)
+        acc = dot_w4(acc, a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, F, stride_we, stride_wn, stride_se,
+                     stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
+    acc = down_epilogue(acc, b2_ptr, e, offs_n, is_n, stride_b2e, HAS_BIAS2)
     weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -141,12 +151,7 @@ def w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=is_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-        w = load_w4(w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT, GROUP,
-                    HAS_ZERO)
-        if IS_FP32_DOT:
-            a = a.to(tl.float32)
-        else:
-            w = w.to(a.dtype)
-        acc = tl.dot(a, w, acc)
+        acc = dot_w4(acc, a, w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT,
+                     GROUP, HAS_ZERO, IS_FP32_DOT)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=is_m[:, None] & is_n[None, :])

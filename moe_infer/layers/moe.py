@@ -107,8 +107,8 @@ class MoELayer(nn.Module):
         """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's. quant:
         the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is).
         router_bias, expert_bias, expert_act: GPT-OSS's router bias, expert biases and clamped SwiGLU
-        (moe_infer/experts/activation.py); such experts run the experts backend's per-call path (no fused kernel
-        applies them yet), on a resident store."""
+        (moe_infer/experts/activation.py), on a resident store; the fused kernels apply them (bf16, int4, mxfp4
+        experts), other backends and formats run the per-call path."""
         super().__init__()
         if (expert_bias or expert_act != SILU) and backends.store != "resident":
             raise NotImplementedError(f"offload.store={backends.store}: experts with biases or another activation than "
@@ -153,13 +153,14 @@ class MoELayer(nn.Module):
 
     @property
     def can_fuse_experts(self) -> bool:
-        """Whether the experts backend's fused path (`fused_experts`) can run this layer: plain SwiGLU experts
-        without biases, unquantized, fp8 (W8A8) or int4 / mxfp4 (W4A16); else the per-call path of the backend.
-        Experts with biases or another activation (GPT-OSS) never fuse: no fused kernel applies them."""
-        if self.expert_bias or self.expert_act != SILU:
-            return False
+        """Whether the experts backend's fused path (`fused_experts`) can run this layer: SwiGLU experts unquantized,
+        fp8 (W8A8) or int4 / mxfp4 (W4A16); experts with biases or GPT-OSS's clamped SwiGLU unquantized, int4 or
+        mxfp4 (the kernels' epilogues apply them); else the per-call path of the backend."""
         quant = getattr(self.store.weights()[0], "quant", None) if self.store.is_resident else None
-        return quant is None or getattr(quant, "fmt", None) in FUSED_FORMATS
+        fmt = getattr(quant, "fmt", None)
+        if self._extras() is not None:
+            return fmt in getattr(self._experts, "fused_extras_formats", ())
+        return quant is None or fmt in FUSED_FORMATS
 
     def route(self, x_TD: torch.Tensor) -> tuple:
         """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""
@@ -208,6 +209,9 @@ class MoELayer(nn.Module):
             fused = None
         if not self.store.is_resident:
             return self._offloaded_experts(x_TD, ids_TK, weights_TK)
+        extras = self._extras()
+        if extras is not None and fused is not None:  # only a backend that declares it takes the extras
+            fused = partial(fused, extras=extras)
         if fused is not None and type(self.dispatcher) is LocalDispatcher:
             return fused(x_TD, ids_TK, weights_TK, *self.store.weights(), self.dispatcher.expert_start)
         # an EP dispatcher runs a fused backend on its received rows as they lie (ids: local slots)
