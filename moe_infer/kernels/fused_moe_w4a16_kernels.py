@@ -7,7 +7,10 @@ inline decode schedule), in the grouped tile order of `tile_of`; tiles past num_
 CUDA-graph capturable). Per K step a program loads its activation tile as the bf16 path does and its weight tile
 [BLOCK_K, BLOCK_N] as 4-bit codes (`load_w4`: each packed word or byte is read by the 8 or 2 lanes of its values,
 which the cache serves, and the group scale by each of its values' lanes), dequantizes it to the activations' dtype
-and runs tl.dot (float32 operands under the interpreter: IS_FP32_DOT): `dot_w4`, one K step of every GEMM here.
+and runs tl.dot (float32 operands under the interpreter: IS_FP32_DOT): `w4_operands` in the down and dense GEMMs
+(their sm_90 PTX the same as with the block inline). gate_up keeps its block inline: its gate and up tiles are both
+loaded before the casts, and through the helper (one tile after the other) Triton 3.9's sm_90 PTX of gate_up changed
+(scalar bf16 scale multiplies in place of bf16x2, two more barriers), which no GPU has timed.
 The epilogues take the expert biases and GPT-OSS's clamped SwiGLU (moe_epilogue.py: HAS_BIAS, CLAMPED, HAS_BIAS2).
 
 FMT 0: int4, packed int32 [E, N, K / 8], scales [E, N, K / GROUP], zeros uint8 [E, N, K / GROUP] (HAS_ZERO; else 8).
@@ -54,17 +57,17 @@ def load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stri
 
 
 @triton.jit
-def dot_w4(acc, a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
-           FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, IS_FP32_DOT: tl.constexpr):
-    """acc + a @ w^T[k0 + offs_k, offs_n]: the weight tile dequantized (`load_w4`) to a's dtype (float32 operands
-    under the interpreter)."""
+def w4_operands(a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
+                FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """(a, w) ready for tl.dot: the weight tile w^T[k0 + offs_k, offs_n] dequantized (`load_w4`) to a's dtype, or
+    both in float32 under the interpreter. The kernels load every operand of a K step before their dots."""
     w = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
                 FMT, GROUP, HAS_ZERO)
     if IS_FP32_DOT:
         a = a.to(tl.float32)
     else:
         w = w.to(a.dtype)
-    return tl.dot(a, w, acc)
+    return a, w
 
 
 @triton.jit
@@ -94,10 +97,18 @@ def gate_up_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, expert_pt
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=is_row[:, None] & (offs_k[None, :] < D - k0), other=0.0)
-        acc_g = dot_w4(acc_g, a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, D, stride_we, stride_wn,
-                       stride_se, stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
-        acc_u = dot_w4(acc_u, a, w_ptr, s_ptr, z_ptr, e, offs_n + F, is_n, k0, offs_k, D, stride_we, stride_wn,
-                       stride_se, stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
+        # inline, not `w4_operands` twice: see the module docstring (the PTX changed through the helper)
+        g = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, D, stride_we, stride_wn, stride_se,
+                    stride_sn, FMT, GROUP, HAS_ZERO)
+        u = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n + F, is_n, k0, offs_k, D, stride_we, stride_wn, stride_se,
+                    stride_sn, FMT, GROUP, HAS_ZERO)
+        if IS_FP32_DOT:
+            a = a.to(tl.float32)
+        else:
+            g = g.to(a.dtype)
+            u = u.to(a.dtype)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
     act = gate_up_epilogue(acc_g, acc_u, b13_ptr, e, offs_n, is_n, F, stride_be, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
@@ -128,8 +139,9 @@ def down_w4_kernel(act_ptr, w_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=offs_k[None, :] < F - k0, other=0.0)
-        acc = dot_w4(acc, a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, F, stride_we, stride_wn, stride_se,
-                     stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
+        a, w = w4_operands(a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, F, stride_we, stride_wn, stride_se,
+                           stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
+        acc = tl.dot(a, w, acc)
     acc = down_epilogue(acc, b2_ptr, e, offs_n, is_n, stride_b2e, HAS_BIAS2)
     weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
@@ -151,7 +163,8 @@ def w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=is_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-        acc = dot_w4(acc, a, w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT,
-                     GROUP, HAS_ZERO, IS_FP32_DOT)
+        a, w = w4_operands(a, w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT,
+                           GROUP, HAS_ZERO, IS_FP32_DOT)
+        acc = tl.dot(a, w, acc)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=is_m[:, None] & is_n[None, :])
