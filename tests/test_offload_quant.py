@@ -313,3 +313,30 @@ def test_fp8_offloaded_on_cuda_equals_resident(offload, fp8_checkpoint, tmp_path
     if offload["offload"] == "cpu":
         assert all(s.store._region.pinned for s in llm.engine.runner.model.moe_layers())
     llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_w4_offloaded_on_cuda_equals_resident(fmt, w4_models, monkeypatch):
+    """CUDA: int4 / mxfp4 experts in the pinned tier, packed data and scales copied on the side stream, the W4A16
+    kernel on the slot pool ([S, ...] packed weights and scales, slot ids): the resident engine's greedy tokens
+    (float32 activations, misses wait for the link)."""
+    from moe_infer.kernels import fused_moe_w4a16 as kernel
+
+    kw, _ = w4_models[fmt]
+    cuda = dict(KW, device="cuda")
+    want = _generate(LLM(**kw, **cuda))
+    name = "fused_moe_int4" if fmt == "int4" else "fused_moe_mxfp4"
+    calls, real = [], getattr(kernel, name)
+
+    def counted(x, ids, w, w13, *a, **k):
+        calls.append(w13.shape[0])
+        return real(x, ids, w, w13, *a, **k)
+    monkeypatch.setattr(kernel, name, counted)
+    llm = LLM(**kw, **cuda, offload="cpu", slots_per_layer=2, miss_policy="wait")
+    assert _generate(llm) == want
+    assert 2 in calls  # the kernel ran on the slot pool of 2 slots a layer
+    total = llm.get_offload_stats()["total"]
+    assert total["needed"] > total["hits"] > 0 and total["gb_h2d"] > 0, str(total)
+    llm.shutdown()
