@@ -106,3 +106,27 @@ def test_gpt_oss_engine_runs_the_fused_kernels(fmt, tmp_path, monkeypatch):
                         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert len(calls) >= 2 * len(llm.engine.runner.model.moe_layers())  # a prefill and a decode at least
+
+
+def test_gpt_oss_quantized_at_load_to_int4_runs_the_w4a16_kernel(tmp_path, monkeypatch):
+    """quantization="int4" on a float32 GPT-OSS checkpoint: int4 experts with biases and the clamped SwiGLU through
+    the W4A16 kernel with its epilogue give the tokens of the PyTorch experts backend's loop on the same weights."""
+    from moe_infer import LLM, SamplingParams
+    from moe_infer.kernels import fused_moe_w4a16
+    from tiny_hf import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("gpt_oss", tmp_path / "f32", seed=5)
+    prompts = [{"prompt_token_ids": p} for p in (list(range(40, 53)), [11, 12, 13, 14])]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    kw = dict(model=path, dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=64, max_num_batched_tokens=8,
+              quantization="int4")
+    want = [o.outputs[0].token_ids for o in LLM(**kw, experts_backend="torch").generate(prompts, params,
+                                                                                        use_tqdm=False)]
+    calls = []
+    _count(monkeypatch, fused_moe_w4a16, "fused_moe_int4", calls)
+    _forbid_the_loop(monkeypatch)
+    llm = LLM(**kw, experts_backend="triton")
+    assert llm.engine.runner.model.moe_layers()[0].store.w13_E2FD.quant.fmt == "int4"
+    calls.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert len(calls) >= 2 * len(llm.engine.runner.model.moe_layers())
