@@ -200,7 +200,8 @@ def test_mxfp4_dummy_weights(tmp_path):
 @pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
 def test_mxfp4_engine_greedy_matches_transformers_cuda(tmp_path):
     """The engine on CUDA (Triton attention with sinks and windows, the experts in the W4A16 kernel with their biases
-    and clamped SwiGLU, CUDA graphs of decode steps): greedy tokens of transformers' generate on the dequantized experts (float32)."""
+    and clamped SwiGLU, CUDA graphs of decode steps): greedy tokens of transformers' generate on the dequantized
+    experts (float32)."""
     from transformers import GenerationConfig
 
     from moe_infer import LLM, SamplingParams
