@@ -4,9 +4,10 @@ An unquantized expert is two tensors, w13 [2F, D] and w2 [D, F] in the model dty
 each of the two weights, the tensors its format stores (`QuantSpec.weight_tensors`: fp8 block-scaled = the
 fp8 data and its float32 `_scale_inv` blocks; group-wise int4: int32 packed codes, `_scale` (the model dtype)
 and, asymmetric, uint8 `_zero`; mxfp4: uint8 packed e2m1 codes and uint8 e8m0 `_scales`). The tiers never look
-inside: the host tier and the NVMe records hold each expert as those tensors back to back (`views`), the GPU slot pool and stream buffers hold them per slot (`pool`), a copy moves
-every one of them, and only the kernels (which dispatch on the format `weights` attaches to the data) or the
-CPU path (`dequantize`, one expert at a time) read the values. Budgets are counted in `nbytes`, the bytes
+inside: the host tier and the NVMe records hold each expert as those tensors back to back (`views`), the GPU
+slot pool and stream buffers hold them per slot (`pool`), a copy moves every one of them, and only the kernels
+(which dispatch on the format `weights` attaches to the data) or the CPU path (`dequantize`, one expert at a
+time) read the values. Budgets are counted in `nbytes`, the bytes
 the format really takes.
 
 Legend: X experts or slots of a pool, D hidden, F expert intermediate.
