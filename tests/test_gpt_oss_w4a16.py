@@ -73,18 +73,19 @@ def test_gpt_oss_mxfp4_layer_runs_the_w4a16_kernel(tmp_path, monkeypatch):
     torch.testing.assert_close(out.float(), ref, atol=1e-4 * float(ref.abs().max()), rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "float32"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "float32", "mxfp4_offloaded"])
 def test_gpt_oss_engine_runs_the_fused_kernels(fmt, tmp_path, monkeypatch):
     """Through the engine (chunked prefill, decode) with the triton experts backend: greedy tokens equal to
     transformers' generate; every MoE layer call ran the fused kernel (W4A16 for the mxfp4 checkpoint, the bf16 path's
-    for the float32 one), none the reference loop."""
+    for the float32 one), none the reference loop. Offloaded: the W4A16 kernel on the 2-slot pool and the stream
+    buffers, the slots' biases in its epilogue."""
     from transformers import GenerationConfig
 
     from moe_infer import LLM, SamplingParams
     from moe_infer.kernels import fused_moe_w4a16
     from tiny_hf import load_hf_model, make_tiny_checkpoint
 
-    if fmt == "mxfp4":
+    if fmt.startswith("mxfp4"):
         path, hf = _mxfp4_checkpoint(tmp_path, seed=5)
     else:
         path = make_tiny_checkpoint("gpt_oss", tmp_path / "f32", seed=5)
@@ -93,19 +94,29 @@ def test_gpt_oss_engine_runs_the_fused_kernels(fmt, tmp_path, monkeypatch):
     gc = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = [hf.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist() for p in prompts]
     calls = []
-    if fmt == "mxfp4":
-        _count(monkeypatch, fused_moe_w4a16, "fused_moe_mxfp4", calls)
+    if fmt.startswith("mxfp4"):
+        real = fused_moe_w4a16.fused_moe_mxfp4
+
+        def counted(x, ids, w, w13, *a, epilogue=None, **k):
+            calls.append((w13.shape[0], epilogue is not None and epilogue.b13_E2F is not None and epilogue.clamped))
+            return real(x, ids, w, w13, *a, epilogue=epilogue, **k)
+        monkeypatch.setattr(fused_moe_w4a16, "fused_moe_mxfp4", counted)
     else:
         _count(monkeypatch, triton_experts, "fused_experts", calls)
     _forbid_the_loop(monkeypatch)
+    offload = dict(offload="cpu", slots_per_layer=2, miss_policy="wait") if fmt == "mxfp4_offloaded" else {}
     llm = LLM(model=path, dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=64, max_num_batched_tokens=8,
-              experts_backend="triton")
-    assert all(layer.can_fuse_experts for layer in llm.engine.runner.model.moe_layers())
+              experts_backend="triton", **offload)
+    assert offload or all(layer.can_fuse_experts for layer in llm.engine.runner.model.moe_layers())
     calls.clear()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert len(calls) >= 2 * len(llm.engine.runner.model.moe_layers())  # a prefill and a decode at least
+    if fmt.startswith("mxfp4"):
+        assert all(with_extras for _, with_extras in calls)
+    if offload:
+        assert 2 in {n for n, _ in calls}  # the slot pool
 
 
 def test_gpt_oss_quantized_at_load_to_int4_runs_the_w4a16_kernel(tmp_path, monkeypatch):

@@ -71,5 +71,6 @@ def offload_manager(cfg: EngineConfig, model_path: str, device: torch.device, dt
     shape = ExpertShape(num_layers=len(arch.moe_layer_ids),
                         num_local_experts=arch.num_experts if d is None else d.num_local_experts,
                         top_k=arch.top_k, hidden_size=arch.hidden_size,
-                        intermediate_size=arch.moe_intermediate_size, dtype=dtype, quant=arch.quant)
+                        intermediate_size=arch.moe_intermediate_size, dtype=dtype, quant=arch.quant,
+                        bias=arch.expert_bias)
     return OffloadManager(cfg.offload, plan_offload(cfg.offload, shape), device)

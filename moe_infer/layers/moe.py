@@ -107,12 +107,9 @@ class MoELayer(nn.Module):
         """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's. quant:
         the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is).
         router_bias, expert_bias, expert_act: GPT-OSS's router bias, expert biases and clamped SwiGLU
-        (moe_infer/experts/activation.py), on a resident store; the fused kernels apply them (bf16, int4, mxfp4
-        experts), other backends and formats run the per-call path."""
+        (moe_infer/experts/activation.py); the fused kernels apply them (bf16, int4, mxfp4 experts), other backends
+        and formats run the per-call path; an offloading store moves the biases with their experts."""
         super().__init__()
-        if (expert_bias or expert_act != SILU) and backends.store != "resident":
-            raise NotImplementedError(f"offload.store={backends.store}: experts with biases or another activation than "
-                                      f"SiLU (GPT-OSS) are not supported offloaded yet; use offload.store=resident")
         self.expert_act, self.expert_bias = expert_act, expert_bias
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
         self.tp, self.moe_tp, self.stage, self.dp = tp, moe_tp, stage, dp
@@ -126,7 +123,9 @@ class MoELayer(nn.Module):
         self.store = EXPERT_STORES.get(backends.store)(
             self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype, manager=backends.offload,
             expert_ids=getattr(self.dispatcher, "local_expert_ids", None), router=self.route,
-            num_experts=spec.num_experts, quant=quant, **({"bias": True} if expert_bias else {}),
+            num_experts=spec.num_experts, quant=quant,
+            **({"bias": True} if expert_bias else {}),
+            **({} if backends.store == "resident" else {"expert_act": expert_act, "down_bias": moe_tp.rank == 0}),
         )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype, tp, quant)
@@ -172,7 +171,7 @@ class MoELayer(nn.Module):
     def _offloaded_experts(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """The experts through an offloading store: fetch right before they run, compute on slot ids."""
         fetched = self.store.fetch(x_TD, ids_TK)
-        compute = partial(slot_experts, self._experts)
+        compute = partial(slot_experts, self._experts, act=self.expert_act, down_bias=self.moe_tp.rank == 0)
         d = self.dispatcher
         if type(d) is LocalDispatcher:  # the rows fetch saw: slot ids looked up on the host
             return fetched.run_local(x_TD, weights_TK, compute)
