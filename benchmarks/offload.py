@@ -3,12 +3,13 @@
     python benchmarks/offload.py                  # the lent H100: about 6 minutes, one command
     python benchmarks/offload.py --parts mixtral  # the Mixtral shape only (about 2 minutes)
     python benchmarks/offload.py --smoke          # CPU, tiny shapes: the same code paths end to end
-    python benchmarks/offload.py --quantization fp8 --parts mixtral,qwen3   # fp8 (block-scaled) experts
+    python benchmarks/offload.py --quantization fp8 --parts mixtral,qwen3   # fp8 (block-scaled) experts; or int4, mxfp4
 
-With --quantization fp8 the dummy weights are stored as an fp8 checkpoint would be (every linear weight of the
-decoder layers but the routers, 128 x 128 blocks): the tiers hold, move and slot fp8 experts with their scales,
-the budget buys about twice the bf16 experts, and the bound counts the fp8 bytes (the bound from the limits'
-CPU rate, a bf16 expert's, is left out; the one at the rate timed after the run dequantizes as the engine does).
+With --quantization the dummy weights are stored as a checkpoint of that format would be (fp8: every linear weight
+of the decoder layers but the routers, 128 x 128 blocks; int4: compressed-tensors W4A16, groups of 128; mxfp4: the
+experts only, as GPT-OSS): the tiers hold, move and slot the experts with their scales, the budget buys about 2x
+(fp8) or 3.5x (4-bit) the bf16 experts, and the bound counts the stored bytes (the bound from the limits' CPU rate,
+a bf16 expert's, is left out; the one at the rate timed after the run dequantizes as the engine does).
 
 The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from
 config.json alone), every expert in pinned host memory (`offload=cpu`), the whole process limited
@@ -72,6 +73,111 @@ from moe_infer.config import OffloadConfig  # noqa: E402
 from moe_infer.offload.expert_graphs import ExpertGraphs  # noqa: E402
 from moe_infer.offload.prefetch import PREFETCH_RULES  # noqa: E402
 
+<<<<<<< HEAD
+=======
+GiB = 1 << 30
+
+
+def shapes(smoke: bool) -> dict:
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    if smoke:
+        mix = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+        qwen = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+                              num_experts_per_tok=4, vocab_size=128, max_position_embeddings=256, norm_topk_prob=True)
+    else:
+        mix = MixtralConfig()  # Mixtral-8x7B: 32 layers, D=4096, F=14336, E=8, K=2
+        qwen = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    mix.architectures, qwen.architectures = ["MixtralForCausalLM"], ["Qwen3MoeForCausalLM"]
+    return {"mixtral": mix, "qwen3": qwen}
+
+
+# --quantization: the checkpoint format the dummy weights are stored in (every linear weight of the decoder layers
+# but the routers, as the format's real releases). Each format the engine reads gets its quantization_config here.
+QUANT_CONFIGS = {
+    "none": None,
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}},
+    "mxfp4": {"quant_method": "mxfp4"},
+}
+SMOKE_BLOCK = 32  # the smoke shapes' blocks / groups (128 does not divide their widths)
+ATTN_BYTES = {None: 2, "fp8": 1, "int4": 0.5, "mxfp4": 2}  # a dense weight's bytes per value (mxfp4: experts only)
+
+
+def quant_spec(cfg):
+    """The engine's QuantSpec of cfg's quantization_config (None: bf16)."""
+    from moe_infer.quant import parse_quant
+
+    return parse_quant(cfg)
+
+
+def expert_bytes(cfg) -> int:
+    """One expert's bytes in the checkpoint's format (quantized: data and scales), as the offload tiers hold and
+    move it (moe_infer/offload/layout.py): the unit of the bound."""
+    from moe_infer.offload.layout import ExpertLayout
+
+    F = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    return ExpertLayout(cfg.hidden_size, F, torch.bfloat16, quant_spec(cfg)).nbytes
+
+
+def num_experts(cfg) -> int:
+    return getattr(cfg, "num_local_experts", None) or cfg.num_experts
+
+
+def non_expert_bytes(cfg) -> int:
+    """Bytes of attention (bf16, or 1 a weight quantized: the scales are under 0.01 %), routers, embedding and head
+    (bf16): what the GPU holds besides the experts."""
+    D, H = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q = quant_spec(cfg)
+    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * ATTN_BYTES[q and q.method]
+    return cfg.num_hidden_layers * (attn + 2 * D * num_experts(cfg)) + 2 * 2 * cfg.vocab_size * D
+
+
+def host_layers(cfg, reserve_gb: float) -> int:
+    """MoE layers whose experts fit in MemAvailable minus a reserve (the baseline, the OS, the rest)."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return int((avail - reserve_gb * GiB) // (num_experts(cfg) * expert_bytes(cfg)))
+
+
+def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
+    """Decode `streams` sequences together; timed from the third decode step (prefill and warm-up apart)."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rng = random.Random(streams)
+    for _ in range(streams):
+        eng.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(16)]}, params)
+    warm = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        if all(len(s.output_token_ids) >= 1 for r in eng.requests.values() for s in r.seqs):
+            warm += 1
+            if warm == 2:
+                break
+    llm.engine.runner.offload.reset_stats()
+    sync(eng.device)
+    t0, steps = time.perf_counter(), 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    sync(eng.device)
+    elapsed = time.perf_counter() - t0
+    stats = llm.get_offload_stats()["total"]
+    return {"streams": streams, "decode_steps": steps, "seconds": elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
+            "tok_s": streams * steps / elapsed, **{k: stats[k] for k in (
+                "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
+                "needed", "copied", "streamed", "cpu", "shared", "shared_share", "partial", "partial_share",
+                "partial_missing", "cpu_shared", "prefetched", "prefetch_wasted", "prefetch_declined",
+                "prefetch_evicted_needed", "gb_prefetch_wasted")}}
+
+>>>>>>> quant
 
 def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device, stream_chunk: int = 0) -> list:
     """The runs of one shape in one engine; stream_chunk: offload.stream_chunk (0: the engine's default)."""
@@ -228,15 +334,12 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch's intra-op threads for the host's experts, set before any of them runs (a pool made "
                          "smaller later may keep its threads spinning under ACTIVE); 0: as the environment says")
-    ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS) + list(NOT_YET),
-                    help="the experts' (and attention's) stored format: none (bf16) or fp8 (block-scaled, 128 x 128)")
+    ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS),
+                    help="the experts' (and attention's) stored format: none (bf16), fp8 (block-scaled, 128 x 128), "
+                         "int4 (W4A16, groups of 128) or mxfp4 (experts only)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                            "results"))
     args = ap.parse_args()
-    if args.quantization in NOT_YET:
-        ap.error(f"--quantization {args.quantization}: the {NOT_YET[args.quantization]} format is not in "
-                 "moe_infer.quant yet (the engine refuses its checkpoints); add its quantization_config to "
-                 "QUANT_CONFIGS once it is")
     if args.torch_threads < 0:
         ap.error("--torch-threads: must be >= 0 (0: torch's default)")
     if args.torch_threads:
@@ -265,8 +368,11 @@ def main() -> int:
     shp = shapes(args.smoke)
     mix, qwen = shp["mixtral"], shp["qwen3"]
     qcfg = QUANT_CONFIGS[args.quantization]
-    if qcfg is not None and args.smoke:  # blocks that divide the tiny shapes' widths
-        qcfg = dict(qcfg, weight_block_size=[32, 32])
+    if args.smoke and args.quantization == "fp8":  # blocks that divide the tiny shapes' widths
+        qcfg = dict(qcfg, weight_block_size=[SMOKE_BLOCK] * 2)
+    if args.smoke and args.quantization == "int4":
+        qcfg = copy.deepcopy(qcfg)
+        qcfg["config_groups"]["group_0"]["weights"]["group_size"] = SMOKE_BLOCK
     for c in (mix, qwen):
         if qcfg is not None:
             c.quantization_config = qcfg

@@ -5,7 +5,8 @@ shipped tiny trained model per format.
           and 64, bf16 against fp8 and int4 quantized at load (`quantization=`); Qwen3-30B-A3B's layer shape, 8
           layers, random weights (`load_format="dummy"`: the formats' kernels and bytes, not their accuracy)
   ppl     perplexity of moe_infer/assets/tiny_moe on held-out text (the Python standard library's validation files,
-          moe_infer/experiments/heldout.py), teacher-forced (moe_infer/experiments/scoring.py), per format
+          moe_infer/experiments/heldout.py), teacher-forced (moe_infer/experiments/scoring.py), per format, with its
+          ratio to the unquantized model's and the bound it should keep (fp8 1 %, int4 5 %: PPL_BOUNDS)
 
     python benchmarks/quant_e2e.py [--out X.json]                 # one GPU
     TRITON_INTERPRET=1 python benchmarks/quant_e2e.py --tiny      # CPU: tiny dims, a smoke run
@@ -65,30 +66,31 @@ def speed(dims: dict, device: torch.device, batches, prompt_len: int, num_new: i
     return rows
 
 
+PPL_BOUNDS = {"fp8": 1.01, "int4": 1.05}  # a format's perplexity at most this times bf16's
+
+
 @torch.inference_mode()
-def perplexity(device: torch.device, seq_len: int, num_windows: int, per_forward: int) -> list:
+def perplexity(device: torch.device, seq_len: int, num_windows: int, per_forward: int, formats=FORMATS) -> list:
+    """Rows (format, ppl, ratio to the first format's, bound, within) of the shipped tiny model on held-out text."""
     from moe_infer.assets import default_model_path
     from moe_infer.config import RoutingConfig
     from moe_infer.engine.llm_engine import load_tokenizer
     from moe_infer.experiments import heldout
-    from moe_infer.experiments.scoring import PrefillScorer
+    from moe_infer.experiments.scoring import PrefillScorer, perplexity as score
 
     path = default_model_path()
     windows = heldout.token_windows(load_tokenizer(path), heldout.stdlib_validation(), seq_len, num_windows)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     rows = []
-    for fmt in FORMATS:
+    for fmt in formats:
         scorer = PrefillScorer(path, RoutingConfig(), per_forward, seq_len, str(device), dtype, quantization=fmt)
-        nll, count = 0.0, 0
-        for chunk, logits in scorer.batches(windows):
-            W = chunk.shape[0]
-            logits_WQV = logits.view(W, seq_len, -1)[:, :-1].float()
-            targets = torch.as_tensor(chunk[:, 1:], device=logits.device)
-            nll += torch.nn.functional.cross_entropy(logits_WQV.reshape(-1, logits_WQV.shape[-1]), targets.reshape(-1),
-                                                     reduction="sum").item()
-            count += targets.numel()
-        rows.append(dict(format=fmt or "bf16", ppl=math.exp(nll / count), tokens=count))
-        print(f"tiny_moe {fmt or 'bf16':>5}: perplexity {rows[-1]['ppl']:.3f} over {count} tokens")
+        ppl, count = score(scorer, windows)
+        ratio = ppl / rows[0]["ppl"] if rows else 1.0
+        bound = PPL_BOUNDS.get(fmt)
+        rows.append(dict(format=fmt or str(dtype).replace("torch.", ""), ppl=ppl, tokens=count, ratio=ratio,
+                         bound=bound, within=None if bound is None else ratio <= bound))
+        print(f"tiny_moe {rows[-1]['format']:>8}: perplexity {ppl:8.4f} over {count} tokens, x{ratio:.4f} of "
+              f"{rows[0]['format']}" + (f" (bound x{bound}: {'ok' if ratio <= bound else 'OVER'})" if bound else ""))
         del scorer
     return rows
 

@@ -17,8 +17,8 @@ block_k) activation quantization where FP8_LINEAR_KERNELS has one for the device
 once). An int4 dense weight is dequantized per call on the CPU, through the W4A16 GEMM of
 `moe_infer.kernels.fused_moe_w4a16` on CUDA (W4_LINEAR_KERNELS, registered by `moe_infer.layers.quant_triton`).
 mxfp4 covers the routed experts only (`QuantSpec.quantizes_linear` False). The experts run
-`moe_infer.kernels.fused_moe_w4a16` for int4 and mxfp4 (`experts/triton_experts.py` dispatches on `fmt`); experts
-with biases or a clamped SwiGLU (GPT-OSS) run the reference loop, each expert dequantized for the call.
+`moe_infer.kernels.fused_moe_w4a16` for int4 and mxfp4 (`experts/triton_experts.py` dispatches on `fmt`), GPT-OSS's
+biases and clamped SwiGLU included (kernels/moe_epilogue.py); the formats themselves live in quant_w4.py.
 
 Online quantization (`online_quant_spec`, `LLM(..., quantization="fp8" | "int4")`, vLLM's names): the model is built
 with quantized weights and the loader quantizes each bf16 checkpoint tensor as it is read (`store_quantized`).
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_infer.kernels.w4_format import E2M1_VALUES, dequantize_int4, quantize_int4
+from moe_infer.quant_w4 import MXFP4_BLOCK, Int4Group, Mxfp4, mxfp4_dequantize  # noqa: F401 (the formats' home)
 from moe_infer.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -83,21 +83,29 @@ class QuantSpec:
         """Whether the dense linear layers (attention, dense and shared MLPs) are quantized too, not only experts."""
         return self.method in ("fp8", "int4")
 
-    def weight_tensors(self, n: int, k: int) -> Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]:
+    def weight_tensors(self, n: int, k: int, dtype: torch.dtype = torch.bfloat16
+                       ) -> Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]:
         """The tensors one weight [N, K] of this format is stored as: (name suffix, shape, dtype), the data first
-        (suffix ""), then its scales under the checkpoint's suffix. What the offload tiers allocate, move and
-        slot (moe_infer/offload/layout.py) for each expert: a new format describes its tensors here."""
+        (suffix ""), then its scales under the checkpoint's suffix (as `quantized_param` names them; dtype: the
+        model's, int4's scale dtype). What the offload tiers allocate, move and slot (moe_infer/offload/layout.py)
+        for each expert: a new format describes its tensors here."""
         if self.method == "fp8":
             return ("", (n, k), FP8), ("_scale_inv", self.scale_shape(n, k), torch.float32)
-        raise NotImplementedError(f"quant_method={self.method!r} does not describe its tensors")
+        if self.method == "int4":
+            out = (("", (n, k // 8), torch.int32), ("_scale", self.scale_shape(n, k), dtype))
+            return out if self.symmetric else out + (("_zero", self.scale_shape(n, k), torch.uint8),)
+        return ("", (n, k // 2), torch.uint8), ("_scales", (n, k // MXFP4_BLOCK), torch.uint8)
 
     def attach(self, data: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> torch.Tensor:
         """`data` ([..., N, K], the weight_tensors "" entry) carrying its format, read from the other entries
         (`tensors`: suffix -> tensor of the same leading dims): what kernels and dequantization dispatch on."""
         if self.method == "fp8":
             data.quant = BlockFp8(tensors["_scale_inv"], self.block_n, self.block_k)
-            return data
-        raise NotImplementedError(f"quant_method={self.method!r} cannot attach its format")
+        elif self.method == "int4":
+            data.quant = Int4Group(tensors["_scale"], tensors.get("_zero"), self.group_size)
+        else:
+            data.quant = Mxfp4(tensors["_scales"])
+        return data
 
 
 def linear_quant(quant: Optional[QuantSpec]) -> Optional[QuantSpec]:
@@ -194,76 +202,6 @@ class BlockFp8:
 
     def __repr__(self) -> str:
         return f"BlockFp8(block {self.block_n}x{self.block_k}, scales {tuple(self.scale_inv.shape)})"
-
-
-MXFP4_BLOCK = 32  # values sharing one e8m0 scale, along K
-
-
-class Mxfp4:
-    """The format of an mxfp4 weight [..., N, K / 2] uint8 (two e2m1 codes a byte: element 2j in the low nibble,
-    2j + 1 in the high one) with uint8 e8m0 scales [..., N, K / 32] (the value is code * 2^(scale - 127)): the
-    OCP microscaling format as GPT-OSS's checkpoints store it (`*_blocks` [..., N, K / 32, 16], `*_scales`). The
-    nibble order and e8m0 scale are those of kernels/w4_format.py, so the W4A16 kernel reads `.scale` as it is."""
-
-    fmt = "mxfp4"
-    group_size = MXFP4_BLOCK
-    zero = None
-
-    def __init__(self, scale: torch.Tensor) -> None:
-        self.scale = scale
-
-    def select(self, e: int) -> "Mxfp4":
-        return Mxfp4(self.scale[e])
-
-    def dequantize(self, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [..., N, K] in dtype (exact: every value is a power of two times an e2m1 value)."""
-        return mxfp4_dequantize(w, self.scale, dtype)
-
-    def __repr__(self) -> str:
-        return f"Mxfp4(block {MXFP4_BLOCK}, scales {tuple(self.scale.shape)})"
-
-
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """packed [..., N, K / 2] uint8 and e8m0 scales [..., N, K / 32] uint8 -> [..., N, K] in dtype (the PyTorch
-    reference of the mxfp4 kernels)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"mxfp4 weights and scales are uint8, got {blocks.dtype} and {scales.dtype}")
-    *lead, n, half = blocks.shape
-    k = 2 * half
-    if tuple(scales.shape) != (*lead, n, k // MXFP4_BLOCK) or k % MXFP4_BLOCK:
-        raise ValueError(f"mxfp4 scales {tuple(scales.shape)} do not fit weights {tuple(blocks.shape)} "
-                         f"(one scale a {MXFP4_BLOCK} values)")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*lead, n, k)
-    values = lut[codes.long()].view(*lead, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
-    scale = torch.exp2(scales.float() - 127.0)[..., None]
-    return (values * scale).reshape(*lead, n, k).to(dtype)
-class Int4Group:
-    """The format of an int4 weight [..., N, K] stored packed int32 [..., N, K / 8] (kernels/w4_format.py), with a
-    scale [..., N, K / group_size] and, asymmetric, a uint8 zero point per group (None: 8)."""
-
-    fmt = "int4"
-
-    def __init__(self, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int) -> None:
-        self.scale, self.zero, self.group_size = scale, zero, group_size
-
-    def dequantize(self, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int4(w, self.scale, self.zero, self.group_size, dtype)
-
-    def select(self, e: int) -> "Int4Group":
-        return Int4Group(self.scale[e], None if self.zero is None else self.zero[e], self.group_size)
-
-    def store(self, w: torch.Tensor, idx: tuple, src: torch.Tensor) -> None:
-        """w[idx] <- src [..., n, k] quantized round to nearest (online); idx indexes leading dims and rows."""
-        packed, scale, zero = quantize_int4(src, self.group_size, self.zero is None, self.scale.dtype)
-        w[idx].copy_(packed)
-        self.scale[idx].copy_(scale)
-        if self.zero is not None:
-            self.zero[idx].copy_(zero)
-
-    def __repr__(self) -> str:
-        kind = "symmetric" if self.zero is None else "with zero points"
-        return f"Int4Group(group {self.group_size}, {kind}, scales {tuple(self.scale.shape)})"
 
 
 def quantize_block_fp8(w: torch.Tensor, block_n: int, block_k: int) -> Tuple[torch.Tensor, torch.Tensor]:

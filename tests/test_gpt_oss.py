@@ -42,12 +42,45 @@ def test_bad_layer_configs_are_refused(tmp_path, fields, match):
         load_arch(path)
 
 
-def test_offloaded_experts_are_refused(tmp_path):
-    from moe_infer.layers.moe import MoEBackends
+OFFLOAD_CASES = {
+    "cpu_wait": dict(offload="cpu", slots_per_layer=2, miss_policy="wait"),
+    "cpu_misses_on_host": dict(offload="cpu", slots_per_layer=1, miss_policy="cpu", prefetch=False),
+    "cpu_share_to_whole": dict(offload="cpu", slots_per_layer=2, miss_policy="share"),
+    "nvme": dict(offload="nvme", nvme_reader="threads", slots_per_layer=2, miss_policy="auto"),
+}
 
-    path = make_tiny_checkpoint("gpt_oss", tmp_path / "g", seed=0)
-    with pytest.raises(NotImplementedError, match="offload.store=cpu"):
-        load_model(path, torch.float32, "cpu", backends=MoEBackends(store="cpu"))
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(OFFLOAD_CASES))
+@pytest.mark.parametrize("fmt", ["mxfp4", "float32"])
+def test_offloaded_experts_equal_resident(fmt, case, tmp_path):
+    """GPT-OSS's experts offloaded (mxfp4 as the release stores them, or float32): every tier and slot holds each
+    expert's gate/up and down biases beside its weights (moved with them), the device computes the slots with the
+    clamped SwiGLU and the slots' biases, the host a missed expert with its own; the resident engine's tokens."""
+    from moe_infer import LLM, SamplingParams
+
+    if fmt == "mxfp4":
+        path, _ = _mxfp4_checkpoint(tmp_path, seed=5)
+    else:
+        path = make_tiny_checkpoint("gpt_oss", tmp_path / "f32", seed=5)
+    kw = dict(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    prompts = [{"prompt_token_ids": p} for p in (list(range(40, 53)), [11, 12, 13, 14], [7, 7, 8, 8, 9, 9, 10])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    offload = dict(OFFLOAD_CASES[case], **({"nvme_path": str(tmp_path)} if case == "nvme" else {}))
+    llm = LLM(**kw, **offload)
+    store = llm.engine.runner.model.moe_layers()[0].store
+    F, D = store.manager.shape.intermediate_size, store.manager.shape.hidden_size
+    assert (store.slots["b13"].shape[1:], store.slots["b2"].shape[1:]) == ((2 * F,), (D,))
+    assert store.w13_S2FD.expert_bias is store.slots["b13"] and store.w2_SDF.expert_bias is store.slots["b2"]
+    assert (fmt == "mxfp4") == (store.w13_S2FD.dtype == torch.uint8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    total = llm.get_offload_stats()["total"]
+    if case == "cpu_misses_on_host":
+        assert total["cpu"] == total["needed"] > 0, str(total)
+    else:
+        assert total["needed"] > total["hits"] > 0 and total["shared"] == 0, str(total)
+    llm.shutdown()
 
 
 def test_sdpa_backend_with_sinks_matches_the_reference(tmp_path):
@@ -199,8 +232,9 @@ def test_mxfp4_dummy_weights(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.timeout(600)  # the first GPU test of a process JIT-compiles the Triton kernels
 def test_mxfp4_engine_greedy_matches_transformers_cuda(tmp_path):
-    """The engine on CUDA (Triton attention with sinks and windows, the experts' per-call dequantization, attention
-    graphs of decode steps): greedy tokens of transformers' generate on the dequantized experts (float32)."""
+    """The engine on CUDA (Triton attention with sinks and windows, the experts in the W4A16 kernel with their biases
+    and clamped SwiGLU, CUDA graphs of decode steps): greedy tokens of transformers' generate on the dequantized
+    experts (float32)."""
     from transformers import GenerationConfig
 
     from moe_infer import LLM, SamplingParams

@@ -63,12 +63,14 @@ def offload_manager(cfg: EngineConfig, model_path: str, device: torch.device, dt
     if backends.store == "resident":
         return None
     from moe_infer.models.hf_config import load_arch
+    from moe_infer.models.online_quant import with_online_quant
     from moe_infer.offload import ExpertShape, OffloadManager, plan_offload
 
-    arch, _ = load_arch(model_path)
+    arch = with_online_quant(load_arch(model_path)[0], cfg.model.quantization, device)  # the stored format
     d = backends.dispatcher
     shape = ExpertShape(num_layers=len(arch.moe_layer_ids),
                         num_local_experts=arch.num_experts if d is None else d.num_local_experts,
                         top_k=arch.top_k, hidden_size=arch.hidden_size,
-                        intermediate_size=arch.moe_intermediate_size, dtype=dtype, quant=arch.quant)
+                        intermediate_size=arch.moe_intermediate_size, dtype=dtype, quant=arch.quant,
+                        bias=arch.expert_bias)
     return OffloadManager(cfg.offload, plan_offload(cfg.offload, shape), device)

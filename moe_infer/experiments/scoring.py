@@ -12,7 +12,7 @@ Legend: W windows of a forward, Q window length, T = W*Q tokens, V vocabulary.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -81,3 +81,17 @@ class PrefillScorer:
 
     def routing_trace(self, info: Optional[dict] = None):
         return None if self.trace is None else self.trace.trace(info)
+
+
+def perplexity(scorer: PrefillScorer, windows_NQ: np.ndarray) -> Tuple[float, int]:
+    """(exp of the mean next-token negative log-likelihood, the number of tokens scored): every position of each
+    window but the last is scored against the window's next token, teacher-forced."""
+    nll, count = 0.0, 0
+    for chunk, logits in scorer.batches(windows_NQ):
+        W, Q = chunk.shape
+        logits_WQV = logits.view(W, Q, -1)[:, :-1].float()
+        targets = torch.as_tensor(chunk[:, 1:], device=logits.device).reshape(-1)
+        nll += torch.nn.functional.cross_entropy(logits_WQV.reshape(-1, logits_WQV.shape[-1]), targets,
+                                                 reduction="sum").item()
+        count += targets.numel()
+    return math.exp(nll / count), count

@@ -25,6 +25,7 @@ from moe_infer.experts.local_dispatch import DispatchMetadata
 from moe_infer.experts.reference import EXPERT_BACKENDS, experts_torch
 from moe_infer.kernels.fused_moe import block_schedule, down, fused_experts, gate_up, launch_config, launch_variant
 from moe_infer.kernels.fused_moe_schedule import auto_schedule_backend
+from moe_infer.kernels.moe_epilogue import Epilogue
 
 logger = logging.getLogger(__name__)
 _warned: set = set()
@@ -60,24 +61,38 @@ def _has_fp8_dot(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def epilogue_of(extras: Optional[ExpertExtras]) -> Optional[Epilogue]:
+    """The fused kernels' epilogue (moe_infer/kernels/moe_epilogue.py) of an expert call's extras (None: plain)."""
+    if extras is None:
+        return None
+    return Epilogue(extras.act.kind == "clamped_swiglu", extras.act.alpha, extras.act.limit, extras.b13_E2F,
+                    extras.b2_ED)
+
+
 def fused_experts_any(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                      w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+                      w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0,
+                      extras: Optional[ExpertExtras] = None) -> torch.Tensor:
     """`fused_experts`, or for experts that carry a format (moe_infer/quant.py): fp8 block-scaled, the W8A8 grouped
     GEMMs of `moe_infer.kernels.fused_moe_fp8` (W8A16 below compute capability 8.9: the weights dequantized per call,
     warned once); int4 / mxfp4, the W4A16 kernels of `moe_infer.kernels.fused_moe_w4a16` (ids outside the local
-    experts [expert_start, expert_start + E) skipped)."""
+    experts [expert_start, expert_start + E) skipped). extras (biases, GPT-OSS's clamped SwiGLU): applied in the
+    bf16 and W4A16 kernels' epilogues; the fp8 kernels do not take them."""
     q13, q2 = getattr(w13_E2FD, "quant", None), getattr(w2_EDF, "quant", None)
+    epilogue = epilogue_of(extras)
     if q13 is None:
-        return fused_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF, expert_start)
+        return fused_experts(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF, expert_start, epilogue=epilogue)
     if q13.fmt in ("int4", "mxfp4"):
         from moe_infer.kernels.fused_moe_w4a16 import fused_moe_int4, fused_moe_mxfp4
 
         if q13.fmt == "int4":
             return fused_moe_int4(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, q13.scale, w2_EDF, q2.scale,
-                                  q13.group_size, q13.zero, q2.zero, expert_start)
-        return fused_moe_mxfp4(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, q13.scale, w2_EDF, q2.scale, expert_start)
+                                  q13.group_size, q13.zero, q2.zero, expert_start, epilogue=epilogue)
+        return fused_moe_mxfp4(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, q13.scale, w2_EDF, q2.scale, expert_start,
+                               epilogue=epilogue)
     if q13.fmt != "fp8_block":
         raise NotImplementedError(f"experts of format {q13.fmt!r} have no fused kernel")
+    if epilogue is not None:
+        raise NotImplementedError("fp8 experts with biases or another activation than SiLU have no fused kernel")
     if not _has_fp8_dot(x_TD.device):  # W8A16: no fp8 tensor cores
         if x_TD.device not in _warned:
             _warned.add(x_TD.device)
@@ -124,5 +139,6 @@ def launch_variant_any(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor):
 
 
 experts_triton.fused_experts = fused_experts_any
+experts_triton.fused_extras_formats = (None, "int4", "mxfp4")  # ... with biases / the clamped SwiGLU (None: bf16)
 experts_triton.launch_config = launch_config
 experts_triton.launch_variant = launch_variant_any  # which kernel variants a step of T tokens runs (engine warm-up)

@@ -27,6 +27,7 @@ import triton
 from moe_infer.kernels.expert_gemv import expert_gemv, use_expert_gemv
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig, get_config
 from moe_infer.kernels.fused_moe_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moe_infer.kernels.moe_epilogue import Epilogue, is_plain
 from moe_infer.kernels.fused_moe_persistent import down_persistent_kernel, gate_up_persistent_kernel
 from moe_infer.kernels.fused_moe_schedule import (  # noqa: F401  (re-exported)
     MAX_INLINE_ROWS, SCHEDULE_BACKENDS, BlockSchedule, block_schedule, use_pdl,
@@ -88,8 +89,10 @@ def _tile_meta(sched: BlockSchedule, cfg: GemmConfig, use_tma: bool, t: torch.Te
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **use_pdl(t))
 
 
-def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig) -> torch.Tensor:
-    """act_PF[p] = silu(x_SD[r // row_div] @ w1.T) * (x_SD[r // row_div] @ w3.T), r = sorted_P[p]."""
+def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig,
+            epilogue: Optional[Epilogue] = None) -> torch.Tensor:
+    """act_PF[p] = silu(x_SD[r // row_div] @ w1.T) * (x_SD[r // row_div] @ w3.T), r = sorted_P[p]; an epilogue
+    (moe_epilogue.py: gate/up bias, clamped SwiGLU) runs the per-tile kernel."""
     _check(x_SD.dim() == 2, f"x must be 2-D, got {tuple(x_SD.shape)}")
     E, F2, D = w13_E2FD.shape
     _check(F2 % 2 == 0, f"w13_E2FD dim 1 must be 2F (gate; up), got {F2}")
@@ -105,7 +108,7 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
         w13 = _descriptor(w13_E2FD.view(E, 2, F, D), (1, 2, cfg.block_n, cfg.block_k))
     else:
         w13 = _descriptor(w13_E2FD.view(E * F2, D), (cfg.block_n, cfg.block_k)) if use_tma else w13_E2FD
-    num_programs = _num_programs(cfg, sched, grid[0], x_SD.device)
+    num_programs = _num_programs(cfg, sched, grid[0], x_SD.device) if is_plain(epilogue) else 0
     if num_programs:
         gate_up_persistent_kernel[(num_programs,)](
             x_SD, w13, act_PF, sched.sorted_P, sched.expert_B, sched.num_padded_1,
@@ -119,6 +122,7 @@ def gate_up(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, ro
         sched.num_rows, row_div, D, F, num_tiles_m, sched.expert_start, sched.num_experts,
         x_SD.stride(0), w13_E2FD.stride(0), w13_E2FD.stride(1), w13_E2FD.stride(2), act_PF.stride(0),
         ONE_DOT=one_dot, **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, x_SD),
+        **(epilogue or Epilogue()).gate_up_args(act_PF),
     )
     return act_PF
 
@@ -133,9 +137,11 @@ class TailCombine:
 
 
 def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sched: BlockSchedule,
-         cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None, tail: Optional[TailCombine] = None) -> torch.Tensor:
+         cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None, tail: Optional[TailCombine] = None,
+         epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """y_ND[r] = weights_N[r] * act_PF[p] @ w2_e.T for r = sorted_P[p]; other rows untouched.
-    With `tail`, also tail.out_TD = the top-k combine of y_ND (the rows of local experts)."""
+    With `tail`, also tail.out_TD = the top-k combine of y_ND (the rows of local experts). With an epilogue's down
+    bias, weights_N[r] * (act_PF[p] @ w2_e.T + b2[e]) (the per-tile kernel)."""
     E, D, F = w2_EDF.shape
     _check_weights(act_PF, w2_EDF, "w2_EDF", D, act_PF.shape[1])
     _check(weights_N.numel() == sched.num_rows and weights_N.device == act_PF.device,
@@ -159,7 +165,7 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
     if use_tma:
         act = _descriptor(act_PF, (sched.block_m, cfg.block_k))
         w2 = _descriptor(w2_EDF.view(E * D, F), (cfg.block_n, cfg.block_k))
-    num_programs = _num_programs(cfg, sched, grid[0], act_PF.device) if tail is None else 0
+    num_programs = _num_programs(cfg, sched, grid[0], act_PF.device) if tail is None and is_plain(epilogue) else 0
     if num_programs:
         down_persistent_kernel[(num_programs,)](
             act, w2, y_ND, weights_N.contiguous(), sched.sorted_P, sched.expert_B, sched.num_padded_1,
@@ -176,7 +182,7 @@ def down(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sc
         act_PF.stride(0), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2), y_ND.stride(0),
         tail.out_TD.stride(0) if tail is not None else 0,
         COMBINE_TAIL=tail is not None, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, act_PF),
+        **sched.kernel_args(), **_tile_meta(sched, cfg, use_tma, act_PF), **(epilogue or Epilogue()).down_args(y_ND),
     )
     return y_ND
 
@@ -202,14 +208,16 @@ COMBINE_MODES: Registry[CombineFn] = Registry("fused MoE combine mode")
 
 
 @COMBINE_MODES.register("kernel")
-def down_then_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg: GemmConfig, ids_TK) -> torch.Tensor:
+def down_then_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg: GemmConfig, ids_TK,
+                      epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """down writes y_ND, one more kernel sums each token's K rows."""
-    y_ND = down(act_PF, w2_EDF, weights_N, sched, cfg)
+    y_ND = down(act_PF, w2_EDF, weights_N, sched, cfg, epilogue=epilogue)
     return combine_topk(y_ND, ids_TK, sched.num_experts, sched.expert_start)
 
 
 @COMBINE_MODES.register("tail")
-def down_with_tail_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg: GemmConfig, ids_TK) -> torch.Tensor:
+def down_with_tail_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg: GemmConfig, ids_TK,
+                           epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """down sums each token's rows in its epilogue; out_TD and the counters share one zero fill."""
     (T, K), D = ids_TK.shape, w2_EDF.shape[1]
     num_tiles_n = triton.cdiv(D, cfg.block_n)
@@ -218,7 +226,7 @@ def down_with_tail_combine(act_PF, w2_EDF, weights_N, sched: BlockSchedule, cfg:
     out_TD = zeros[:T * D * act_PF.element_size()].view(act_PF.dtype).view(T, D)
     counts_TC = zeros[out_bytes:].view(torch.int32).view(T, num_tiles_n)
     y_ND = torch.empty(T * K, D, dtype=act_PF.dtype, device=act_PF.device)
-    down(act_PF, w2_EDF, weights_N, sched, cfg, y_ND, TailCombine(out_TD, ids_TK.contiguous(), counts_TC))
+    down(act_PF, w2_EDF, weights_N, sched, cfg, y_ND, TailCombine(out_TD, ids_TK.contiguous(), counts_TC), epilogue)
     return out_TD
 
 
@@ -242,13 +250,15 @@ def launch_variant(num_tokens: int, top_k: int, w13_E2FD: torch.Tensor) -> tuple
 
 def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0,
-                  config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
+                  config: Optional[FusedMoEConfig] = None, epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """The whole expert path: routed rows of x_TD through SwiGLU experts, weighted, summed per token.
 
     w13_E2FD/w2_EDF hold the E local experts [expert_start, expert_start + E); rows routed elsewhere
     (or dropped, id -1) add nothing. config (default: the tuned one for this shape and device)
     also names the schedule backend and the combine mode. Without a config, a one-token step takes
-    the matrix-vector kernels of expert_gemv.py instead of the tile GEMMs.
+    the matrix-vector kernels of expert_gemv.py instead of the tile GEMMs. epilogue (moe_epilogue.py): expert
+    biases and GPT-OSS's clamped SwiGLU, in the tile GEMMs' epilogues (the matrix-vector kernels and the persistent
+    variants do not take one).
     """
     _check(x_TD.dim() == 2 and topk_ids_TK.dim() == 2 and topk_ids_TK.shape == topk_weights_TK.shape
            and topk_ids_TK.shape[0] == x_TD.shape[0],
@@ -259,12 +269,14 @@ def fused_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
     E = w13_E2FD.shape[0]
     if T == 0:
         return torch.empty_like(x_TD)
-    if config is None and use_expert_gemv(x_TD, T):
+    if epilogue is not None:
+        epilogue.check(E, w13_E2FD.shape[1], w13_E2FD.shape[2], x_TD.device)
+    if config is None and is_plain(epilogue) and use_expert_gemv(x_TD, T):
         return expert_gemv(x_TD, topk_ids_TK, topk_weights_TK, w13_E2FD, w2_EDF, expert_start)
     cfg = config or launch_config(T, K, w13_E2FD)
     combine = COMBINE_MODES.get(cfg.combine)
     weights_N = topk_weights_TK.reshape(-1)
     sched = block_schedule(topk_ids_TK.reshape(-1), E, expert_start, cfg.block_m, allow_inline=True,
                            backend=cfg.schedule, weights_N=weights_N)
-    act_PF = gate_up(x_TD, w13_E2FD, sched, K, cfg.gate_up)
-    return combine(act_PF, w2_EDF, weights_N, sched, cfg.down, topk_ids_TK)
+    act_PF = gate_up(x_TD, w13_E2FD, sched, K, cfg.gate_up, epilogue)
+    return combine(act_PF, w2_EDF, weights_N, sched, cfg.down, topk_ids_TK, epilogue)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moe_infer.kernels.fused_moe_align import tile_rows
+from moe_infer.kernels.moe_epilogue_kernels import down_epilogue, gate_up_epilogue
 from moe_infer.kernels.pdl import pdl_enter
 
 
@@ -121,8 +122,11 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
-                   E_PAD: tl.constexpr, USE_PDL: tl.constexpr, ONE_DOT: tl.constexpr = False):
-    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile.
+                   E_PAD: tl.constexpr, USE_PDL: tl.constexpr, ONE_DOT: tl.constexpr = False,
+                   b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
+                   ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0):
+    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), e = expert of p's tile (HAS_BIAS, CLAMPED:
+    the gate/up bias b13 [E, 2F] and GPT-OSS's clamped SwiGLU, moe_epilogue.py).
 
     USE_TMA: w13_ptr is a tensor descriptor over w13 viewed [E*2F, D] with block [BLOCK_N, BLOCK_K];
     ONE_DOT (with USE_TMA): over w13 viewed [E, 2, F, D], see `gate_up_one_dot`.
@@ -146,7 +150,7 @@ def gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_p
     else:
         acc_g, acc_u = gate_up_two_dot(a_ptrs, is_row, w13_ptr, e, pid_m, pid_n, D, F, stride_we, stride_wn, stride_wk,
                                        BLOCK_M, BLOCK_N, BLOCK_K, IS_FP32_DOT, USE_TMA, DOT_PRECISION, CARRY=True)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = gate_up_epilogue(acc_g, acc_u, b13_ptr, e, offs_n, is_n, F, stride_be, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
 
@@ -160,8 +164,9 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
                 GROUP_M: tl.constexpr, IS_FP32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr,
                 E_PAD: tl.constexpr, COMBINE_TAIL: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                USE_PDL: tl.constexpr):
-    """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile.
+                USE_PDL: tl.constexpr, b2_ptr=None, stride_b2e=0, HAS_BIAS2: tl.constexpr = False):
+    """y[row_p] = weights[row_p] * act_PF[p] @ w2_e.T for every real row p of a live tile (HAS_BIAS2: weights[row_p]
+    * (act_PF[p] @ w2_e.T + b2[e]), the down bias b2 [E, D]).
 
     USE_TMA: act_ptr and w2_ptr are tensor descriptors over act_PF [P, F] (block [BLOCK_M, BLOCK_K])
     and w2 viewed [E*D, F] (block [BLOCK_N, BLOCK_K]).
@@ -200,6 +205,7 @@ def down_kernel(act_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, expert_ptr, num
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    acc = down_epilogue(acc, b2_ptr, e, offs_n, is_n, stride_b2e, HAS_BIAS2)
     weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from moe_infer.kernels.fused_moe import BlockSchedule, TailCombine
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, GemmConfig
+from moe_infer.kernels.moe_epilogue import SWIGLU, Epilogue
 
 
 def block_schedule_ref(ids_N: torch.Tensor, num_local_experts: int, expert_start: int, block_m: int) -> BlockSchedule:
@@ -37,25 +37,29 @@ def block_schedule_ref(ids_N: torch.Tensor, num_local_experts: int, expert_start
                          expert_start, E)
 
 
-def gate_up_ref(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig) -> torch.Tensor:
-    F_ = w13_E2FD.shape[1] // 2
-    act_PF = torch.zeros(max(sched.p_max, 1), F_, dtype=x_SD.dtype, device=x_SD.device)
+def gate_up_ref(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, sched: BlockSchedule, row_div: int, cfg: GemmConfig,
+                epilogue: Optional[Epilogue] = None) -> torch.Tensor:
+    epilogue = epilogue or SWIGLU
+    act_PF = torch.zeros(max(sched.p_max, 1), w13_E2FD.shape[1] // 2, dtype=x_SD.dtype, device=x_SD.device)
     for p in range(int(sched.num_padded_1)):
         r = int(sched.sorted_P[p])
         if r < sched.num_rows:
-            h = w13_E2FD[int(sched.expert_B[p // sched.block_m])].float() @ x_SD[r // row_div].float()
-            act_PF[p] = (F.silu(h[:F_]) * h[F_:]).to(x_SD.dtype)
+            e = int(sched.expert_B[p // sched.block_m])
+            act_PF[p] = epilogue.gate_up_ref(w13_E2FD[e].float() @ x_SD[r // row_div].float(), e).to(x_SD.dtype)
     return act_PF
 
 
 def down_ref(act_PF: torch.Tensor, w2_EDF: torch.Tensor, weights_N: torch.Tensor, sched: BlockSchedule,
-             cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None, tail: Optional[TailCombine] = None) -> torch.Tensor:
+             cfg: GemmConfig, y_ND: Optional[torch.Tensor] = None, tail: Optional[TailCombine] = None,
+             epilogue: Optional[Epilogue] = None) -> torch.Tensor:
+    epilogue = epilogue or SWIGLU
     if y_ND is None:
         y_ND = torch.zeros(sched.num_rows, w2_EDF.shape[1], dtype=act_PF.dtype, device=act_PF.device)
     for p in range(int(sched.num_padded_1)):
         r = int(sched.sorted_P[p])
         if r < sched.num_rows:
-            y = w2_EDF[int(sched.expert_B[p // sched.block_m])].float() @ act_PF[p].float()
+            e = int(sched.expert_B[p // sched.block_m])
+            y = epilogue.down_ref(w2_EDF[e].float() @ act_PF[p].float(), e)
             y_ND[r] = (y * weights_N.reshape(-1)[r].float()).to(y_ND.dtype)
     if tail is not None:  # the combine in the epilogue: tokens without a local row keep their zeros
         tail.out_TD.copy_(combine_topk_ref(y_ND, tail.ids_TK, sched.num_experts, sched.expert_start))
@@ -71,10 +75,11 @@ def combine_topk_ref(y_ND: torch.Tensor, ids_TK: torch.Tensor, num_local_experts
 
 def fused_experts_ref(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                       w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, expert_start: int = 0,
-                      config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
-    """Per (token, k) in float32: sum_k w * down(silu(gate(x)) * up(x)) over local experts."""
-    E, F2, _ = w13_E2FD.shape
-    F_ = F2 // 2
+                      config: Optional[FusedMoEConfig] = None, epilogue: Optional[Epilogue] = None) -> torch.Tensor:
+    """Per (token, k) in float32: sum_k w * down(silu(gate(x)) * up(x)) over local experts (an epilogue: the
+    biases and activation of moe_epilogue.py, w * (down(act(gate_up(x) + b13)) + b2))."""
+    epilogue = epilogue or SWIGLU
+    E = w13_E2FD.shape[0]
     out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
     key_TK = topk_ids_TK.long() - expert_start
     for e in range(E):
@@ -82,6 +87,6 @@ def fused_experts_ref(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weight
         if t_idx.numel() == 0:
             continue
         h = x_TD[t_idx].float() @ w13_E2FD[e].float().t()
-        y = (F.silu(h[:, :F_]) * h[:, F_:]) @ w2_EDF[e].float().t()
+        y = epilogue.down_ref(epilogue.gate_up_ref(h, e) @ w2_EDF[e].float().t(), e)
         out_TD.index_add_(0, t_idx, y * topk_weights_TK[t_idx, k_idx].float()[:, None])
     return out_TD.to(x_TD.dtype)

@@ -3,14 +3,15 @@ GPT-OSS's OCP microscaling), 16-bit activations, the weights dequantized in regi
 fused_moe_w4a16_kernels.py, formats in w4_format.py, references of the same signatures in w4_ref.py).
 
     fused_moe_int4(x_TD, topk_ids_TK, topk_weights_TK, w13_packed, w13_scale, w2_packed, w2_scale, group,
-                   w13_zero=None, w2_zero=None, expert_start=0, config=None) -> out_TD
+                   w13_zero=None, w2_zero=None, expert_start=0, config=None, epilogue=None) -> out_TD
     fused_moe_mxfp4(x_TD, topk_ids_TK, topk_weights_TK, w13_packed, w13_scale, w2_packed, w2_scale,
-                    expert_start=0, config=None) -> out_TD
+                    expert_start=0, config=None, epilogue=None) -> out_TD
       = block_schedule (the bf16 path's: inline for decode, align / permute kernels otherwise)
       -> gate_up_w4_kernel -> down_w4_kernel -> combine_topk (fused_moe.py)
 
 Weights: w13 [E, 2F, D] (gate rows, then up rows) and w2 [E, D, F] as their formats store them (packed along the
-reduction dim); ids outside the local experts [expert_start, expert_start + E) and -1 add nothing.
+reduction dim); ids outside the local experts [expert_start, expert_start + E) and -1 add nothing. epilogue
+(moe_epilogue.py): expert biases and GPT-OSS's clamped SwiGLU (GPT-OSS's mxfp4 experts run here).
 Launch config: `w4_config` (a tuned JSON file of fused_moe_config.py named by the format, e.g. dtype=int4_g128,
 else the bf16 shape heuristic); only its block sizes, group_m, warps and stages apply (no TMA / persistent variant).
 No host sync: grids from shapes, so a decode step captures in a CUDA graph.
@@ -30,6 +31,7 @@ from moe_infer.kernels.fused_moe import combine_topk
 from moe_infer.kernels.fused_moe_config import FusedMoEConfig, device_name, get_config, load_configs
 from moe_infer.kernels.fused_moe_schedule import block_schedule
 from moe_infer.kernels.fused_moe_w4a16_kernels import down_w4_kernel, gate_up_w4_kernel, w4a16_gemm_kernel
+from moe_infer.kernels.moe_epilogue import Epilogue
 from moe_infer.kernels.w4_format import INT4_PER_WORD, MXFP4_GROUP, SCALE_DTYPES
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -88,7 +90,8 @@ def _check_weight(name: str, w: torch.Tensor, s: torch.Tensor, z: Optional[torch
 def fused_moe_w4a16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, fmt: str,
                     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, group: int,
                     w13_zero: Optional[torch.Tensor] = None, w2_zero: Optional[torch.Tensor] = None,
-                    expert_start: int = 0, config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
+                    expert_start: int = 0, config: Optional[FusedMoEConfig] = None,
+                    epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """Both formats: fmt "int4" or "mxfp4" (group 32)."""
     _check(fmt in FORMATS, f"unknown 4-bit format {fmt!r}: one of {sorted(FORMATS)}")
     _check(x_TD.dim() == 2 and topk_ids_TK.dim() == 2 and topk_ids_TK.shape == topk_weights_TK.shape
@@ -109,6 +112,8 @@ def fused_moe_w4a16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
            and F % group == 0, f"group {group} must divide D={D} and F={F} (and be a multiple of the packing)")
     _check_weight("w13", w13, w13_scale, w13_zero, fmt, group, E, 2 * F, D, x_TD.device)
     _check_weight("w2", w2, w2_scale, w2_zero, fmt, group, E, D, F, x_TD.device)
+    epilogue = epilogue or Epilogue()
+    epilogue.check(E, 2 * F, D, x_TD.device)
     for name, t in (("topk_ids", topk_ids_TK), ("topk_weights", topk_weights_TK)):
         _check(t.device == x_TD.device, f"{name} is on {t.device}, x on {x_TD.device}")
     if T == 0:
@@ -130,7 +135,7 @@ def fused_moe_w4a16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
         sched.sorted_P, sched.expert_B, sched.num_padded_1, sched.num_rows, K, D, F, num_tiles_m, expert_start, E,
         x_TD.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act_PF.stride(0),
         BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, GROUP_M=gu.group_m, num_warps=gu.num_warps,
-        num_stages=gu.num_stages, **common,
+        num_stages=gu.num_stages, **common, **epilogue.gate_up_args(act_PF),
     )
     y_ND = torch.empty(sched.num_rows, D, dtype=x_TD.dtype, device=x_TD.device)  # non-local rows: never read
     dn = cfg.down
@@ -139,7 +144,7 @@ def fused_moe_w4a16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
         sched.sorted_P, sched.expert_B, sched.num_padded_1, sched.num_rows, D, F, num_tiles_m, expert_start, E,
         act_PF.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y_ND.stride(0),
         BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, GROUP_M=dn.group_m, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, **common,
+        num_stages=dn.num_stages, **common, **epilogue.down_args(y_ND),
     )
     return combine_topk(y_ND, ids_TK, E, expert_start)
 
@@ -147,18 +152,20 @@ def fused_moe_w4a16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
 def fused_moe_int4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
                    group: int, w13_zero: Optional[torch.Tensor] = None, w2_zero: Optional[torch.Tensor] = None,
-                   expert_start: int = 0, config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
+                   expert_start: int = 0, config: Optional[FusedMoEConfig] = None,
+                   epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """int4 group-wise experts: packed int32 [E, N, K / 8], scales [E, N, K / group], zeros uint8 or None (8)."""
     return fused_moe_w4a16(x_TD, topk_ids_TK, topk_weights_TK, "int4", w13_packed, w13_scale, w2_packed, w2_scale,
-                           group, w13_zero, w2_zero, expert_start, config)
+                           group, w13_zero, w2_zero, expert_start, config, epilogue)
 
 
 def fused_moe_mxfp4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                     w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
-                    expert_start: int = 0, config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
+                    expert_start: int = 0, config: Optional[FusedMoEConfig] = None,
+                    epilogue: Optional[Epilogue] = None) -> torch.Tensor:
     """mxfp4 experts: packed uint8 [E, N, K / 2], e8m0 scales uint8 [E, N, K / 32]."""
     return fused_moe_w4a16(x_TD, topk_ids_TK, topk_weights_TK, "mxfp4", w13_packed, w13_scale, w2_packed, w2_scale,
-                           MXFP4_GROUP, None, None, expert_start, config)
+                           MXFP4_GROUP, None, None, expert_start, config, epilogue)
 
 
 def w4a16_gemm(x_MK: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, group: int,

@@ -7,7 +7,10 @@ inline decode schedule), in the grouped tile order of `tile_of`; tiles past num_
 CUDA-graph capturable). Per K step a program loads its activation tile as the bf16 path does and its weight tile
 [BLOCK_K, BLOCK_N] as 4-bit codes (`load_w4`: the packed words or bytes and the group scales each loaded once as
 tiles contiguous along K, unpacked in registers), dequantizes it to the activations' dtype and runs tl.dot
-(float32 operands under the interpreter: IS_FP32_DOT).
+(float32 operands under the interpreter: IS_FP32_DOT): `w4_operands` in the down and dense GEMMs. gate_up keeps its
+block inline: through the helper (one tile after the other) Triton 3.9's sm_90 PTX of gate_up changed (scalar bf16
+scale multiplies in place of bf16x2, two more barriers), which no GPU has timed.
+The epilogues take the expert biases and GPT-OSS's clamped SwiGLU (moe_epilogue.py: HAS_BIAS, CLAMPED, HAS_BIAS2).
 
 FMT 0: int4, packed int32 [E, N, K / 8], scales [E, N, K / GROUP], zeros uint8 [E, N, K / GROUP] (HAS_ZERO; else 8).
 FMT 1: mxfp4, packed uint8 [E, N, K / 2] (low nibble first), e8m0 scales uint8 [E, N, K / 32] (GROUP = 32); the
@@ -20,6 +23,7 @@ import triton.language as tl
 
 from moe_infer.kernels.fused_moe_align import tile_rows
 from moe_infer.kernels.fused_moe_gemm import tile_of
+from moe_infer.kernels.moe_epilogue_kernels import down_epilogue, gate_up_epilogue
 
 
 @triton.jit
@@ -73,13 +77,30 @@ def load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stri
 
 
 @triton.jit
+def w4_operands(a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
+                FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """(a, w) ready for tl.dot: the weight tile w^T[k0 + offs_k, offs_n] dequantized (`load_w4`) to a's dtype, or
+    both in float32 under the interpreter. The kernels load every operand of a K step before their dots."""
+    w = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, K, stride_we, stride_wn, stride_se, stride_sn,
+                FMT, GROUP, HAS_ZERO)
+    if IS_FP32_DOT:
+        a = a.to(tl.float32)
+    else:
+        w = w.to(a.dtype)
+    return a, w
+
+
+@triton.jit
 def gate_up_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, expert_ptr, num_padded_ptr,
                       num_rows, ROW_DIV, D, F, num_tiles_m, expert_start, E,
                       stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
                       FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), w13_e = [w1; w3] [2F, D] in 4 bits."""
+                      IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      b13_ptr, stride_be, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
+                      LIMIT: tl.constexpr):
+    """act_PF[p] = silu(x[row_p // ROW_DIV] @ w1_e.T) * (x[..] @ w3_e.T), w13_e = [w1; w3] [2F, D] in 4 bits (with
+    the gate/up bias and the clamped SwiGLU where HAS_BIAS / CLAMPED)."""
     pid_m, pid_n = tile_of(tl.program_id(0), num_tiles_m, tl.cdiv(F, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
@@ -96,6 +117,7 @@ def gate_up_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, expert_pt
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=is_row[:, None] & (offs_k[None, :] < D - k0), other=0.0)
+        # inline, not `w4_operands` twice: see the module docstring (the PTX changed through the helper)
         g = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, D, stride_we, stride_wn, stride_se,
                     stride_sn, FMT, GROUP, HAS_ZERO)
         u = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n + F, is_n, k0, offs_k, D, stride_we, stride_wn, stride_se,
@@ -107,7 +129,7 @@ def gate_up_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, expert_pt
             u = u.to(a.dtype)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = gate_up_epilogue(acc_g, acc_u, b13_ptr, e, offs_n, is_n, F, stride_be, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     out_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_n[None, :])
 
@@ -118,8 +140,10 @@ def down_w4_kernel(act_ptr, w_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ptr,
                    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """y_ND[row_p] = weights_N[row_p] * act_PF[p] @ w2_e.T (w2_e [D, F] in 4 bits) for the real rows of a live tile."""
+                   IS_FP32_DOT: tl.constexpr, INLINE: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                   b2_ptr, stride_b2e, HAS_BIAS2: tl.constexpr):
+    """y_ND[row_p] = weights_N[row_p] * (act_PF[p] @ w2_e.T (+ b2[e])) (w2_e [D, F] in 4 bits) for the real rows of a
+    live tile."""
     pid_m, pid_n = tile_of(tl.program_id(0), num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     num_padded, rows, e = tile_rows(pid_m, sorted_ptr, expert_ptr, num_padded_ptr, num_rows, expert_start, E,
                                     BLOCK_M, INLINE, N_PAD, E_PAD)
@@ -135,13 +159,10 @@ def down_w4_kernel(act_ptr, w_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=offs_k[None, :] < F - k0, other=0.0)
-        w = load_w4(w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, F, stride_we, stride_wn, stride_se,
-                    stride_sn, FMT, GROUP, HAS_ZERO)
-        if IS_FP32_DOT:
-            a = a.to(tl.float32)
-        else:
-            w = w.to(a.dtype)
+        a, w = w4_operands(a, w_ptr, s_ptr, z_ptr, e, offs_n, is_n, k0, offs_k, F, stride_we, stride_wn, stride_se,
+                           stride_sn, FMT, GROUP, HAS_ZERO, IS_FP32_DOT)
         acc = tl.dot(a, w, acc)
+    acc = down_epilogue(acc, b2_ptr, e, offs_n, is_n, stride_b2e, HAS_BIAS2)
     weight = tl.load(weights_ptr + rows, mask=is_row, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -162,12 +183,8 @@ def w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=is_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-        w = load_w4(w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT, GROUP,
-                    HAS_ZERO)
-        if IS_FP32_DOT:
-            a = a.to(tl.float32)
-        else:
-            w = w.to(a.dtype)
+        a, w = w4_operands(a, w_ptr, s_ptr, z_ptr, 0, offs_n, is_n, k0, offs_k, K, 0, stride_wn, 0, stride_sn, FMT,
+                           GROUP, HAS_ZERO, IS_FP32_DOT)
         acc = tl.dot(a, w, acc)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=is_m[:, None] & is_n[None, :])

@@ -107,12 +107,9 @@ class MoELayer(nn.Module):
         """router_dtype: the router's weight and logits in this dtype (DeepSeek: float32), else the model's. quant:
         the experts' and the shared expert's weights stored quantized (moe_infer/quant.py; the router never is).
         router_bias, expert_bias, expert_act: GPT-OSS's router bias, expert biases and clamped SwiGLU
-        (moe_infer/experts/activation.py); such experts run the experts backend's per-call path (no fused kernel
-        applies them yet), on a resident store."""
+        (moe_infer/experts/activation.py); the fused kernels apply them (bf16, int4, mxfp4 experts), other backends
+        and formats run the per-call path; an offloading store moves the biases with their experts."""
         super().__init__()
-        if (expert_bias or expert_act != SILU) and backends.store != "resident":
-            raise NotImplementedError(f"offload.store={backends.store}: experts with biases or another activation than "
-                                      f"SiLU (GPT-OSS) are not supported offloaded yet; use offload.store=resident")
         self.expert_act, self.expert_bias = expert_act, expert_bias
         self.layer_idx, self.spec, self.backends = layer_idx, spec, backends
         self.tp, self.moe_tp, self.stage, self.dp = tp, moe_tp, stage, dp
@@ -126,7 +123,9 @@ class MoELayer(nn.Module):
         self.store = EXPERT_STORES.get(backends.store)(
             self.dispatcher.num_local_experts, hidden_size, intermediate_size, dtype, manager=backends.offload,
             expert_ids=getattr(self.dispatcher, "local_expert_ids", None), router=self.route,
-            num_experts=spec.num_experts, quant=quant, **({"bias": True} if expert_bias else {}),
+            num_experts=spec.num_experts, quant=quant,
+            **({"bias": True} if expert_bias else {}),
+            **({} if backends.store == "resident" else {"expert_act": expert_act, "down_bias": moe_tp.rank == 0}),
         )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_intermediate_size, shared_gated, dtype, tp, quant)
@@ -153,13 +152,14 @@ class MoELayer(nn.Module):
 
     @property
     def can_fuse_experts(self) -> bool:
-        """Whether the experts backend's fused path (`fused_experts`) can run this layer: plain SwiGLU experts
-        without biases, unquantized, fp8 (W8A8) or int4 / mxfp4 (W4A16); else the per-call path of the backend.
-        Experts with biases or another activation (GPT-OSS) never fuse: no fused kernel applies them."""
-        if self.expert_bias or self.expert_act != SILU:
-            return False
+        """Whether the experts backend's fused path (`fused_experts`) can run this layer: SwiGLU experts unquantized,
+        fp8 (W8A8) or int4 / mxfp4 (W4A16); experts with biases or GPT-OSS's clamped SwiGLU unquantized, int4 or
+        mxfp4 (the kernels' epilogues apply them); else the per-call path of the backend."""
         quant = getattr(self.store.weights()[0], "quant", None) if self.store.is_resident else None
-        return quant is None or getattr(quant, "fmt", None) in FUSED_FORMATS
+        fmt = getattr(quant, "fmt", None)
+        if self._extras() is not None:
+            return fmt in getattr(self._experts, "fused_extras_formats", ())
+        return quant is None or fmt in FUSED_FORMATS
 
     def route(self, x_TD: torch.Tensor) -> tuple:
         """(logits_TE, topk_weights_TK, topk_ids_TK): this layer's router (also the offload pre-gate)."""
@@ -171,7 +171,7 @@ class MoELayer(nn.Module):
     def _offloaded_experts(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """The experts through an offloading store: fetch right before they run, compute on slot ids."""
         fetched = self.store.fetch(x_TD, ids_TK)
-        compute = partial(slot_experts, self._experts)
+        compute = partial(slot_experts, self._experts, act=self.expert_act, down_bias=self.moe_tp.rank == 0)
         d = self.dispatcher
         if type(d) is LocalDispatcher:  # the rows fetch saw: slot ids looked up on the host
             return fetched.run_local(x_TD, weights_TK, compute)
@@ -208,6 +208,9 @@ class MoELayer(nn.Module):
             fused = None
         if not self.store.is_resident:
             return self._offloaded_experts(x_TD, ids_TK, weights_TK)
+        extras = self._extras()
+        if extras is not None and fused is not None:  # only a backend that declares it takes the extras
+            fused = partial(fused, extras=extras)
         if fused is not None and type(self.dispatcher) is LocalDispatcher:
             return fused(x_TD, ids_TK, weights_TK, *self.store.weights(), self.dispatcher.expert_start)
         # an EP dispatcher runs a fused backend on its received rows as they lie (ids: local slots)

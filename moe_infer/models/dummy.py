@@ -49,13 +49,20 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
         fill_repeating(p, block.to(p.device).to(p.dtype))
 
 
-def fill_repeating(t: torch.Tensor, block: torch.Tensor) -> None:
-    """t <- block repeated (t may be a strided view, e.g. an NVMe file map: filled row by row)."""
+def fill_repeating(t: torch.Tensor, block: torch.Tensor, start: int = 0) -> int:
+    """t <- block repeated, element i of t being block[(start + i) % len(block)] whatever t's strides (a strided view,
+    e.g. an offload tier's record or an NVMe file map, is filled row by row with the same values as a contiguous
+    tensor: an offloaded model gets the resident one's weights). Returns where the next element's value starts."""
+    n = block.numel()
     if not t.is_contiguous():
         for row in t:
-            fill_repeating(row, block)
-        return
+            start = fill_repeating(row, block, start)
+        return start
     flat = t.view(-1)
-    for start in range(0, flat.numel(), block.numel()):
-        chunk = flat[start:start + block.numel()]
-        chunk.copy_(block[:chunk.numel()])
+    i = 0
+    while i < flat.numel():
+        off = (start + i) % n
+        take = min(n - off, flat.numel() - i)
+        flat[i:i + take].copy_(block[off:off + take])
+        i += take
+    return (start + flat.numel()) % n

@@ -17,26 +17,50 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from moe_infer.experts.activation import SILU, ExpertAct, ExpertExtras
 from moe_infer.experts.local_dispatch import LocalDispatcher
 
 SlotCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def slot_extras(w13_S2FD: torch.Tensor, w2_SDF: torch.Tensor, act: ExpertAct = SILU,
+                down_bias: bool = True) -> Optional[ExpertExtras]:
+    """The extras of a call on slots (or one expert): the activation and the biases the layout attached to the
+    weights (`expert_bias`, offload/layout.py); down_bias False: this rank adds no down bias (moe_tp rank > 0)."""
+    b13, b2 = getattr(w13_S2FD, "expert_bias", None), getattr(w2_SDF, "expert_bias", None)
+    if b13 is None and act == SILU:
+        return None
+    return ExpertExtras(act, b13, b2 if down_bias else None)
+
+
 def slot_experts(experts_fn, x_TD: torch.Tensor, slot_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                 w13_S2FD: torch.Tensor, w2_SDF: torch.Tensor) -> torch.Tensor:
-    """out_TD = sum over k of weights * expert(slot_ids[t, k])(x[t]); ids -1 add nothing."""
+                 w13_S2FD: torch.Tensor, w2_SDF: torch.Tensor, act: ExpertAct = SILU,
+                 down_bias: bool = True) -> torch.Tensor:
+    """out_TD = sum over k of weights * expert(slot_ids[t, k])(x[t]); ids -1 add nothing. Experts with biases or
+    another activation (GPT-OSS): the slots' biases and `act` go to the backend as its extras."""
+    extras = slot_extras(w13_S2FD, w2_SDF, act, down_bias)
     fused = getattr(experts_fn, "fused_experts", None)
-    if fused is not None:
-        return fused(x_TD, slot_ids_TK, weights_TK, w13_S2FD, w2_SDF, 0)
+    if fused is not None and (extras is None or getattr(w13_S2FD, "quant", None) is None
+                              or w13_S2FD.quant.fmt in getattr(experts_fn, "fused_extras_formats", ())):
+        kw = {} if extras is None else {"extras": extras}
+        return fused(x_TD, slot_ids_TK, weights_TK, w13_S2FD, w2_SDF, 0, **kw)
     dispatcher = LocalDispatcher(w13_S2FD.shape[0])
+    kw = {} if extras is None else {"extras": extras}
     return dispatcher.forward_experts(x_TD, slot_ids_TK, weights_TK,
-                                      lambda x_RD, meta: experts_fn(x_RD, meta, w13_S2FD, w2_SDF))
+                                      lambda x_RD, meta: experts_fn(x_RD, meta, w13_S2FD, w2_SDF, **kw))
 
 
-def swiglu(x_rD: torch.Tensor, w13_2FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
+def swiglu(x_rD: torch.Tensor, w13_2FD: torch.Tensor, w2_DF: torch.Tensor,
+           extras: Optional[ExpertExtras] = None) -> torch.Tensor:
+    """One expert on rows x_rD; extras: its activation and biases (b13 [2F], b2 [D] of this expert)."""
     h_r2F = x_rD @ w13_2FD.t()
     f = w2_DF.shape[1]
-    return (F.silu(h_r2F[:, :f]) * h_r2F[:, f:]) @ w2_DF.t()
+    if extras is None:
+        return (F.silu(h_r2F[:, :f]) * h_r2F[:, f:]) @ w2_DF.t()
+    if extras.b13_E2F is not None:
+        h_r2F = h_r2F + extras.b13_E2F.to(h_r2F.dtype)
+    y_rD = extras.act(h_r2F[:, :f], h_r2F[:, f:]) @ w2_DF.t()
+    return y_rD if extras.b2_ED is None else y_rD + extras.b2_ED.to(y_rD.dtype)
 
 
 def gate_up(x_rD: torch.Tensor, w13_2FD: torch.Tensor, f: int, c: Optional[int] = None) -> torch.Tensor:
@@ -75,11 +99,13 @@ def gather_cpu_rows(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.
 
 
 def cpu_experts(rows: CpuRows, out_TD: torch.Tensor, host_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
-                shared: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None) -> torch.Tensor:
+                shared: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None, act: ExpertAct = SILU,
+                down_bias: bool = True) -> torch.Tensor:
     """out_TD + the weighted outputs of `rows`, each expert computed on the host cores from
     host_weights(e) -> (w13_2FD, w2_DF); the result goes back without blocking the host. shared[e] =
     (c, w2_DF of e's device slot): the host computes only the gate/up rows [0:c) of expert e
-    (offload/split.py) and the device multiplies them by the slot's w2[:, :c]."""
+    (offload/split.py) and the device multiplies them by the slot's w2[:, :c]. Experts with biases (the host
+    weights' `expert_bias`) or another activation run whole (never shared) with them."""
     if not rows.e_r:
         return out_TD
     shared = shared or {}
@@ -99,7 +125,7 @@ def cpu_experts(rows: CpuRows, out_TD: torch.Tensor, host_weights: Callable[[int
             act_rc = gate_up(x_rD, w13, w2.shape[1], c) * rows.w_r[idx_r, None]
             parts.append((idx, act_rc.to(x_rD.dtype), w2_DF[:, :c]))
         else:
-            y = swiglu(x_rD, w13, w2)
+            y = swiglu(x_rD, w13, w2, slot_extras(w13, w2, act, down_bias))
             y_rD[idx_r] = (y.float() * rows.w_r[idx_r, None]).to(y_rD.dtype)
     if len(parts) < len(groups):
         out_TD = out_TD.index_add(0, rows.t_idx_r, y_rD.to(out_TD.device, non_blocking=True))

@@ -120,7 +120,8 @@ class FetchedExperts:
                 self.planned_at = None
             shared = {e: (c, self.w2_SDF[store.table.lookup(e)]) for e, c in self.shared.items()}
             dtype = cpu_rows.x_rD.dtype  # a quantized expert dequantized on the host, one at a time
-            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e, dtype), shared)
+            out_TD = cpu_experts(cpu_rows, out_TD, lambda e: m.host_weights(store, e, dtype), shared,
+                                 store.expert_act, store.down_bias)
             if m.cost is not None:  # what the CPU path cost the host in this engine, for the next split
                 m.cost.observe_cpu(self.cpu_rows, cpu_s + time.perf_counter() - cpu_t0, shares=self.cpu_shares)
         store.last_compute = m.copier.mark()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from moe_infer.experts.activation import SILU, ExpertAct
 from moe_infer.offload.fetched import FetchedExperts
 from moe_infer.offload.host import layer_host_tensors
 from moe_infer.offload.nvme import record_views
@@ -33,10 +34,14 @@ from moe_infer.offload.split import plan_misses
 from moe_infer.offload.stats import OffloadStats
 
 Router = Callable[[torch.Tensor], tuple]  # x_TD -> (logits_TE, topk_weights_TK, topk_ids_TK)
+BIAS_ATTRS = {"b13": "b13_E2F", "b2": "b2_ED"}
 
 
 def _attr(name: str, w13: str, w2: str) -> str:
-    """A layout tensor's attribute name: "w13_scale_inv" -> w13 + "_scale_inv"."""
+    """A layout tensor's attribute name: "w13_scale_inv" -> w13 + "_scale_inv"; the biases under the resident
+    store's names (b13_E2F, b2_ED)."""
+    if name in BIAS_ATTRS:
+        return BIAS_ATTRS[name]
     base = "w13" if name == "w13" or name.startswith("w13_") else "w2"
     return (w13 if base == "w13" else w2) + name[len(base):]
 
@@ -46,14 +51,18 @@ class OffloadedExpertStore(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *,
                  manager=None, expert_ids: Optional[List[int]] = None, router: Optional[Router] = None,
-                 num_experts: Optional[int] = None, quant=None, **_) -> None:
+                 num_experts: Optional[int] = None, quant=None, bias: bool = False,
+                 expert_act: ExpertAct = SILU, down_bias: bool = True, **_) -> None:
+        """bias, expert_act, down_bias: GPT-OSS's expert biases (moved with the weights, offload/layout.py), its
+        clamped SwiGLU, and whether this rank adds the down bias (moe_tp rank 0)."""
         super().__init__()
         if manager is None:
             raise ValueError("an offloading expert store needs the engine's OffloadManager (MoEBackends.offload)")
         E, shape = num_local_experts, manager.shape
-        if quant != shape.quant:
-            raise ValueError(f"expert store of format {quant} under an offload plan for {shape.quant} "
-                             "(ExpertShape.quant)")
+        if quant != shape.quant or bias != shape.bias:
+            raise ValueError(f"expert store of format {quant} (biases: {bias}) under an offload plan for "
+                             f"{shape.quant} (biases: {shape.bias}) (ExpertShape.quant, .bias)")
+        self.expert_act, self.down_bias = expert_act, down_bias
         self.manager, self.num_local_experts, self.router = manager, E, router
         self.pos = manager.register(self)
         cfg = manager.cfg
@@ -69,7 +78,7 @@ class OffloadedExpertStore(nn.Module):
         held = {}  # the same tensors under the resident store's names (w13_E2FD, w13_E2FD_scale_inv ...):
         for name, t in host.items():  # the loader's targets, scales as buffers, the data carrying its format
             attr = _attr(name, "w13_E2FD", "w2_EDF")
-            if name in ("w13", "w2"):
+            if name in ("w13", "w2") or name in BIAS_ATTRS:
                 setattr(self, attr, nn.Parameter(t, requires_grad=False))
             else:
                 self.register_buffer(attr, t)
@@ -181,8 +190,9 @@ class OffloadedExpertStore(nn.Module):
         misses = {e: n for e, n in needed.items() if table.lookup(e) is None}
         m.ensure_host(self, list(misses) + list(partial), "step", st)
         stream_all = len(needed) > cfg.stream_fraction * E
-        # streamed, or quantized (rows share scale blocks): whole experts only, no misses shared by rows
-        whole = stream_all or m.shape.layout.is_quantized
+        # streamed, quantized (rows share scale blocks) or with biases / another activation (the host's share of
+        # rows is plain SwiGLU): whole experts only, no misses shared by rows
+        whole = stream_all or m.shape.layout.is_quantized or m.shape.bias or self.expert_act != SILU
         mode = "auto" if whole and cfg.miss_policy == "share" else cfg.miss_policy
         link_wait_s = m.link_wait_s() - (m.host_gap_s if mode == "share" else 0.0)
         plan = plan_misses(misses, partial, mode, m.cost, m.shape, link_wait_s, m.host_lead_s)
@@ -257,6 +267,10 @@ class OffloadedExpertStore(nn.Module):
         st.prefetched += len(copies)
         st.prefetch_declined += len(uncached) - len(copies)
         self._copy_into_slots(copies, st)
+
+    def biases(self) -> tuple:
+        """(b13_E2F, b2_ED) of every local expert in the host tier, or (None, None) (the device's are the slots')."""
+        return getattr(self, "b13_E2F", None), getattr(self, "b2_ED", None)
 
     def slot(self, s: int) -> Dict[str, torch.Tensor]:
         """Slot s's tensors (name -> one expert's), what a copy fills."""

@@ -39,11 +39,12 @@ class ExpertShape:
     intermediate_size: int  # F
     dtype: torch.dtype  # the model's (the compute dtype; the unquantized experts' storage)
     quant: Optional[QuantSpec] = None  # the experts' stored format (moe_infer/quant.py), None: dtype
+    bias: bool = False  # the experts have gate/up and down biases (GPT-OSS), moved with their weights
 
     @cached_property
     def layout(self) -> ExpertLayout:
         """The tensors of one expert in its stored format (offload/layout.py)."""
-        return ExpertLayout(self.hidden_size, self.intermediate_size, self.dtype, self.quant)
+        return ExpertLayout(self.hidden_size, self.intermediate_size, self.dtype, self.quant, self.bias)
 
     @property
     def w13_numel(self) -> int:
