@@ -194,10 +194,12 @@ def main() -> None:
 
 
 def write_result(result: dict, name: str, out: str = None) -> str:
-    """The JSON to `out`, else $OUT/name, else benchmarks/results/name; returns the path."""
+    """The JSON to `out` (a file, or a folder: out/name), else $OUT/name, else benchmarks/results/name; returns the
+    path."""
     if out is None:
-        folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        out = os.path.join(folder, name)
+        out = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    if os.path.isdir(out) or out.endswith(os.sep):
+        out = os.path.join(out, name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

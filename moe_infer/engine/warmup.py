@@ -142,13 +142,15 @@ def padding_step(lengths: Sequence[int], block_size: int, device: torch.device, 
 @torch.inference_mode()
 def warmup_kernels(model, token_counts: Sequence[int], decode_shapes: Sequence[Tuple[int, int]], max_model_len: int,
                    block_size: int, device: torch.device, last_rows: bool = False,
-                   last_row_shapes: Sequence[Tuple[int, int]] = (), compile_workers: int = 0) -> float:
+                   last_row_shapes: Sequence[Tuple[int, int]] = (), compile_workers: int = 0,
+                   act_dtype: Optional[torch.dtype] = None) -> float:
     """One eager forward per token count (sequences of at most max_model_len tokens), then a decode of B
     one-token sequences over L keys per (B, L) of decode_shapes. With last_rows (the runner's: a prompt step's last
     layer runs each sequence's last row, attended as a decode, moe_infer/layers/last_rows.py), every forward runs
     so, and a step of B two-token sequences over L keys per (B, L) of last_row_shapes warms that decode attention.
     compile_workers > 0 (CUDA): the kernels missing from Triton's disk cache compiled first by that many worker
-    processes (`precompile_in_workers`). Returns the seconds it took."""
+    processes (`precompile_in_workers`; the tables built on first use made first, in act_dtype, the activations'
+    dtype: a capture cannot build them). Returns the seconds it took."""
     start = time.perf_counter()
     steps = [([max_model_len] * (T // max_model_len) + ([T % max_model_len] if T % max_model_len else []), 0)
              for T in token_counts]
@@ -163,9 +165,10 @@ def warmup_kernels(model, token_counts: Sequence[int], decode_shapes: Sequence[T
     def inputs():
         return (padding_step(lengths, block_size, device, max_seq_len) for lengths, max_seq_len in steps)
 
-    if compile_workers > 0 and device.type == "cuda" and precompile_in_workers(forward, inputs(), device,
-                                                                               compile_workers) == 0:
-        return time.perf_counter() - start  # every variant was on disk: loaded by the dry pass
+    if compile_workers > 0 and device.type == "cuda":
+        build_lazy_tables(model, device, act_dtype)
+        if precompile_in_workers(forward, inputs(), device, compile_workers) == 0:
+            return time.perf_counter() - start  # every variant was on disk: loaded by the dry pass
     for step in inputs():
         forward(step)
     if device.type == "cuda":
@@ -173,13 +176,24 @@ def warmup_kernels(model, token_counts: Sequence[int], decode_shapes: Sequence[T
     return time.perf_counter() - start
 
 
+def build_lazy_tables(model, device: torch.device, act_dtype: Optional[torch.dtype]) -> None:
+    """The tables a layer builds on its first eager use (the rotary cos/sin table, per device and dtype), built now:
+    the dry pass's captures cannot build them (layers/rotary.py refuses inside a capture)."""
+    if act_dtype is None:
+        return
+    for module in model.modules():
+        if hasattr(module, "cos_sin_cache"):
+            module.cos_sin_cache(device, act_dtype)
+
+
 def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tuple], device: torch.device,
                           num_workers: int) -> Optional[int]:
     """The dry pass: forward(step) for every step (its inputs, made outside the capture: host-to-device copies are not
     capturable) inside a CUDA graph capture that is dropped, Triton launching nothing; the variants missing from
     the disk cache compiled by num_workers processes meanwhile, waited for.
-    Returns how many were sent to them (0: all were on disk, and are loaded now), None where the dry pass failed
-    (logged; the real forwards compile what is missing)."""
+    A step whose capture fails is left to the real forwards (the others' variants still compile in the workers).
+    Returns how many were sent to them (0: all were on disk, and are loaded now; never 0 where a step failed), None
+    where every step failed (logged; the real forwards compile what is missing)."""
     try:
         from triton.runtime.driver import driver
 
@@ -188,25 +202,26 @@ def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tupl
         logger.info("Triton kernels compile in the engine's process: %s", err)
         return None
     pool = CompilePool(num_workers, driver.active.get_current_target())
-    failed = None
+    failed, num_steps, step_errors, graphs = None, 0, [], []
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         mempool = torch.cuda.graph_pool_handle()  # one pool: a step's captured activations reused by the next
         with dry_launches(pool.submit), torch.cuda.stream(stream):
             for step in steps:
-                graph = torch.cuda.CUDAGraph()  # the torch ops are captured, never run: no value is ever read
-                graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+                num_steps += 1
                 try:
-                    forward(step)
-                finally:
-                    graph.capture_end()
-                del graph
+                    dry_capture(forward, step, mempool, graphs)
+                except Exception as err:  # noqa: BLE001 - this step's kernels compile in its real forward
+                    step_errors.append(f"{type(err).__name__}: {err}")
         torch.cuda.current_stream(device).wait_stream(stream)
+        graphs.clear()  # the pool's last users: its memory freed
         del mempool
         torch.cuda.empty_cache()  # the dry captures' memory back to the device
     except Exception as err:  # noqa: BLE001 - any failure leaves the compiles to the real forwards
         failed = f"{type(err).__name__}: {err}"
+    if failed is None and step_errors and len(step_errors) == num_steps:
+        failed = step_errors[0]
     compiled, errors = pool.finish()
     if pool.num_submitted:
         logger.info("Triton kernels: %d of %d variants compiled by %d worker processes in %.1f s", compiled,
@@ -221,7 +236,25 @@ def precompile_in_workers(forward: Callable[[tuple], None], steps: Iterable[tupl
         logger.warning("the dry pass of the Triton warm-up failed (the kernels compile in the engine's process, one "
                        "after the other): %s", failed)
         return None
+    if step_errors:
+        logger.warning("the dry pass of the Triton warm-up failed in %d of %d steps (their kernels compile in the "
+                       "engine's process): %s", len(step_errors), num_steps, step_errors[0])
+        return pool.num_submitted + len(step_errors)
     return pool.num_submitted
+
+
+def dry_capture(forward: Callable[[tuple], None], step: tuple, mempool, graphs: list) -> None:
+    """forward(step) inside a CUDA graph capture that is never replayed: the torch ops are captured, never run, so no
+    value is ever read; the capture ends (and the stream leaves capture mode) whether or not forward raised. The graph
+    joins graphs, kept until the dry pass ends: a graph destroyed while tensors of its pool live leaves the pool unused
+    but not freed, and the next capture into it fails the caching allocator's use-count assert (seen on the H200)."""
+    graph = torch.cuda.CUDAGraph()
+    graphs.append(graph)
+    graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+    try:
+        forward(step)
+    finally:
+        graph.capture_end()
 
 
 def warmup_plan(runner) -> Tuple[List[int], List[Tuple[int, int]], List[Tuple[int, int]]]:
@@ -257,7 +290,7 @@ def warm_up_runner(runner) -> Optional[float]:
     counts, decodes, last_rows = warmup_plan(runner)
     workers = compile_workers(runner)
     seconds = warmup_kernels(runner.model, counts, decodes, runner.max_model_len, runner.block_size, runner.device,
-                             runner.last_rows, last_rows, compile_workers=workers)
+                             runner.last_rows, last_rows, compile_workers=workers, act_dtype=runner.dtype)
     logger.info("Triton kernels warmed up in %.1f s: forwards of %d token counts (up to %d), %d + %d decodes (batch, "
                 "context) for the attention's tiles", seconds, len(counts), counts[-1], len(decodes), len(last_rows))
     return seconds
