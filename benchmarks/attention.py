@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from device_rates import measure_rates  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import graph_time_us  # noqa: E402
 from moe_infer.layers.paged_attention import paged_attention_sdpa  # noqa: E402
 
 H, HKV, D, PAGE = 32, 4, 128, 16
@@ -61,27 +61,6 @@ def build(kind: str, B: int, L: int, cached: int, gen: torch.Generator):
     return args, nbytes, 4 * D * H * pairs
 
 
-def graph_time_us(fn, iters: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def eager_time_us(fn, iters: int = 20) -> float:
     """Mean of `iters` back-to-back calls between two device events (host launch overhead included)."""
     for _ in range(3):
@@ -98,7 +77,7 @@ def eager_time_us(fn, iters: int = 20) -> float:
 def graph_or_none(fn):
     """The CUDA-graph median, or None where the path cannot be captured (recorded as such)."""
     try:
-        return graph_time_us(fn)
+        return graph_time_us(fn, 50)  # the median of 50 replays, each between device events
     except Exception as err:  # noqa: BLE001 - e.g. a host sync inside the path
         print(f"  (not capturable: {type(err).__name__}: {str(err).splitlines()[0][:100]})")
         torch.cuda.synchronize()
