@@ -1,20 +1,16 @@
-"""Paged attention on the GPU: the Triton kernel that reads K/V in place through the block tables
-against the engine's current CUDA path (gather K/V through the block tables into contiguous copies,
-then torch SDPA), and against FlashInfer / flash-attn when either imports (neither is on the lent
-machines; reported as absent otherwise).
+"""Paged attention on the GPU: the Triton kernel that reads K/V in place through the block tables against the
+engine's CUDA path before it (K/V gathered through the block tables into contiguous copies, then torch SDPA);
+FlashInfer / flash-attn are reported as importable or absent.
 
-Qwen3-30B-A3B's attention shape (H=32 query heads, Hkv=4, d=128, bf16), block size 16, pages of
-every sequence scattered over the cache. Cases:
-  decode   B sequences of one new token over contexts of L keys (B x L in 1x2048, 1x8192, 16x2048,
-           64x1024, 64x4096)
+Qwen3-30B-A3B's attention shape (H=32 query heads, Hkv=4, d=128, bf16), block size 16, pages of every sequence
+scattered over the cache. Cases:
+  decode   B sequences of one new token over L keys (B x L: 1x2048, 1x8192, 16x2048, 64x1024, 64x4096)
   prefill  B prompts of L tokens, nothing cached (1x1024, 16x1024)
   extend   B chunks of 512 tokens after a cached prefix of 1536 (4x512)
-Times are CUDA-graph replays (median of 50, device events), so host launch overhead is not counted;
-where a path cannot be captured both are timed eagerly (back-to-back calls between events) and the
-row says so.
-Roofline per case: max(bytes / HBM rate, flops / bf16 GEMM rate) with bytes = K/V read once + q and
-out, flops = 4 * d * H * (visible query-key pairs); both rates measured on this GPU at the start
-(benchmarks/device_rates.py).
+Times are CUDA-graph replays (median of 50, device events: no host launch overhead); where a path cannot be
+captured both are timed eagerly (back-to-back calls between events) and the row says so. Roofline per case:
+max(bytes / HBM rate, flops / bf16 GEMM rate), bytes = K/V read once + q and out, flops = 4 * d * H * (visible
+query-key pairs); both rates measured on this GPU at the start (device_rates.py).
 
     python benchmarks/attention.py [--out X.json]     # GPU, ~1 min
 Writes JSON (device named) to --out, else $OUT/attention_<device>.json, else benchmarks/results/.
