@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ep_timing import Timer  # noqa: E402
-from ep_report import print_report  # noqa: E402
+from ep_report import COLS as STAGES, print_report  # noqa: E402  (the stages, in the report's column order)
 
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.engine.backends import resolve_name  # noqa: E402
@@ -56,8 +56,6 @@ from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
           "tiny": (8, 2, 64, 32)}  # E, K, D, F; tiny: a CPU smoke run
-STAGES = ("route", "dispatch", "dispatch_steps", "dispatch_mb2", "dispatch_mb4", "experts", "combine", "layer",
-          "layer_overlap", "layer_overlap4", "all_gather", "raw_a2a")
 OVERLAP = {"layer_overlap": 2, "layer_overlap4": 4}  # micro-batches of each overlap stage
 
 
