@@ -62,8 +62,8 @@ from moe_infer.offload.expert_graphs import ExpertGraphs  # noqa: E402
 from moe_infer.offload.prefetch import PREFETCH_RULES  # noqa: E402
 
 
-def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device, stream_chunk: int = 0) -> list:
-    """The runs of one shape in one engine; stream_chunk: offload.stream_chunk (0: the engine's default)."""
+def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
+    """The runs of one shape in one engine."""
     cfg_dir = tempfile.mkdtemp(prefix=f"offload_bench_{name}_")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -71,7 +71,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     t0 = time.perf_counter()
     llm = LLM(model=cfg_dir, load_format="dummy", dtype="bfloat16", device=str(device), offload="cpu",
               gpu_expert_budget_gb=budget_gb, num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16,
-              max_num_batched_tokens=512, enable_prefix_caching=False, stream_chunk=stream_chunk or None)
+              max_num_batched_tokens=512, enable_prefix_caching=False)
     setup_s = time.perf_counter() - t0
     info = llm.get_offload_stats()
     print(f"[{name}] {info['plan']}\n[{name}] {info['cost']}  (set up in {setup_s:.0f} s)", flush=True)
@@ -204,9 +204,6 @@ def main() -> int:
     for flag, what in (("layer", "each layer's attention part"), ("expert", "a layer step's device experts")):
         ap.add_argument(f"--{flag}-graphs", default="on", help=f"{what} as CUDA graphs: on, off, or off,on (each run "
                         "repeated per value, in that order)")
-    ap.add_argument("--stream-chunks", default="0",
-                    help="offload.stream_chunk of each engine (comma list: one engine per value and shape, in that "
-                         "order; 0: the engine's default)")
     ap.add_argument("--reserve-gb", type=float, default=2.5,
                     help="Mixtral: GiB of the --gpu-gb left for activations, graphs and workspaces (the rest of what "
                          "the non-expert weights leave is the expert budget)")
@@ -215,8 +212,7 @@ def main() -> int:
                          "smaller later may keep its threads spinning under ACTIVE); 0: as the environment says")
     ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS),
                     help="the experts' (and attention's) stored format (see the docstring)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                           "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.torch_threads < 0:
         ap.error("--torch-threads: must be >= 0 (0: torch's default)")
@@ -224,13 +220,10 @@ def main() -> int:
         torch.set_num_threads(args.torch_threads)
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
-    args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
-    if any(v not in ("on", "off") for v in args.expert_graphs.split(",")):
-        ap.error(f"--expert-graphs: on, off, or off,on; got {args.expert_graphs!r}")
-    args.expert_graphs = [v == "on" for v in args.expert_graphs.split(",")]
-    args.stream_chunks = [int(v) for v in args.stream_chunks.split(",")]
-    if any(c < 0 for c in args.stream_chunks):
-        ap.error("--stream-chunks: each value must be >= 0 (0: the engine's default)")
+    for flag in ("layer_graphs", "expert_graphs"):
+        if any(v not in ("on", "off") for v in getattr(args, flag).split(",")):
+            ap.error(f"--{flag.replace('_', '-')}: on, off, or off,on; got {getattr(args, flag)!r}")
+        setattr(args, flag, [v == "on" for v in getattr(args, flag).split(",")])
     for miss in args.miss_policies:
         OffloadConfig(store="cpu", miss_policy=miss)
     args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]
@@ -251,9 +244,8 @@ def main() -> int:
     if args.smoke and args.quantization == "int4":
         qcfg = copy.deepcopy(qcfg)
         qcfg["config_groups"]["group_0"]["weights"]["group_size"] = SMOKE_BLOCK
-    for c in (mix, qwen):
-        if qcfg is not None:
-            c.quantization_config = qcfg
+    for c in (mix, qwen) if qcfg is not None else ():
+        c.quantization_config = qcfg
     result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "git_commit": os.environ.get("GIT_COMMIT"), "smoke": args.smoke,
               "gpu_gb": args.gpu_gb,
@@ -301,11 +293,7 @@ def main() -> int:
               flush=True)
 
     def shape_part(name, cfg, budget, traces_):
-        def run():
-            for chunk in args.stream_chunks:
-                result["runs"].extend(bench_shape(name, cfg, budget, limits, args, traces_, device, chunk))
-                gc.collect()
-        return run
+        return lambda: result["runs"].extend(bench_shape(name, cfg, budget, limits, args, traces_, device))
 
     parts = [("mixtral", shape_part("mixtral", mix, mix_budget, traces)),
              ("qwen3", shape_part("qwen3", qwen, qwen_budget, None)),

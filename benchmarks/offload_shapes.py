@@ -6,7 +6,7 @@ import random
 import time
 
 import torch
-from offload_parts import sync
+from e2e_generate import sync
 
 from moe_infer import LLM, SamplingParams
 
