@@ -4,22 +4,19 @@ Workloads (each prompt asks for text that is largely in it, or continues a repea
   ngram   the shipped tiny model (moe_infer/assets/tiny_moe, trained weights, its tokenizer) on prompts that repeat
           or edit text given in the prompt; speculation: n-gram (prompt lookup), adaptive k <= 4.
   draft   a larger random-weight Qwen3-MoE (`model.load_format=dummy`) of the tiny model's vocabulary and tokenizer,
-          the tiny model as its draft (k <= 3); the same prompts. A random target shares nothing with the draft:
-          this workload measures what a draft costs when it is mostly wrong, and what adaptive k saves then.
-  ngram_large  the large random target with n-gram speculation: a random model's greedy output falls into
-          loops, which prompt lookup then predicts.
+          the tiny model as its draft (k <= 3), the same prompts: what a draft costs when it is mostly wrong (a
+          random target shares nothing with it), and what adaptive k saves then.
+  ngram_large  the large random target with n-gram speculation (its greedy output falls into loops).
 Decode tok/s = B x (new - 1) / (time of `generate` with new tokens - time with 1 token): prefill left out. Each
-configuration is warmed up first (Triton compiles, CUDA graphs captured). Reports the acceptance rate and the mean
-accepted length (tokens a verifying sequence-step emits) from `get_stats`, and the speed-up over the plain engine;
-with speculation, the verify steps that replayed the decode graphs' verify graphs and adaptive k's measured step
-times per k at the batch.
+configuration is warmed up first. Reports the acceptance rate, the mean accepted length (tokens a verifying
+sequence-step emits) and the speed-up over the plain engine; with speculation, the verify steps replayed as graphs
+and adaptive k's measured step times per k at the batch.
 
     python benchmarks/speculative.py            # GPU (one H200): the large target has Qwen3-30B-A3B's layer shape
     python benchmarks/speculative.py --tiny     # CPU: small shapes, few tokens, a smoke run
-
     python benchmarks/speculative.py --workloads ngram      # one workload (its own JSON file)
 
-Writes JSON (device named) to --out DIR, else $OUT, else benchmarks/results/ (speculative_<device>.json).
+Writes speculative_<device>.json to --out DIR, else $OUT, else benchmarks/results/.
 """
 from __future__ import annotations
 
