@@ -1,20 +1,16 @@
-"""Paged attention on the GPU: the Triton kernel that reads K/V in place through the block tables
-against the engine's current CUDA path (gather K/V through the block tables into contiguous copies,
-then torch SDPA), and against FlashInfer / flash-attn when either imports (neither is on the lent
-machines; reported as absent otherwise).
+"""Paged attention on the GPU: the Triton kernel that reads K/V in place through the block tables against the
+engine's CUDA path before it (K/V gathered through the block tables into contiguous copies, then torch SDPA);
+FlashInfer / flash-attn are reported as importable or absent.
 
-Qwen3-30B-A3B's attention shape (H=32 query heads, Hkv=4, d=128, bf16), block size 16, pages of
-every sequence scattered over the cache. Cases:
-  decode   B sequences of one new token over contexts of L keys (B x L in 1x2048, 1x8192, 16x2048,
-           64x1024, 64x4096)
+Qwen3-30B-A3B's attention shape (H=32 query heads, Hkv=4, d=128, bf16), block size 16, pages of every sequence
+scattered over the cache. Cases:
+  decode   B sequences of one new token over L keys (B x L: 1x2048, 1x8192, 16x2048, 64x1024, 64x4096)
   prefill  B prompts of L tokens, nothing cached (1x1024, 16x1024)
   extend   B chunks of 512 tokens after a cached prefix of 1536 (4x512)
-Times are CUDA-graph replays (median of 50, device events), so host launch overhead is not counted;
-where a path cannot be captured both are timed eagerly (back-to-back calls between events) and the
-row says so.
-Roofline per case: max(bytes / HBM rate, flops / bf16 GEMM rate) with bytes = K/V read once + q and
-out, flops = 4 * d * H * (visible query-key pairs); both rates measured on this GPU at the start
-(benchmarks/device_rates.py).
+Times are CUDA-graph replays (median of 50, device events: no host launch overhead); where a path cannot be
+captured both are timed eagerly (back-to-back calls between events) and the row says so. Roofline per case:
+max(bytes / HBM rate, flops / bf16 GEMM rate), bytes = K/V read once + q and out, flops = 4 * d * H * (visible
+query-key pairs); both rates measured on this GPU at the start (device_rates.py).
 
     python benchmarks/attention.py [--out X.json]     # GPU, ~1 min
 Writes JSON (device named) to --out, else $OUT/attention_<device>.json, else benchmarks/results/.
@@ -24,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -33,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from device_rates import measure_rates  # noqa: E402
+from moe_infer.kernels.fused_moe_bench import graph_time_us  # noqa: E402
 from moe_infer.layers.paged_attention import paged_attention_sdpa  # noqa: E402
 
 H, HKV, D, PAGE = 32, 4, 128, 16
@@ -61,27 +57,6 @@ def build(kind: str, B: int, L: int, cached: int, gen: torch.Generator):
     return args, nbytes, 4 * D * H * pairs
 
 
-def graph_time_us(fn, iters: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def eager_time_us(fn, iters: int = 20) -> float:
     """Mean of `iters` back-to-back calls between two device events (host launch overhead included)."""
     for _ in range(3):
@@ -98,7 +73,7 @@ def eager_time_us(fn, iters: int = 20) -> float:
 def graph_or_none(fn):
     """The CUDA-graph median, or None where the path cannot be captured (recorded as such)."""
     try:
-        return graph_time_us(fn)
+        return graph_time_us(fn, 50)  # the median of 50 replays, each between device events
     except Exception as err:  # noqa: BLE001 - e.g. a host sync inside the path
         print(f"  (not capturable: {type(err).__name__}: {str(err).splitlines()[0][:100]})")
         torch.cuda.synchronize()

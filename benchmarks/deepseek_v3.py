@@ -5,20 +5,19 @@ computed from rates measured on the same machine in the same run.
     python benchmarks/deepseek_v3.py --tiny     # CPU smoke run of the same code (tiny widths)
     python benchmarks/deepseek_v3.py --skip-attention --kv-cache-dtype fp8   # engine runs, e4m3 latent cache
 
-attention: decode (one query a sequence) of DeepSeek-V3's 128 heads over the latent cache (576 values a token), batch
-  1 / 16 / 64 x context 1k / 4k / 16k / 32k: the Triton kernel (moe_infer/kernels/mla_attention.py) against the
-  gathered-latent PyTorch path (each sequence's rows gathered through its block table to [B, L, 576], then bf16
-  matmuls and a float32 softmax); roofline = max(latent bytes read / the measured HBM copy rate, the absorbed
-  FLOPs / the measured bf16 GEMM rate): with 128 heads a row is multiplied 128 times, so long contexts are
-  compute-bound on an H200. Both paths are timed as a decode step's CUDA graph runs them (20 calls in a graph, no
-  host time); the kernel's tile configurations beside its default (the best reported).
+attention: decode (one query a sequence) of 128 heads over the latent cache (576 values a token), batch 1 / 16 / 64
+  x context 1k / 4k / 16k / 32k: the Triton kernel (moe_infer/kernels/mla_attention.py, its default tiles and
+  candidates, the best reported) against the gathered-latent PyTorch path (rows gathered through the block table to
+  [B, L, 576], bf16 matmuls, float32 softmax), both as a decode step's CUDA graph runs them (20 calls a graph, no
+  host time); roofline = max(latent bytes / measured HBM copy rate, absorbed FLOPs / measured bf16 GEMM rate).
+  Prompt attention: absorbed (the kernel) against up-projected (per-head keys and values, causal SDPA).
 engine: a random-weight model (`model.load_format=dummy`) of DeepSeek-V3's widths cut to 4 layers (hidden 7168,
   128 heads, q-LoRA 1536, latent 512 + 64, 256 experts top-8 in 8 groups, expert F 2048, one shared expert; the
-  first layer dense, F 18432): about 74 GB of bf16. Decode: batch B, prompt 128, 64 new tokens, output tok/s of the
-  generate call; roofline = B x new tokens / (new tokens x bytes of one decode step / HBM rate), the bytes being
-  every weight a step reads (attention, dense and shared MLPs, router, the experts touched at B tokens under uniform
-  routing: E (1 - (1 - K/E)^B), an estimate, and the LM head) and the latent cache it reads. Prefill: 16 x 1024,
-  prompt tok/s against max(FLOPs / measured bf16 GEMM rate, weights / HBM rate).
+  first layer dense, F 18432): about 74 GB of bf16, and its fp8 (128 x 128 blocks) form. Decode: batch B, prompt
+  128, 64 new tokens, output tok/s of the generate call against B x new tokens / (new tokens x bytes of one decode
+  step / HBM rate), the bytes being every weight a step reads (the experts touched at B tokens under uniform routing,
+  E (1 - (1 - K/E)^B): an estimate) and the latent cache. Prefill: 16 x 1024, prompt tok/s against
+  max(FLOPs / bf16 GEMM rate, weights / HBM rate).
 Writes JSON (device named) to --out, else $OUT, else benchmarks/results/.
 """
 from __future__ import annotations
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from device_rates import measure_rates  # noqa: E402
-from e2e_generate import device_label, sync, write_result  # noqa: E402
+from e2e_generate import clock_in_graph, device_label, time_ours, write_result  # noqa: E402
 
 REAL = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
@@ -49,38 +48,6 @@ TINY = dict(REAL, vocab_size=256, hidden_size=64, intermediate_size=96, moe_inte
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
             topk_group=2, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
             max_position_embeddings=512)
-
-
-def clock(fn, device, reps: int = 10) -> float:
-    """Median seconds of fn() after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def clock_in_graph(fn, device, calls: int = 20) -> float:
-    """Seconds a call of fn as a decode step's CUDA graph runs it: `calls` calls captured in one graph, the graph's
-    median replay time / calls (no host time: the engine replays decode steps as graphs). Eager clock on the CPU."""
-    if device.type != "cuda":
-        return clock(fn, device)
-    fn()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return clock(graph.replay, device, reps=5) / calls
 
 
 # ---------------------------------------------------------------- attention
@@ -242,7 +209,7 @@ def write_config(dims: dict, folder: str, fp8_block: int = 0) -> str:
 
 def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hbm: float, flops: float,
                  fp8_block: int = 0, kv_cache_dtype: str = "auto") -> dict:
-    from moe_infer import LLM, SamplingParams
+    from moe_infer import LLM
 
     seqs, length = prefill
     folder = write_config(dims, tempfile.mkdtemp(prefix="deepseek_v3_"), fp8_block)
@@ -257,14 +224,8 @@ def bench_engine(dims: dict, batches, prompt: int, new: int, prefill, device, hb
     gen = torch.Generator().manual_seed(0)
     V = dims["vocab_size"]
 
-    def run(b: int, n: int, tokens: int) -> float:
-        prompts = torch.randint(2, V, (b, n), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        sync(device)
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        sync(device)
-        return time.perf_counter() - t0
+    def run(b: int, n: int, tokens: int) -> float:  # greedy, EOS ignored, random prompt ids
+        return time_ours(llm, torch.randint(2, V, (b, n), generator=gen).tolist(), tokens, device)[0]
 
     for b in batches:
         run(b, prompt, new)  # warm-up: graphs of this batch captured, kernels compiled

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -101,6 +102,39 @@ def cuda_graph_summary(llm) -> dict:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def clock(fn, device: torch.device, reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of fn(), synced before and after each call, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def clock_in_graph(fn, device: torch.device, calls: int = 20, reps: int = 5) -> float:
+    """Seconds a call of fn takes as a CUDA graph runs it (a decode step's graph: no host time): `calls` calls
+    captured in one graph after warm-up calls (one on a side stream), the graph's median replay / calls. thread_local
+    capture, so that collectives capture too. Eager clock on the CPU."""
+    if device.type != "cuda":
+        return clock(fn, device)
+    fn()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    return clock(graph.replay, device, reps=reps) / calls
 
 
 def main() -> None:

@@ -1,26 +1,20 @@
 """The engine end to end against its roofline and transformers: decode tok/s, prefill tok/s, TTFT.
 
-Issue 17's proof, one command on one GPU (about 4 minutes on an H100):
-
-    python benchmarks/engine_roofline.py                  # 8-layer Qwen3-30B-A3B shape, bf16, random weights
+    python benchmarks/engine_roofline.py                  # one GPU, ~4 min: 8-layer Qwen3-30B-A3B shape, bf16
     python benchmarks/engine_roofline.py --tiny           # CPU smoke run of the same code
 
-Same checkpoint for both engines (benchmarks/e2e_generate.py builds it: random weights, router logits
-spread so routing is not uniform noise), greedy, EOS ignored. Measured, each after a warm-up at the same
-shapes on other prompts:
-  decode: batch 1 / 16 / 64, prompt 128, 128 new tokens; output tok/s = batch x new tokens / wall time
-    of the whole generate call (prefill included, as the issue's table);
+Same checkpoint for both engines (e2e_generate.py's: random weights, router logits spread), greedy, EOS ignored.
+Measured, each after a warm-up at the same shapes on other prompts:
+  decode: batch 1 / 16 / 64, prompt 128, 128 new tokens; output tok/s = batch x new tokens / wall time of the whole
+    generate call (prefill included, as the issue's table);
   prefill: 16 prompts of 1024 tokens, one new token: prompt tok/s (median of 3 calls);
   TTFT: one prompt of 128 and of 1024 tokens, one new token: the generate call's wall time (median of 5).
-Ours runs with its defaults (decode steps as CUDA graphs, attention "auto"), and again with
---compare-attention (default "sdpa", the previous CUDA default) on the same prompts; --compare KEY=VALUE
-(repeatable) adds an engine built with that LLM keyword (e.g. async_scheduling=false), named ours_KEY_VALUE.
-
-Rooflines, computed here from the model's dimensions and the step's bytes / FLOPs:
-  decode step bytes = per layer (attention + router weights + the experts touched + the K/V read) + LM
-    head; experts touched at batch B = E * (1 - (1 - K/E)^B) (uniform routing: an estimate, the real
-    routing touches no more distinct experts than this on average); read at --hbm-gbps (default: this
-    GPU's HBM copy rate, measured at the start by benchmarks/device_rates.py, as is the --tflops default);
+Ours runs with its defaults, and again with --compare-attention (default "sdpa") on the same prompts; --compare
+KEY=VALUE (repeatable) adds an engine built with that LLM keyword (e.g. async_scheduling=false), ours_KEY_VALUE.
+Rooflines from the model's dimensions, at the rates measured at the start (device_rates.py) unless --hbm-gbps /
+--tflops are given:
+  decode step bytes = per layer (attention + router weights + the experts touched + the K/V read) + LM head;
+    experts touched at batch B = E * (1 - (1 - K/E)^B) (uniform routing: an estimate);
   decode roofline tok/s = B x new tokens / (new tokens decode steps' times), prefill excluded;
   prefill / TTFT limit = max(FLOPs / --tflops, weights touched / HBM rate).
 Writes JSON (device named) to --out, else $OUT, else benchmarks/results/.

@@ -2,34 +2,29 @@
 
     torchrun --nproc-per-node N benchmarks/expert_parallel.py [--models ...] [--tokens ...] --out PATH
 
-For each model shape (Qwen3-30B-A3B, DeepSeek-V3), tokens per rank T and dispatcher backend
-(`local` at EP=1; `exact`, `capacity` and `reduce` at EP>1), each rank holds E/ep experts (bf16) and its own
-T random tokens; the router is real (gate GEMM + top-k; `capacity` adds the drop policy at
-capacity factor 1.0). `reduce` is the engine's case of replicated tokens (attention tensor parallel or
-replicated in the stage): every rank holds the same ep x T tokens, runs its experts on the rows routed to
-them (`experts`) and one all-reduce of [ep x T, D] sums the ranks' outputs (`combine`); its `layer` is the
-per-layer cost to compare with an all-to-all backend's `layer` + `all_gather` (the replicated engine
-all-gathers the ranks' T outputs after an all-to-all), for the same ep x T tokens of the layer. The experts run as the layer runs them: the fused backend (Triton on CUDA)
-on the received buffer as it lies (no regroup). Timed, each alone:
+For each model shape (Qwen3-30B-A3B, DeepSeek-V3), tokens per rank T and dispatcher backend (`local` at EP=1;
+`exact`, `capacity` and `reduce` at EP>1), each rank holds E/ep experts (bf16) and its own T random tokens; the
+router is real (gate GEMM + top-k; `capacity` adds the drop policy at capacity factor 1.0). `reduce` is the case of
+replicated tokens (attention tensor parallel or replicated): every rank holds the same ep x T tokens, runs its
+experts on the rows routed to them and one all-reduce of [ep x T, D] sums the outputs; its `layer` compares with an
+all-to-all backend's `layer` + `all_gather`. The experts run as the layer runs them (fused, on the received buffer
+as it lies). Timed, each alone:
   route      gate GEMM + top-k (+ drop policy)
   dispatch   plan, send-buffer pack, count exchange (exact), payload all-to-all, received ids
              (capacity: one `slot_pack` launch up to SLOT_PACK_MAX_ROWS routed rows, the separate steps above)
   dispatch_steps  capacity only: the same through the separate steps (ranks, slot rows, pack) at every T
-  dispatch_mb2/4  the dispatch half of the overlap path: 2 / 4 micro-batches (slot groups), each packed
-             right before its asynchronous all-to-all (so a pack runs under the previous transfer), all
-             received (a variant of `dispatch`; the targets are judged on `dispatch`)
+  dispatch_mb2/4  the overlap path's dispatch half: 2 / 4 micro-batches, each packed right before its async
+             all-to-all, all received (a variant of `dispatch`; the targets are judged on `dispatch`)
   experts    the fused experts on the received rows (EP=1: the whole fused path on x_TD)
   combine    all-to-all back, top-k sum
-  layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches; for
-             `reduce` the MoE layer's token chunks, each chunk's all-reduce started under the next one's experts)
+  layer      dispatch -> experts -> combine (forward_experts), overlap off / on (2 and 4 micro-batches; `reduce`:
+             token chunks, each chunk's all-reduce started under the next one's experts)
   all_gather the ep x T outputs from every rank's T (what an all-to-all costs more with replicated tokens)
   raw_a2a    a bare all_to_all_single of the dispatch payload's bytes (equal splits)
-Two timings of each (benchmarks/ep_timing.py): `graph` = CUDA-graph replay, median (the GPU's
-time; the capacity backend, local and raw all-to-all: the exact backend syncs with the host and
-cannot be captured) and `eager` = a loop of eager calls, mean (host launch overhead included).
-Targets (issue 6), on graph times: capacity dispatch and combine each <= 1.15 x raw_a2a; with
-overlap (the better of 2 and 4 micro-batches), the layer at 4096 tokens per rank <= 1.15 x
-max(2 x raw_a2a, experts). JSON names the device.
+Two timings of each (ep_timing.py): `graph` = CUDA-graph replay, median (not for the exact backend: it syncs with
+the host) and `eager` = a loop of eager calls, mean (host launch overhead included). Targets, on graph times:
+capacity dispatch and combine each <= 1.15 x raw_a2a; with overlap (the better of 2 and 4 micro-batches), the layer
+at 4096 tokens per rank <= 1.15 x max(2 x raw_a2a, experts). JSON names the device.
 """
 from __future__ import annotations
 
@@ -45,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ep_timing import Timer  # noqa: E402
-from ep_report import print_report  # noqa: E402
+from ep_report import COLS as STAGES, print_report  # noqa: E402  (the stages, in the report's column order)
 
 from moe_infer.config import ParallelConfig, RoutingConfig  # noqa: E402
 from moe_infer.engine.backends import resolve_name  # noqa: E402
@@ -61,8 +56,6 @@ from moe_infer.routing.spec import RoutingSpec  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
           "tiny": (8, 2, 64, 32)}  # E, K, D, F; tiny: a CPU smoke run
-STAGES = ("route", "dispatch", "dispatch_steps", "dispatch_mb2", "dispatch_mb4", "experts", "combine", "layer",
-          "layer_overlap", "layer_overlap4", "all_gather", "raw_a2a")
 OVERLAP = {"layer_overlap": 2, "layer_overlap4": 4}  # micro-batches of each overlap stage
 
 

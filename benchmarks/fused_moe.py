@@ -9,13 +9,10 @@
   roofline  max(bytes of the distinct experts touched / HBM rate, 2*T*K*3*D*F / bf16 GEMM rate), both rates
             measured on this GPU at the start (benchmarks/device_rates.py)
 
-and the issue's target (H100 figures) with pass/fail. Ours is timed twice: after a pause of --idle-s (`ours_us`, one timing per
-point as the issue's figures were taken; pass/fail uses it), and after --sustain-s of replays (`ours_sustained_us`:
-the clocks the GPU holds under sustained compute-bound load). On an H200 the compute-bound prefill points read up to
-17 % faster when the GPU is cool than sustained (docs/notes/fused_moe.md); how far a pause lets the
-clocks recover depends on how warm the GPU is, and after this benchmark's earlier points a 1 s pause recovers little,
-so the sustained figure is the reproducible one. The other columns are timed once each, after ours. Writes JSON
-(device named) to benchmarks/results/.
+and the issue's target (H100 figures) with pass/fail. Ours is timed twice: after a pause of --idle-s (`ours_us`, as
+the issue's figures were taken; pass/fail uses it), and after --sustain-s of replays (`ours_sustained_us`: the
+clocks the GPU holds under sustained compute-bound load, the reproducible figure: docs/notes/fused_moe.md). The
+other columns are timed once each, after ours. Writes JSON (device named) to benchmarks/results/.
 
     python benchmarks/fused_moe.py [--shapes ...] [--tokens ...] [--idle-s 1] [--sustain-s 0.3] [--out PATH]
 """

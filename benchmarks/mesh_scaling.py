@@ -5,27 +5,23 @@
 
 Models (random weights, `model.load_format=dummy`: only a config.json is written):
   small   Qwen3-30B-A3B's layer shape, 8 layers: fits one GPU, so the ratio to one GPU is the test
-  large   Qwen3-30B-A3B's widths, 48 layers, 384 experts (~88B parameters, ~177 GB in bf16): fits no lent GPU
-          alone; its one-GPU row is the roofline only
-Layouts, each a fresh process group (torchrun) of G ranks running benchmarks/mesh_scaling_worker.py: "one GPU" (the plain engine, no mesh) and "mesh x1"
-(parallel.force_mesh: the mesh's code path at degree 1, process groups of one rank), measured in one process in the
-order A B B A (the H200's power cap favours whatever runs first); then with N >= 2 GPUs tp=N, ep=N, pp=N, tp=N
-with ep=N and "ep=N dp" (ep=N with attention data parallelism: each GPU's attention runs 1/N of the requests with
-a KV cache of its own) (plus pp=2 x tp=N/2 from 4 GPUs). A layout whose weights would not fit its GPUs is skipped.
-
-Measured per layout (greedy, EOS ignored, prompts of random ids, each shape warmed up first):
-  decode   batch 1 / 16 / 64 / 256, prompt 128, 128 new tokens: output tok/s of the whole generate call (prefill
-           included, as engine_roofline.py), and the decode step time (the call minus a 1-token call of the same
-           prompts, over the 127 other steps)
+  large   Qwen3-30B-A3B's widths, 48 layers, 384 experts (~88B parameters, ~177 GB in bf16): its one-GPU row is
+          the roofline only
+Layouts, each a fresh process group (torchrun) of G ranks running benchmarks/mesh_scaling_worker.py: "one GPU"
+(the plain engine) and "mesh x1" (parallel.force_mesh: the mesh's code path at degree 1), in one process in the
+order A B B A (the power cap favours whatever runs first); then with N >= 2 GPUs tp=N, ep=N, pp=N, tp=N with ep=N
+and "ep=N dp" (attention data parallel: each GPU runs 1/N of the requests with a KV cache of its own), plus
+pp=2 x tp=N/2 from 4 GPUs. A layout whose weights would not fit its GPUs is skipped.
+Measured per layout (greedy, EOS ignored, random prompt ids, each shape warmed up first):
+  decode   batch 1 / 16 / 64 / 256, prompt 128, 128 new tokens: output tok/s of the whole generate call, and the
+           decode step time (the call minus a 1-token call of the same prompts, over the 127 other steps)
   prefill  16 prompts x 1024 tokens, 1 new token: prompt tok/s (median of 3)
-  raw collectives of the same run: all-reduce of [T, D] over the layout's stage at every decode batch (eager and
-           inside a CUDA graph), the pipeline's point-to-point of [T, D]
-Rooflines, from figures measured here on GPU 0 at the start (HBM copy GB/s, a large bf16 GEMM's TFLOP/s): a decode
-step reads the weights it touches (attention, routers, the experts a batch hits, the LM head) and the KV cache, at
-G x the HBM rate on G GPUs (engine_roofline.py's model); % of roofline = tok/s / that. The decode step's
-communication is estimated as (collectives a step runs in this layout) x (their raw time at that size), the rest
-being compute: an estimate, as the collectives run inside the graphs. Prints a table, checks the targets of the 2-GPU
-issue where N = 2, and writes mesh_scaling_<device>_x<N>.json to --out, else $OUT, else benchmarks/results/.
+  raw collectives: all-reduce of [T, D] over the layout's stage at every decode batch (eager and in a CUDA
+           graph), the pipeline's point-to-point of [T, D]
+Rooflines from rates measured on GPU 0 at the start (device_rates.py): engine_roofline.py's decode model at G x
+the HBM rate on G GPUs; % of roofline = tok/s / that. A decode step's communication is estimated as (collectives a
+step runs in this layout) x (their raw time at that size). Prints a table, checks the 2-GPU targets where N = 2,
+and writes mesh_scaling_<device>_x<N>.json to --out, else $OUT, else benchmarks/results/.
 """
 from __future__ import annotations
 

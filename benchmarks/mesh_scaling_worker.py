@@ -13,11 +13,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
+from e2e_generate import clock, clock_in_graph, time_ours  # noqa: E402
 
 
 def gen_ids(seed: int, b: int, n: int, vocab: int) -> list:
@@ -26,16 +28,7 @@ def gen_ids(seed: int, b: int, n: int, vocab: int) -> list:
 
 
 def timed_generate(llm, prompts, new: int, device) -> float:
-    from moe_infer import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time_ours(llm, prompts, new, device)[0]
 
 
 def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
@@ -45,38 +38,14 @@ def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
 
     out = {}
     stage = ctx.stage_axis().group  # the group the engine's stage collectives use
-    cuda = device.type == "cuda"
-
-    def clock(fn, reps=20):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
 
     for T in sizes:
         x = torch.ones(T, hidden, dtype=dtype, device=device)
         row = {}
         if ctx.dims.stage_size > 1:
-            row["all_reduce_s"] = clock(lambda: dist.all_reduce(x, group=stage))
-            if cuda:
-                graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    dist.all_reduce(x, group=stage)
-                torch.cuda.current_stream().wait_stream(side)
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    for _ in range(20):
-                        dist.all_reduce(x, group=stage)
-                row["all_reduce_graph_s"] = clock(graph.replay, reps=10) / 20
+            row["all_reduce_s"] = clock(lambda: dist.all_reduce(x, group=stage), device, reps=20, warmup=3)
+            if device.type == "cuda":  # per call, 20 calls in one graph
+                row["all_reduce_graph_s"] = clock_in_graph(lambda: dist.all_reduce(x, group=stage), device, reps=10)
         if ctx.dims.pp > 1:
             first, second = ctx.dims.rank_of(0, ctx.stage_index), ctx.dims.rank_of(1, ctx.stage_index)
 
@@ -85,7 +54,7 @@ def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
                     dist.send(x, second)
                 elif ctx.rank == second:
                     dist.recv(x, first)
-            row["p2p_s"] = clock(p2p)
+            row["p2p_s"] = clock(p2p, device, reps=20, warmup=3)
         out[str(T)] = row
     return out
 

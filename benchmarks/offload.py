@@ -11,30 +11,21 @@ experts only, as GPT-OSS): the tiers hold, move and slot the experts with their 
 (fp8) or 3.5x (4-bit) the bf16 experts, and the bound counts the stored bytes (the bound from the limits' CPU rate,
 a bf16 expert's, is left out; the one at the rate timed after the run dequantizes as the engine does).
 
-The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from
-config.json alone), every expert in pinned host memory (`offload=cpu`), the whole process limited
-to --gpu-gb of GPU memory (torch.cuda.set_per_process_memory_fraction); the expert budget is what
-is left after the other weights, the KV cache and a margin. Measured, per shape:
-  Mixtral-8x7B (E=8, K=2, D=4096, F=14336): as many of its 32 layers as host memory can pin (each
-  layer's experts are 2.8 GB; --mixtral-layers); routing (a) from the model's own router, (b)
-  replayed from traces of the trained tiny model (its router and its pre-gate, so locality and
-  prediction are realistic); 1 and 16 streams.
-  Qwen3-30B-A3B (E=128, K=8, D=2048, F=768, 48 layers) at --qwen-budget-gb, own router.
-For each: decode tok/s, hit rate, pre-gate accuracy, GB moved, achieved H2D GB/s against the pinned
-limit measured in this run, CPU-computed share, and the time bound the moved bytes set at the measured
-link + CPU rates (the CPU rate of the limits, timed once on a Mixtral expert: Mixtral only; and the rate
-timed right after each run on one of the shape's own experts, "after"); the single-stream runs once per
-prefetch rule of --prefetch-rules (the configured default `saving` first, then `all`, the rule before
-it), with the GB its wrong prefetches moved, every run once per miss policy of --miss-policies
-(`auto,share`: each miss whole on the link or the host, against misses shared between the two) and once
-per value of --layer-graphs (`off,on`: every layer eager, or its attention part replayed as a CUDA
-graph, the default; the first run with graphs on at a batch size also captures them) and of
---expert-graphs (`off,on`: offload.expert_graphs, a layer step's device experts as CUDA graphs; on by default, as in the engine). Baselines in the
-same run: transformers + accelerate device_map offload (4 layers, at the same GPU memory per layer,
-extrapolated to the model's layers), and the NVMe tier's reader against the disk's own sequential read
-(dd, O_DIRECT). Prints a table, writes benchmarks/results/offload_<device>.json (or under --out / $OUT).
-The host's threads spin between layers (OMP_WAIT_POLICY=ACTIVE, on one core fewer than the host has, as the
-main job and the server core run them) unless the environment sets a policy.
+The engine (`LLM`, continuous batching, paged KV) with `load_format=dummy` (random bf16 weights from config.json),
+every expert in pinned host memory (`offload=cpu`), the process limited to --gpu-gb of GPU memory; the expert budget
+is what the other weights, the KV cache and a margin leave. Per shape: Mixtral-8x7B (E=8, K=2, D=4096, F=14336; as
+many of its 32 layers as host memory can pin, --mixtral-layers), routing (a) from its own router, (b) replayed from
+traces of the trained tiny model (its router and pre-gate), 1 and 16 streams; Qwen3-30B-A3B (E=128, K=8, D=2048,
+F=768, 48 layers) at --qwen-budget-gb, own router. For each: decode tok/s, hit rate, pre-gate accuracy, GB moved,
+achieved H2D GB/s against the pinned limit measured in this run, CPU-computed share, and the time bound the moved
+bytes set at the measured link + CPU rates (the limits' CPU rate, timed on a Mixtral expert: Mixtral only; and the
+rate timed after each run on one of the shape's own experts). Every single-stream run repeats per value of
+--prefetch-rules (`saving,all`), --miss-policies (`auto`, `share`), --layer-graphs and --expert-graphs (`off,on`:
+attention parts / a layer step's device experts as CUDA graphs). Baselines in the same run: transformers +
+accelerate device_map offload (4 layers at the same GPU memory per layer, extrapolated), and the NVMe tier's reader
+against dd (O_DIRECT). Prints a table, writes offload_<device>.json to --out (default $OUT, else benchmarks/results/).
+The host's threads spin between layers (OMP_WAIT_POLICY=ACTIVE, one core fewer than the host has, as the engine
+core runs them) unless the environment sets a policy.
 """
 from __future__ import annotations
 
@@ -52,11 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_infer import host_threads  # noqa: E402  (torch-free)
 
-# The host's expert threads stay awake between layers in a pool that leaves the main thread a core
-# (moe_infer/host_threads.py: the main job and the server core get the same) unless the caller chose a policy:
-# OMP_WAIT_POLICY=PASSIVE, or set empty for libgomp's default (a short spin, then sleep; libgomp prints that the
-# empty value is invalid and keeps its default), the other side of an A/B; OMP_NUM_THREADS (or --torch-threads)
-# sets the pool. libgomp reads both when torch loads, so they are set before the import; the JSON records them.
+# OMP_WAIT_POLICY=PASSIVE (or empty: libgomp's default) is the other side of an A/B; OMP_NUM_THREADS (or
+# --torch-threads) sets the pool. libgomp reads both when torch loads, so they are set first; the JSON records them.
 if host_threads.POLICY_VAR not in os.environ:
     os.environ[host_threads.POLICY_VAR] = "ACTIVE"
     os.environ.setdefault(host_threads.THREADS_VAR, str(max(1, host_threads.host_cores() - 1)))
@@ -65,7 +53,7 @@ import torch  # noqa: E402
 
 from offload_parts import (TraceReplay, accelerate_seconds_per_token, disk_read_gbps, host_expert_ms,  # noqa: E402
                            link_and_cpu_limits, print_table, record_tiny_traces, use_policies)
-from offload_shapes import (GiB, NOT_YET, QUANT_CONFIGS, expert_bytes, host_layers, non_expert_bytes,  # noqa: E402
+from offload_shapes import (GiB, QUANT_CONFIGS, SMOKE_BLOCK, expert_bytes, host_layers, non_expert_bytes,  # noqa: E402
                             quant_spec, run_streams, shapes)
 
 from moe_infer import LLM  # noqa: E402
@@ -73,114 +61,9 @@ from moe_infer.config import OffloadConfig  # noqa: E402
 from moe_infer.offload.expert_graphs import ExpertGraphs  # noqa: E402
 from moe_infer.offload.prefetch import PREFETCH_RULES  # noqa: E402
 
-<<<<<<< HEAD
-=======
-GiB = 1 << 30
 
-
-def shapes(smoke: bool) -> dict:
-    from transformers import MixtralConfig, Qwen3MoeConfig
-
-    if smoke:
-        mix = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
-        qwen = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
-                              num_experts_per_tok=4, vocab_size=128, max_position_embeddings=256, norm_topk_prob=True)
-    else:
-        mix = MixtralConfig()  # Mixtral-8x7B: 32 layers, D=4096, F=14336, E=8, K=2
-        qwen = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_hidden_layers=48,
-                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                              num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960,
-                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    mix.architectures, qwen.architectures = ["MixtralForCausalLM"], ["Qwen3MoeForCausalLM"]
-    return {"mixtral": mix, "qwen3": qwen}
-
-
-# --quantization: the checkpoint format the dummy weights are stored in (every linear weight of the decoder layers
-# but the routers, as the format's real releases). Each format the engine reads gets its quantization_config here.
-QUANT_CONFIGS = {
-    "none": None,
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
-             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}},
-    "mxfp4": {"quant_method": "mxfp4"},
-}
-SMOKE_BLOCK = 32  # the smoke shapes' blocks / groups (128 does not divide their widths)
-ATTN_BYTES = {None: 2, "fp8": 1, "int4": 0.5, "mxfp4": 2}  # a dense weight's bytes per value (mxfp4: experts only)
-
-
-def quant_spec(cfg):
-    """The engine's QuantSpec of cfg's quantization_config (None: bf16)."""
-    from moe_infer.quant import parse_quant
-
-    return parse_quant(cfg)
-
-
-def expert_bytes(cfg) -> int:
-    """One expert's bytes in the checkpoint's format (quantized: data and scales), as the offload tiers hold and
-    move it (moe_infer/offload/layout.py): the unit of the bound."""
-    from moe_infer.offload.layout import ExpertLayout
-
-    F = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    return ExpertLayout(cfg.hidden_size, F, torch.bfloat16, quant_spec(cfg)).nbytes
-
-
-def num_experts(cfg) -> int:
-    return getattr(cfg, "num_local_experts", None) or cfg.num_experts
-
-
-def non_expert_bytes(cfg) -> int:
-    """Bytes of attention (bf16, or 1 a weight quantized: the scales are under 0.01 %), routers, embedding and head
-    (bf16): what the GPU holds besides the experts."""
-    D, H = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q = quant_spec(cfg)
-    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * ATTN_BYTES[q and q.method]
-    return cfg.num_hidden_layers * (attn + 2 * D * num_experts(cfg)) + 2 * 2 * cfg.vocab_size * D
-
-
-def host_layers(cfg, reserve_gb: float) -> int:
-    """MoE layers whose experts fit in MemAvailable minus a reserve (the baseline, the OS, the rest)."""
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    return int((avail - reserve_gb * GiB) // (num_experts(cfg) * expert_bytes(cfg)))
-
-
-def run_streams(llm: LLM, streams: int, new_tokens: int, vocab: int) -> dict:
-    """Decode `streams` sequences together; timed from the third decode step (prefill and warm-up apart)."""
-    eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    rng = random.Random(streams)
-    for _ in range(streams):
-        eng.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(16)]}, params)
-    warm = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        if all(len(s.output_token_ids) >= 1 for r in eng.requests.values() for s in r.seqs):
-            warm += 1
-            if warm == 2:
-                break
-    llm.engine.runner.offload.reset_stats()
-    sync(eng.device)
-    t0, steps = time.perf_counter(), 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-    sync(eng.device)
-    elapsed = time.perf_counter() - t0
-    stats = llm.get_offload_stats()["total"]
-    return {"streams": streams, "decode_steps": steps, "seconds": elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
-            "tok_s": streams * steps / elapsed, **{k: stats[k] for k in (
-                "hit_rate", "prefetch_token_recall", "prefetch_recall", "cpu_share", "stream_share", "gb_h2d",
-                "needed", "copied", "streamed", "cpu", "shared", "shared_share", "partial", "partial_share",
-                "partial_missing", "cpu_shared", "prefetched", "prefetch_wasted", "prefetch_declined",
-                "prefetch_evicted_needed", "gb_prefetch_wasted")}}
-
->>>>>>> quant
-
-def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device, stream_chunk: int = 0) -> list:
-    """The runs of one shape in one engine; stream_chunk: offload.stream_chunk (0: the engine's default)."""
+def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, device) -> list:
+    """The runs of one shape in one engine."""
     cfg_dir = tempfile.mkdtemp(prefix=f"offload_bench_{name}_")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -188,7 +71,7 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
     t0 = time.perf_counter()
     llm = LLM(model=cfg_dir, load_format="dummy", dtype="bfloat16", device=str(device), offload="cpu",
               gpu_expert_budget_gb=budget_gb, num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16,
-              max_num_batched_tokens=512, enable_prefix_caching=False, stream_chunk=stream_chunk or None)
+              max_num_batched_tokens=512, enable_prefix_caching=False)
     setup_s = time.perf_counter() - t0
     info = llm.get_offload_stats()
     print(f"[{name}] {info['plan']}\n[{name}] {info['cost']}  (set up in {setup_s:.0f} s)", flush=True)
@@ -250,8 +133,8 @@ def bench_shape(name: str, cfg, budget_gb: float, limits: dict, args, traces, de
             rows.append(r)
             bound_txt = f"{r['bound_step_ms']:.0f} ms" if r["bound_step_ms"] else "-"
             print(f"[{name}] {routing:6s} {streams:2d} streams, prefetch {rule}, misses {miss}, layer graphs "
-                  f"{'on' if r['layer_graphs'] else 'off'}, expert graphs {'on' if eg else 'off'}: {r['tok_s']:.2f} tok/s, "
-                  f"hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
+                  f"{'on' if r['layer_graphs'] else 'off'}, expert graphs {'on' if eg else 'off'}: "
+                  f"{r['tok_s']:.2f} tok/s, hit {r['hit_rate']:.2f} (partial {r['partial_share']:.2f}), pre-gate "
                   f"{r['prefetch_token_recall']:.2f}, {r['gb_h2d']:.1f} GB at {r['h2d_gbps']:.1f} GB/s "
                   f"({r['gb_prefetch_wasted']:.1f} GB wasted prefetches), CPU {r['cpu_share']:.2f} (shared "
                   f"{r['shared_share']:.2f}, scale {r['cpu_scale']:.2f}), step {r['step_ms']:.0f} ms vs bound "
@@ -313,21 +196,14 @@ def main() -> int:
     ap.add_argument("--nvme-experts", type=int, default=12, help="Mixtral experts written and read back (352 MB each)")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; no part or run starts after it")
     ap.add_argument("--parts", default="mixtral,qwen3,accelerate,nvme", help="which parts to run (comma list)")
-    ap.add_argument("--prefetch-rules", default="saving,all",
-                    help="offload.prefetch_rule of each single-stream run")
+    ap.add_argument("--prefetch-rules", default="saving,all", help="offload.prefetch_rule of each single-stream run")
     ap.add_argument("--prefetch-rules-16", default="",
                     help="offload.prefetch_rule of each 16-stream run (default: the first of --prefetch-rules)")
     ap.add_argument("--miss-policies", default="auto",
                     help="offload.miss_policy of each run (comma list: each run repeated per policy)")
-    ap.add_argument("--layer-graphs", default="on",
-                    help="each layer's attention part as a CUDA graph (engine/layer_graphs.py): on, off, or off,on "
-                         "(each run repeated per value, in that order)")
-    ap.add_argument("--expert-graphs", default="on",
-                    help="offload.expert_graphs (a layer step's device experts as CUDA graphs): off, on, or off,on "
-                         "(each run repeated per value, in that order)")
-    ap.add_argument("--stream-chunks", default="0",
-                    help="offload.stream_chunk of each engine (comma list: one engine per value and shape, in that "
-                         "order; 0: the engine's default)")
+    for flag, what in (("layer", "each layer's attention part"), ("expert", "a layer step's device experts")):
+        ap.add_argument(f"--{flag}-graphs", default="on", help=f"{what} as CUDA graphs: on, off, or off,on (each run "
+                        "repeated per value, in that order)")
     ap.add_argument("--reserve-gb", type=float, default=2.5,
                     help="Mixtral: GiB of the --gpu-gb left for activations, graphs and workspaces (the rest of what "
                          "the non-expert weights leave is the expert budget)")
@@ -335,10 +211,8 @@ def main() -> int:
                     help="torch's intra-op threads for the host's experts, set before any of them runs (a pool made "
                          "smaller later may keep its threads spinning under ACTIVE); 0: as the environment says")
     ap.add_argument("--quantization", default="none", choices=list(QUANT_CONFIGS),
-                    help="the experts' (and attention's) stored format: none (bf16), fp8 (block-scaled, 128 x 128), "
-                         "int4 (W4A16, groups of 128) or mxfp4 (experts only)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                           "results"))
+                    help="the experts' (and attention's) stored format (see the docstring)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.torch_threads < 0:
         ap.error("--torch-threads: must be >= 0 (0: torch's default)")
@@ -346,13 +220,10 @@ def main() -> int:
         torch.set_num_threads(args.torch_threads)
     args.prefetch_rules, args.parts = args.prefetch_rules.split(","), args.parts.split(",")
     args.miss_policies = args.miss_policies.split(",")
-    args.layer_graphs = [{"on": True, "off": False}[v] for v in args.layer_graphs.split(",")]
-    if any(v not in ("on", "off") for v in args.expert_graphs.split(",")):
-        ap.error(f"--expert-graphs: on, off, or off,on; got {args.expert_graphs!r}")
-    args.expert_graphs = [v == "on" for v in args.expert_graphs.split(",")]
-    args.stream_chunks = [int(v) for v in args.stream_chunks.split(",")]
-    if any(c < 0 for c in args.stream_chunks):
-        ap.error("--stream-chunks: each value must be >= 0 (0: the engine's default)")
+    for flag in ("layer_graphs", "expert_graphs"):
+        if any(v not in ("on", "off") for v in getattr(args, flag).split(",")):
+            ap.error(f"--{flag.replace('_', '-')}: on, off, or off,on; got {getattr(args, flag)!r}")
+        setattr(args, flag, [v == "on" for v in getattr(args, flag).split(",")])
     for miss in args.miss_policies:
         OffloadConfig(store="cpu", miss_policy=miss)
     args.prefetch_rules_16 = args.prefetch_rules_16.split(",") if args.prefetch_rules_16 else args.prefetch_rules[:1]
@@ -373,9 +244,8 @@ def main() -> int:
     if args.smoke and args.quantization == "int4":
         qcfg = copy.deepcopy(qcfg)
         qcfg["config_groups"]["group_0"]["weights"]["group_size"] = SMOKE_BLOCK
-    for c in (mix, qwen):
-        if qcfg is not None:
-            c.quantization_config = qcfg
+    for c in (mix, qwen) if qcfg is not None else ():
+        c.quantization_config = qcfg
     result = {"benchmark": "offload", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "git_commit": os.environ.get("GIT_COMMIT"), "smoke": args.smoke,
               "gpu_gb": args.gpu_gb,
@@ -396,7 +266,8 @@ def main() -> int:
                        f"Qwen3 shape with {qwen.num_hidden_layers} of 48 layers"]
     mix_budget = ((args.gpu_gb * GiB - non_expert_bytes(mix) - args.reserve_gb * GiB) / GiB if not args.smoke
                   else 0.3 * mix.num_hidden_layers * 8 * expert_bytes(mix) / GiB)
-    qwen_budget = args.qwen_budget_gb if not args.smoke else 0.3 * qwen.num_hidden_layers * 16 * expert_bytes(qwen) / GiB
+    qwen_budget = (args.qwen_budget_gb if not args.smoke
+                   else 0.3 * qwen.num_hidden_layers * 16 * expert_bytes(qwen) / GiB)
     tag = "smoke_cpu" if args.smoke else result["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
     if qcfg is not None:
         tag += f"_{args.quantization}"
@@ -422,11 +293,7 @@ def main() -> int:
               flush=True)
 
     def shape_part(name, cfg, budget, traces_):
-        def run():
-            for chunk in args.stream_chunks:
-                result["runs"].extend(bench_shape(name, cfg, budget, limits, args, traces_, device, chunk))
-                gc.collect()
-        return run
+        return lambda: result["runs"].extend(bench_shape(name, cfg, budget, limits, args, traces_, device))
 
     parts = [("mixtral", shape_part("mixtral", mix, mix_budget, traces)),
              ("qwen3", shape_part("qwen3", qwen, qwen_budget, None)),

@@ -20,16 +20,12 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from e2e_generate import sync
 
 from moe_infer.layers.forward_context import get_forward_context
 from moe_infer.offload.compute import swiglu
 from moe_infer.offload.host import HostRegion
 from moe_infer.offload.prefetch import Prefetcher
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def link_and_cpu_limits(D: int, F: int, dtype: torch.dtype, device: torch.device) -> Dict[str, float]:
@@ -58,11 +54,9 @@ def host_expert_ms(w13_2FD: torch.Tensor, w2_DF: torch.Tensor, rows: int, repeat
                    warm_s: float = 0.25, weights: Optional[Callable[[], Tuple[torch.Tensor, torch.Tensor]]] = None
                    ) -> float:
     """The host cores' best time (ms) for one SwiGLU expert (weights in host memory) at `rows` rows, after
-    warm_s seconds of the same work (at least one call): timed from idle, the cores' first tens of
-    milliseconds can be slower (the H200 host's start-up figure read 6.8-7.0 ms where the engine's cost model,
-    measured minutes later in the same process, read 4.2), and the bound built on it would be loose.
-    weights: the expert's (w13, w2) fetched per call in place of the two tensors (a quantized expert:
-    dequantized per call, as the engine's host path does, and timed with it)."""
+    warm_s seconds of the same work (at least one call: from idle the cores' first tens of milliseconds can be
+    slower, and the bound built on them loose). weights: the expert's (w13, w2) fetched per call in place of the
+    two tensors (a quantized expert: dequantized per call, as the engine's host path does, and timed with it)."""
     get = weights or (lambda: (w13_2FD, w2_DF))
     x = torch.randn(rows, get()[0].shape[1]).to(get()[0].dtype)
     end = time.perf_counter() + warm_s

@@ -3,29 +3,24 @@
     python benchmarks/offload_replay.py                  # CPU, about a minute: the table below
     python benchmarks/offload_replay.py --streams 16 --sequences 1
 
-What runs is the engine's own offload code (OffloadManager, OffloadedExpertStore.fetch / run /
-prefetch, the slot tables, the cache policy, the prefetch rule, the cost model's miss split) over
-32 Mixtral-shaped MoE layers with tiny tensors (E=8, K=2), the GPU cache planned as on the H100 run
-(56 expert slots in all: 2 stream buffers, 22 layers with 2 slots, 10 with 1). Routing is the
-trained tiny model's, replayed as benchmarks/offload.py does (`TraceReplay`: layer l is tiny layer
-l % 6, the pre-gate is the tiny router on the previous layer's input; the last row's pre-gate knows the
-router's picks: what prediction alone could win). Bytes are counted in Mixtral experts (352 MB).
+What runs is the engine's own offload code (OffloadManager, OffloadedExpertStore.fetch / run / prefetch, the slot
+tables, the cache policy, the prefetch rule, the cost model's miss split) over 32 Mixtral-shaped MoE layers with
+tiny tensors (E=8, K=2), the GPU cache planned as on the H100 run (56 expert slots: 2 stream buffers, 22 layers with
+2 slots, 10 with 1). Routing is the trained tiny model's, replayed as benchmarks/offload.py does (`TraceReplay`:
+layer l is tiny layer l % 6, the pre-gate is the tiny router on the previous layer's input; the last row's
+pre-gate knows the router's picks: what prediction alone could win). Bytes are counted in Mixtral experts (352 MB).
 
-The clock is a model, not a measurement (`SimCopier`): one link that moves an expert in
-352 MB / --link-gbps, copies in issue order, each after the compute it must follow; the host
-spends --host-ms per layer (the eager layer and its offload work; the H100 run's Qwen3 shape at
-99 % hits took about 2.7 ms a layer) and --cpu-ms per expert it computes (in the engine, rows out
-and back included); the GPU --gpu-ms per layer; the host waits for the GPU at each layer's routing
-(the one sync). With the defaults, the rule that ran on the H100 (`all`) replays as it measured
-there (`git show 7f56340:benchmarks/results/offload_nvidia_h100_80gb_hbm3.json`, trace routing, 1 stream: 15.0 GB a
-step, hit rate 0.61, CPU share 0.23, 301 ms a step). Step times from the model rank the rules; the
-GPU benchmark measures them. Writes benchmarks/results/offload_replay_cpu_<streams>streams.json.
+The clock is a model, not a measurement (`SimCopier`): one link that moves an expert in 352 MB / --link-gbps,
+copies in issue order, each after the compute it must follow; the host spends --host-ms per layer (the eager layer
+and its offload work) and --cpu-ms per expert it computes (rows out and back included); the GPU --gpu-ms per layer;
+the host waits for the GPU at each layer's routing (the one sync). The defaults replay the H100 run's `all` rule
+as measured there (docs/notes/offload.md). Step times from the model rank the rules; the GPU benchmark measures
+them. Writes benchmarks/results/offload_replay_cpu_<streams>streams.json.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 from typing import Dict, List
@@ -35,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from e2e_generate import write_result  # noqa: E402
 from offload_parts import TraceReplay, record_tiny_traces  # noqa: E402
 
 from moe_infer.config import OffloadConfig  # noqa: E402
@@ -95,9 +91,9 @@ def build(cfg: OffloadConfig, args, clock: SimClock):
     m.finish_load()
     scale = MIXTRAL_EXPERT_BYTES / shape.nbytes  # one tiny byte stands for `scale` Mixtral bytes
     cpu_s = args.cpu_ms / 1e3
-    m.cost = CostModel(args.link_gbps * 1e9 / scale, ((1, cpu_s), (4, cpu_s), (16, 1.2 * cpu_s), (64, 3 * cpu_s)),
-                       cpu13_seconds_at=tuple((n, args.cpu13_share * t) for n, t in
-                                              ((1, cpu_s), (4, cpu_s), (16, 1.2 * cpu_s), (64, 3 * cpu_s))))
+    cpu_at = ((1, cpu_s), (4, cpu_s), (16, 1.2 * cpu_s), (64, 3 * cpu_s))  # seconds of an expert at n rows
+    m.cost = CostModel(args.link_gbps * 1e9 / scale, cpu_at,
+                       cpu13_seconds_at=tuple((n, args.cpu13_share * t) for n, t in cpu_at))
     m.cost.observe_cpu = lambda rows, seconds, **kw: None  # the host's CPU time is modelled, not measured here
     m.copier = SimCopier(clock, m.cost.h2d_bytes_per_s)
     return m, stores, routers
@@ -171,7 +167,7 @@ def main() -> int:
     ap.add_argument("--host-ms", type=float, default=2.7, help="host time per eager offloaded layer")
     ap.add_argument("--gpu-ms", type=float, default=0.5, help="GPU time per layer at this batch")
     ap.add_argument("--min-probs", default="0,0.3,0.5,0.7", help="saving: prefetch_min_prob values to replay")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     traces = record_tiny_traces(16, 128, torch.device("cpu"))
@@ -195,12 +191,8 @@ def main() -> int:
               f"{r['hit_rate']:5.2f} {r['cpu_share']:5.2f} {r['prefetched_per_step']:9.1f} {r['wasted_per_step']:6.1f} "
               f"{r['evicted_needed_per_step']:14.1f} {r['step_ms']:8.0f} {args.streams * 1e3 / r['step_ms']:6.2f}", flush=True)
     print(f"calibration of `saving` on the trace (P needed by key): {rows[-2]['calibration']}")
-    os.makedirs(args.out, exist_ok=True)
-    out = os.path.join(args.out, f"offload_replay_cpu_{args.streams}streams.json")
-    with open(out, "w") as f:
-        json.dump({"benchmark": "offload_replay", "device": "cpu (modelled clock)", "args": vars(args), "rows": rows},
-                  f, indent=1)
-    print(f"wrote {out}")
+    write_result({"benchmark": "offload_replay", "device": "cpu (modelled clock)", "args": vars(args), "rows": rows},
+                 f"offload_replay_cpu_{args.streams}streams.json", os.path.join(args.out, ""))
     return 0
 
 

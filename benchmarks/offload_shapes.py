@@ -6,7 +6,7 @@ import random
 import time
 
 import torch
-from offload_parts import sync
+from e2e_generate import sync
 
 from moe_infer import LLM, SamplingParams
 
@@ -37,8 +37,13 @@ def shapes(smoke: bool) -> dict:
 QUANT_CONFIGS = {
     "none": None,
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}},
+    "mxfp4": {"quant_method": "mxfp4"},
 }
-NOT_YET = {"int4": "group-wise int4", "mxfp4": "MXFP4"}
+SMOKE_BLOCK = 32  # the smoke shapes' blocks / groups (128 does not divide their widths)
+ATTN_BYTES = {None: 2, "fp8": 1, "int4": 0.5, "mxfp4": 2}  # a dense weight's bytes per value (mxfp4: experts only)
 
 
 def quant_spec(cfg):
@@ -65,7 +70,8 @@ def non_expert_bytes(cfg) -> int:
     """Bytes of attention (bf16, or 1 a weight quantized: the scales are under 0.01 %), routers, embedding and head
     (bf16): what the GPU holds besides the experts."""
     D, H = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * (1 if quant_spec(cfg) else 2)
+    q = quant_spec(cfg)
+    attn = D * H * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * ATTN_BYTES[q and q.method]
     return cfg.num_hidden_layers * (attn + 2 * D * num_experts(cfg)) + 2 * 2 * cfg.vocab_size * D
 
 

@@ -15,7 +15,6 @@ Writes JSON (device named) to --out, else $OUT/quant_moe_<device>.json, else ben
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from moe_infer.kernels.fused_moe_config import device_name  # noqa: E402
 from moe_infer.kernels.w4_format import dequantize_int4, dequantize_mxfp4  # noqa: E402
 from moe_infer.quant import BlockFp8, quantize_block_fp8  # noqa: E402
 from device_rates import measure_rates  # noqa: E402
+from e2e_generate import write_result  # noqa: E402
 
 FORMATS = ("bf16", "fp8", "int4", "mxfp4")
 TOKENS = (1, 16, 64, 512, 2048)
@@ -154,11 +154,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     result = dict(device=device_name(), hbm_bytes_per_s=hbm, bf16_flops=flops, rates=rates, block=block, rows=rows,
                   note="fp8: W8A8 with 128x128 weight blocks; int4: group 128 symmetric; mxfp4: OCP e2m1 + e8m0 / 32")
-    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"),
-                                   f"quant_moe_{device_name()}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_result(result, f"quant_moe_{device_name()}.json", args.out)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,13 @@ For T in {1, 32, 256, 2048, 8192} and (E, K) in {(8, 2), (64, 8), (128, 8), (256
   triton      route_rows_triton: gate + tile counts in one launch, tile scan, scatter (sorted rows, inverse map,
               block-padded layout), launched with PDL, group counts in the kept-zero buffer (no memset);
               triton_no_pdl: the same without PDL; triton_memset: without PDL and with a memset of the group
-              counts per call (the path measured at 26.3 us); triton_two_step: select_experts_triton +
-              permute_rows_triton
+              counts per call; triton_two_step: select_experts_triton + permute_rows_triton
   torch_ref   select_experts_torch (stable sort) + permute_rows_torch: the same outputs, bit for bit
   torch_topk  softmax/sigmoid + torch.topk (+ grouped masking) + permute_rows_torch: the usual composition
-Speedup is against the faster of the two PyTorch compositions. Also timed: the drop policy
-(capacity_factor 1.25, by position) on top of both pipelines. Each time is the median of
-triton.testing.do_bench_cudagraph (several calls captured in one graph; inputs stay in L2).
+Speedup is against the faster of the two PyTorch compositions. Also timed: the drop policy (capacity_factor 1.25,
+by position) on top of both pipelines. Each time is the median of triton.testing.do_bench_cudagraph (several calls
+captured in one graph; inputs stay in L2). Results and history: docs/notes/routing.md.
 Usage: python benchmarks/routing.py [--out DIR] [--quick]. Prints a table, writes routing_<device>.json.
-The "triton" pipeline is `route_rows_triton` (gate + tile counts fused, tile scan, scatter);
-"triton_two_step" is select_experts_triton + permute_rows_triton. Measured on H100 (final JSON,
-results/routing_nvidia_h100_80gb_hbm3.json): all 20 points >= 14.4x; T=8192 E=256 K=8 grouped 26.3 us
-(target 25 us missed by 1.3 us; previous session 44.4 us). History and breakdown: docs/notes/routing.md.
 `--ptxas` needs no GPU: it compiles the gate and permutation kernels for sm_90 at the launch
 configurations the wrappers pick and prints ptxas' registers / spills and the SASS size per token.
 """

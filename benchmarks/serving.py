@@ -1,48 +1,38 @@
 """Serving benchmark: the OpenAI server under a request-rate sweep, measured by an existing load generator
 (servebench), against the in-process `LLM.generate` on the same load, in one run.
 
-Model: Qwen3-30B-A3B's layer shape with 4 layers and random weights (benchmarks/e2e_generate.py's REAL)
-and the shipped tiny MoE's tokenizer copied in, the vocabulary cut to that tokenizer's 6144 ids so that
-every generated token decodes to text (prompts are text, as an OpenAI client sends them). Steps, each engine in its own process (one GPU user
-at a time): build the checkpoint; offline: warm up (decode batches of every size, then N other prompts of
-the saturation load's shape: first sights compile kernels and capture graphs), then `LLM.generate` over the
-saturation load (N prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> output tok/s (`--repeats`
-passes, 3 by default, each with prompts of its own: the median counts; one 512-request pass lasts ~2.5 s
-on an H100 and single passes swung by 10-25 % between runs); server:
-`serve()` in a child process, the same warm-up, then servebench at rates of 25/50/75/90 % of the offline request rate (Poisson
-arrivals, fresh prompts per level) and at rate=inf with the saturation passes' own prompts, as many passes
-and the median again. servebench
-streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
-TTFT / TPOT percentiles, output tok/s and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms), and
-its own event loop's lag (p99): a client that lags is itself a bound; `--client-procs K` deals the
-saturation level's requests over K load generator processes that start together (`--client-procs 1,4`:
-the level once per value on each server, the first value's is the headline).
+Model: e2e_generate.py's REAL (Qwen3-30B-A3B's layer shape, 4 layers, random weights) with the shipped tiny MoE's
+tokenizer copied in and the vocabulary cut to its 6144 ids (every generated token decodes to text; prompts are
+text). Each engine runs in its own process: build the checkpoint; offline: warm up (decode batches of every size,
+then N other prompts of the saturation shape: first sights compile kernels and capture graphs), then
+`LLM.generate` over the saturation load (N prompts of INPUT tokens, OUTPUT tokens each, EOS ignored) -> output
+tok/s, the median of --repeats passes (3; each with its own prompts: single passes swung by 10-25 %); server:
+`serve()` in a child process, the same warm-up, then servebench at 25/50/75/90 % of the offline request rate
+(Poisson arrivals, fresh prompts per level) and at rate=inf with the saturation passes' prompts, median again.
+servebench streams /v1/completions with `stream_options.include_usage`, counts tokens from `usage`, and reports
+TTFT / TPOT percentiles, output tok/s, goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms) and its own
+event loop's lag (p99: a client that lags is itself a bound); `--client-procs 1,4` deals the saturation level over
+K load generator processes (once per value, the first is the headline).
 Target: at saturation the server delivers >= 90 % of the offline output tok/s. A server is an engine loop
-(`--engine-loops`: process, thread) and a number of API server processes (`--api-server-counts`, with the
-process loop only): the first of them gets the rate sweep, the others the saturation level only, in the
-same run (`--engine-loops process,thread`: the engine core process against the design before it, a thread
-of the server's process; `--api-server-counts 2,1`: two HTTP processes against one). The decode roofline
-(HBM bytes per step at the batch size, at the copy bandwidth measured on this GPU by the offline child) is
-printed for scale; on the CPU there is none. Both sides run torch with the same thread count: on the CPU
-the engine core leaves a core to each HTTP process (moe_infer/engine/core_proc.py), so OMP_NUM_THREADS is
-set to that count for the offline child and the server alike (a --tiny run on a busy 2-core machine, one
-thread in the server's engine against two offline, printed "server = 1013% of offline").
+(`--engine-loops process,thread`) and a number of API server processes (`--api-server-counts 2,1`, process loop
+only): the first gets the rate sweep, the others the saturation level only. The decode roofline (HBM bytes per step
+at the copy bandwidth measured on this GPU) is printed for scale; none on the CPU. Both sides run torch with the
+same thread count: on the CPU the engine core leaves a core to each HTTP process (moe_infer/engine/core_proc.py),
+so OMP_NUM_THREADS is set to that count for the offline child and the server alike.
 
-Why servebench: an OpenAI-compatible load generator with Poisson rate sweeps, goodput and a local HF
-tokenizer, in ~100 kB over aiohttp/pydantic/typer/rich; guidellm, inference-perf, aiperf, genai-bench
-and sglang.bench_serving all import `datasets` (pyarrow alone is ~40 MB), vLLM's `vllm bench` needs vLLM.
+Why servebench: an OpenAI-compatible load generator with Poisson rate sweeps, goodput and a local HF tokenizer, in
+~100 kB; guidellm, inference-perf, aiperf, genai-bench and sglang.bench_serving import `datasets` (pyarrow ~40 MB),
+vLLM's `vllm bench` needs vLLM.
 
     python benchmarks/serving.py [--out X.json]        # H100: ~4 min
     python benchmarks/serving.py --tiny                # CPU: tiny dims, a smoke run (~1 min)
 
-Writes JSON (device named) to --out (a file, or a folder for serving_<device>.json), else $OUT/serving_<device>.json,
-else benchmarks/results/.
+Writes serving_<device>.json to --out (a file or a folder), else $OUT, else benchmarks/results/.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -56,9 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from e2e_generate import REAL, TINY, build_checkpoint  # noqa: E402
+from e2e_generate import REAL, TINY, build_checkpoint, write_result  # noqa: E402
 from serving_load import prompts_from, sweep, warm_load, warm_server  # noqa: E402
-
 
 
 def copy_bytes_per_s(device: str) -> Optional[float]:
@@ -241,14 +230,16 @@ def main() -> None:
         proc.join()
         assert proc.exitcode == 0, "building the checkpoint failed"
         warm = warm_load(ckpt, args)
-        saturation = [prompts_from(ckpt, args.num_requests, args.input_len, seed=7 + 10 * r) for r in range(args.repeats)]
+        saturation = [prompts_from(ckpt, args.num_requests, args.input_len, seed=7 + 10 * r)
+                      for r in range(args.repeats)]
         warm_saturation = [p.text for p in prompts_from(ckpt, args.num_requests, args.input_len, seed=8)]
         proc, queue = run_child(_offline, ckpt, kw, warm, warm_saturation,
                                 [[p.text for p in ps] for ps in saturation], args.output_len, with_queue=True)
         offline = queue.get(timeout=900)
         proc.join()
         print(f"offline LLM.generate: {offline['output_tok_s']:.0f} output tok/s, the median of "
-              f"{[round(x) for x in offline['repeats_output_tok_s']]} ({args.num_requests} requests a pass)", flush=True)
+              f"{[round(x) for x in offline['repeats_output_tok_s']]} ({args.num_requests} requests a pass)",
+              flush=True)
         sat_rate = offline["output_tok_s"] / args.output_len
         rates = [round(f * sat_rate, 2) for f in map(float, args.rate_fractions.split(","))] + [float("inf")]
         servers = [(loop, count) for loop in args.engine_loops.split(",")
@@ -294,22 +285,16 @@ def main() -> None:
     for r in rows:
         lag = r["client_lag_p99_ms"]
         print(f"{r['rate']:>10g} {r['completed']:>4}/{r['sent']:<3} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} "
-              f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} {r['goodput_req_s']:>8.2f} "
-              f"{'-' if lag is None else f'{lag:.1f}':>18}")
+              f"{r['tpot_p50_ms']:>9.2f} {r['tpot_p99_ms']:>7.2f} {r['output_tok_s']:>10.0f} "
+              f"{r['goodput_req_s']:>8.2f} {'-' if lag is None else f'{lag:.1f}':>18}")
     for loop, r in result["saturation_by_server"].items():
         print(f"{loop}: at saturation {r['output_tok_s']:.0f} tok/s = {r['over_offline']:.1%} of offline "
               f"(median of {[round(x) for x in r['repeats_output_tok_s']]})")
-    print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation {sat['output_tok_s']:.0f} "
-          f"tok/s = {ratio:.1%} of offline (target >= 90%); {_roofline_text(roofline, offline, args.max_num_seqs)}; "
+    print(f"offline LLM.generate {offline['output_tok_s']:.0f} tok/s; server ({loops[0]}) at saturation "
+          f"{sat['output_tok_s']:.0f} tok/s = {ratio:.1%} of offline (target >= 90%); "
+          f"{_roofline_text(roofline, offline, args.max_num_seqs)}; "
           f"torch threads {'default' if threads is None else threads} both sides; wall {result['wall_s']:.0f} s")
-    name = f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json"
-    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), name)
-    if os.path.isdir(out):  # --out DIR, as the other benchmarks take it
-        out = os.path.join(out, name)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_result(result, f"serving_{_label(result['device'])}{'_tiny' if tiny else ''}.json", args.out)
 
 
 def _roofline_text(roofline: Optional[float], offline: dict, batch: int) -> str:
@@ -325,9 +310,8 @@ def server_label(engine_loop: str, api_servers: int) -> str:
 
 def serve_and_measure(ckpt: str, kw: dict, args, engine_loop: str, api_servers: int, rates: list, warm: list,
                       saturation) -> list:
-    """A server (`serve()` in a child process, serve.engine_loop=engine_loop, serve.api_server_count): warmed up (decode batches of every
-    size, then a load of the saturation load's shape), then servebench at each rate; SIGTERM after (the server
-    drains and exits)."""
+    """A server (`serve()` in a child process) warmed up as the offline engine, then servebench at each rate; SIGTERM
+    after (the server drains and exits)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

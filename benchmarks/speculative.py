@@ -4,22 +4,19 @@ Workloads (each prompt asks for text that is largely in it, or continues a repea
   ngram   the shipped tiny model (moe_infer/assets/tiny_moe, trained weights, its tokenizer) on prompts that repeat
           or edit text given in the prompt; speculation: n-gram (prompt lookup), adaptive k <= 4.
   draft   a larger random-weight Qwen3-MoE (`model.load_format=dummy`) of the tiny model's vocabulary and tokenizer,
-          the tiny model as its draft (k <= 3); the same prompts. A random target shares nothing with the draft:
-          this workload measures what a draft costs when it is mostly wrong, and what adaptive k saves then.
-  ngram_large  the large random target with n-gram speculation: a random model's greedy output falls into
-          loops, which prompt lookup then predicts.
+          the tiny model as its draft (k <= 3), the same prompts: what a draft costs when it is mostly wrong (a
+          random target shares nothing with it), and what adaptive k saves then.
+  ngram_large  the large random target with n-gram speculation (its greedy output falls into loops).
 Decode tok/s = B x (new - 1) / (time of `generate` with new tokens - time with 1 token): prefill left out. Each
-configuration is warmed up first (Triton compiles, CUDA graphs captured). Reports the acceptance rate and the mean
-accepted length (tokens a verifying sequence-step emits) from `get_stats`, and the speed-up over the plain engine;
-with speculation, the verify steps that replayed the decode graphs' verify graphs and adaptive k's measured step
-times per k at the batch.
+configuration is warmed up first. Reports the acceptance rate, the mean accepted length (tokens a verifying
+sequence-step emits) and the speed-up over the plain engine; with speculation, the verify steps replayed as graphs
+and adaptive k's measured step times per k at the batch.
 
     python benchmarks/speculative.py            # GPU (one H200): the large target has Qwen3-30B-A3B's layer shape
     python benchmarks/speculative.py --tiny     # CPU: small shapes, few tokens, a smoke run
-
     python benchmarks/speculative.py --workloads ngram      # one workload (its own JSON file)
 
-Writes JSON (device named) to --out DIR, else $OUT, else benchmarks/results/ (speculative_<device>.json).
+Writes speculative_<device>.json to --out DIR, else $OUT, else benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -35,6 +32,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+
+from e2e_generate import device_label, sync, write_result  # noqa: E402
 
 PASSAGE = ("The engine schedules the sequences of a step, the model runner lays their tokens out and runs the "
            "model, and the sampler draws the next token of each sequence from its logits. ")
@@ -54,12 +53,6 @@ LARGE_TINY = dict(  # --tiny: still a few times the tiny model's width
     hidden_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
     num_experts=16, num_experts_per_tok=2, moe_intermediate_size=192, intermediate_size=512,
 )
-
-
-def device_label(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "_").lower()
 
 
 def large_target(dims: dict, out_dir: str) -> str:
@@ -89,12 +82,10 @@ def measure(llm, prompts, batch: int, new: int) -> dict:
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        if llm.engine.device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(llm.engine.device)
         start = time.perf_counter()
         llm.generate(batch_prompts, params, use_tqdm=False)
-        if llm.engine.device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(llm.engine.device)
         return time.perf_counter() - start
 
     run(new)  # warm-up: compiles, graph captures, the acceptance average and the step costs settle
@@ -164,28 +155,19 @@ def main() -> None:
             gc.collect()  # the engine's objects refer to each other: its KV cache and graphs go only now
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    for r in rows:
-        if r["speculation"] == "on":
-            base = next(x for x in rows if x["workload"] == r["workload"] and x["speculation"] == "off"
-                        and x["batch"] == r["batch"])
-            r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
     print(f"\n{'workload':12s} {'batch':>5s} {'off tok/s':>10s} {'on tok/s':>10s} {'speed-up':>8s} "
           f"{'accept':>6s} {'mean len':>8s}")
     for r in rows:
         if r["speculation"] == "on":
             base = next(x for x in rows if x["workload"] == r["workload"] and x["speculation"] == "off"
                         and x["batch"] == r["batch"])
+            r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
             print(f"{r['workload']:12s} {r['batch']:5d} {base['decode_tok_s']:10.1f} {r['decode_tok_s']:10.1f} "
                   f"{r['speedup']:7.2f}x {r['acceptance_rate']:6.2f} {r['mean_accepted_length']:8.2f}")
     result = dict(device=device_label(device), dtype=dtype, tiny=args.tiny, new_tokens=new, batches=batches,
                   large_target=LARGE_TINY if args.tiny else LARGE, torch=torch.__version__, rows=rows)
-    out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out_dir, exist_ok=True)
     part = "" if args.workloads == WORKLOADS else "_" + args.workloads.replace(",", "+")  # a subset: its own file
-    path = os.path.join(out_dir, f"speculative_{device_label(device)}{part}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_result(result, f"speculative_{device_label(device)}{part}.json", args.out and os.path.join(args.out, ""))
 
 
 if __name__ == "__main__":
