@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600, help="seconds a start may take")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-workers", type=int, default=None,
-                    help="model.compile_workers (default: the engine's; 0: the warm-up compiles one kernel at a time)")
+                    help="model.compile_workers (default: the engine's, 0: the warm-up compiles one kernel at a time)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -32,8 +32,10 @@ class ModelConfig:
     # one the model's output is read at; moe_infer/layers/last_rows.py); off with a capacity policy or the trace
     prune_last_layer: bool = True
     # worker processes that compile the start-up warm-up's Triton kernels in parallel (moe_infer/kernels/precompile.py;
-    # CUDA only): None: one per CPU core but one (at most 32); 0: compiled one after the other, in the engine's process
-    compile_workers: Optional[int] = None
+    # CUDA only): 0 (default): compiled one after the other, in the engine's process; None: one per CPU core but one
+    # (at most 32). Off by default: not yet measured on a GPU, and a worker per core for every engine swamps a machine
+    # that starts several engines at once
+    compile_workers: Optional[int] = 0
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():

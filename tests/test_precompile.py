@@ -165,8 +165,9 @@ def test_when_the_warmup_uses_workers():
                                backends=MoEBackends(experts="triton", policy=policy),
                                model=SimpleNamespace(moe_layers=lambda: []))
 
-    assert compile_workers(runner()) == default_workers()
-    assert compile_workers(runner(enforce_eager=True)) == default_workers()
+    assert compile_workers(runner()) == 0  # off unless asked for: one engine's default must not swamp a machine
+    assert compile_workers(runner(compile_workers=None)) == default_workers()
+    assert compile_workers(runner(enforce_eager=True, compile_workers=None)) == default_workers()
     assert compile_workers(runner(compile_workers=3)) == 3
     assert compile_workers(runner(compile_workers=0)) == 0
     assert compile_workers(runner(distributed=True, compile_workers=3)) == 0
@@ -197,13 +198,27 @@ class _FakeDriver:
 @pytest.mark.timeout(300)
 def test_dry_launches_find_compile_and_load_variants(target):
     """Under dry_launches a launch runs nothing: its variant goes to on_missing once (Triton's own specialization data,
-    from the real binding), a worker-style compile of it puts it on disk, and the next dry launch loads it instead."""
+    from the real binding), a worker-style compile of it puts it on disk, and the next dry launch loads it instead.
+    In a fresh process without TRITON_INTERPRET: a process that has run Triton's interpreter (other tests of an
+    xdist worker) has its `triton.language` patched, and a real compile there fails."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import test_precompile as t; t.check_dry_launches({tuple(target.__dict__.values())!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def check_dry_launches(target_fields) -> None:
     import torch
+    from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction as JF
 
     from moe_infer.kernels.precompile import compile_spec, dry_launches
 
+    target = GPUTarget(*target_fields)
     kernel = JITFunction(scale_kernel.fn)  # a fresh one: no variant in memory
     run = JF.run
     x, y = torch.zeros(256), torch.zeros(256)
