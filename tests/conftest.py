@@ -21,3 +21,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors on a busy 2-core machine: OpenMP's second thread only adds stalls (a test module takes it with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(before)

@@ -59,13 +59,7 @@ def _h100_costs(llm) -> None:
     m.note_host_lead = lambda lead_s: None  # nor a late start of its expert compute
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors on a busy 2-core machine: OpenMP's second thread only adds stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.timeout(300)

@@ -20,12 +20,7 @@ NUM_NEW = 10
 KW = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=48, max_num_batched_tokens=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
