@@ -209,3 +209,31 @@ def test_force_mesh_runs_the_one_rank_collectives_and_the_same_tokens(monkeypatc
     assert got == want
     layers = llm.engine.runner.arch.num_layers
     assert len(calls) >= 2 * layers * 7  # each step: attention's and the MoE layer's all-reduce in every layer
+
+
+def test_mesh_shutdown_frees_the_graphs_before_the_process_groups(monkeypatch, tmp_path):
+    """NCCL's communicator teardown hangs while a CUDA graph that captured its collectives is alive
+    (pytorch/pytorch#115388; both ranks hung in destroy_process_group on 2 x H200): `LLM.shutdown` frees the engine's
+    graphs first. CPU: stand-in graphs in the runner's graph holders, the order of reset and destroy recorded."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    events = []
+
+    class Graph:
+        def reset(self):
+            events.append("reset")
+
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "teardown", seed=7)
+    llm = LLM(model=path, device="cpu", dtype="float32", force_mesh=True)
+    real = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: (events.append("destroy"), real(*a, **k))[1])
+    runner = llm.engine.runner
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        holders = [SimpleNamespace(graphs={(1, 2): ([Graph(), Graph()], None)}), SimpleNamespace(graphs={})]
+        runner.graphs, runner.extend_graphs = holders
+    finally:
+        llm.shutdown()
+    assert events == ["reset", "reset", "destroy"] and holders[0].graphs == {}

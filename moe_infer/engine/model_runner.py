@@ -20,9 +20,11 @@ sequence, V vocabulary, D hidden.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+import weakref
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -30,7 +32,7 @@ import torch
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
-from moe_infer.engine.cuda_graph import DecodeGraphs, gpu_note_level, graph_blocker, static_attention
+from moe_infer.engine.cuda_graph import DecodeGraphs, free_graphs, gpu_note_level, graph_blocker, static_attention
 from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.layer_graphs import LayerGraphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler
@@ -126,6 +128,8 @@ class ModelRunner:
                 logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
                 self.offload.expert_graphs = None
             self.extend_graphs = self._extend_graphs()
+        if self.parallel.is_distributed:  # the graphs go before the process groups (parallel/context.py)
+            self.parallel.on_teardown(functools.partial(_free_graphs_of, weakref.ref(self)))
         self.paths = StepPaths(self, device, self.block_size)
         if self.dp.communicates:  # attention data parallelism: dp segments a step (moe_infer/engine/dp_inputs.py)
             from moe_infer.engine.dp_inputs import DPPaths, fill_placeholders_dp
@@ -482,3 +486,12 @@ class ModelRunner:
             self.stats.reset()
             self.encoder.reset_stats = True
 
+
+
+def _free_graphs_of(runner_ref) -> None:
+    """Before the mesh's process groups are destroyed: free the runner's CUDA graphs (gone with it, if it is)."""
+    runner = runner_ref()
+    if runner is not None:
+        free_graphs(runner.graphs, runner.extend_graphs, runner.layer_graphs)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)

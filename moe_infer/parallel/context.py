@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, is_dataclass
 from functools import partial
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,12 @@ from moe_infer.parallel.placement import (ExpertPlacement, contiguous_placement,
                                           load_placement, replicate_hot_experts)
 
 CAPACITY_POLICIES_FOR_A2A = ("drop", "reroute")
+
+
+# run before the process groups are destroyed, for every engine of the process (they share the groups): each frees
+# its CUDA graphs there, since NCCL's communicator teardown hangs while a graph that captured its collectives is
+# alive (pytorch/pytorch#115388; seen on 2 x H200 in the mesh benchmark, both ranks in destroy_process_group)
+BEFORE_TEARDOWN: List[Callable[[], None]] = []
 
 
 @dataclass
@@ -264,9 +270,20 @@ class ParallelContext:
         if diffs:
             raise ValueError("ranks were started with different configs: " + "; ".join(diffs[:10]))
 
+    @staticmethod
+    def on_teardown(fn: Callable[[], None]) -> None:
+        """Run fn before the process groups are destroyed (`shutdown`, or the exit hook)."""
+        BEFORE_TEARDOWN.append(fn)
+
+    @staticmethod
+    def run_before_teardown() -> None:
+        while BEFORE_TEARDOWN:
+            BEFORE_TEARDOWN.pop()()
+
     def shutdown(self) -> None:
         """Barrier, then destroy every process group (also done at exit: see startup.py)."""
         if self.is_distributed and dist.is_initialized() and not self.failed:
+            self.run_before_teardown()
             dist.barrier(group=self.control_group)
             dist.destroy_process_group()
         self.world_group = None

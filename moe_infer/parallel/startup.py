@@ -43,6 +43,7 @@ def needed_processes(cfg: ParallelConfig) -> int:
 
 def _teardown() -> None:
     if dist.is_initialized() and not any(ctx.failed for ctx in _contexts):
+        ParallelContext.run_before_teardown()
         dist.destroy_process_group()
         _contexts.clear()
         time.sleep(0.1)  # the GIL, released: gloo's workers drop their last work objects now, not in finalization
