@@ -72,7 +72,10 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin_cache(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[P, d] in dtype: row p = [cos_p[:d/2] | sin_p[:d/2]] of `cos_sin`, built on first use per (device, dtype)."""
-        key = (torch.device(device), dtype)
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one table (the warm-up builds it
+            dev = torch.device("cuda", torch.cuda.current_device())  # with the runner's device, a step with q's)
+        key = (dev, dtype)
         table_Pd = self._tables.get(key)
         if table_Pd is None:
             if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
