@@ -109,10 +109,18 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2  # e2m1's largest exponent is 2 (6 = 1.5 * 4)
     exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
     v = g / torch.exp2(exp)[..., None]
-    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
-    dist = (v.abs()[..., None] - mags).abs()
-    odd = torch.arange(8, device=w.device) % 2  # a code's mantissa bit: a tie goes to the even one (OCP's RNE)
-    idx = (torch.where(dist == dist.amin(-1, keepdim=True), 0, 2) + odd).argmin(-1)
-    codes = (idx + 8 * (v < 0)).to(torch.uint8).reshape(w.shape)
+    del g
+    # the nearest e2m1 magnitude's index: how many of the midpoints between neighbours |v| passes. A tie goes to the
+    # even index (its mantissa bit 0: OCP's round-to-nearest-even), so a midpoint above an even index must be passed
+    # (>) and one above an odd index reached (>=). One byte a value: GPT-OSS's experts quantize in bounded memory.
+    a = v.abs()
+    idx = torch.zeros(a.shape, dtype=torch.uint8, device=w.device)
+    mags = E2M1_VALUES[:8]
+    for i in range(7):
+        mid = (mags[i] + mags[i + 1]) / 2
+        idx += (a >= mid) if i % 2 else (a > mid)
+    del a
+    idx += (v < 0) * 8
+    codes = idx.reshape(w.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, (exp + E8M0_BIAS).to(torch.uint8)
