@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,7 +88,8 @@ def decode_collectives(dims: dict, tp: int, pp: int, ep: int) -> dict:
 def launch(spec: dict, nproc: int, timeout: float) -> dict:
     """Run one layout's worker (torchrun with nproc ranks, or a plain process at world 1); its JSON."""
     script = os.path.join(HERE, "mesh_scaling_worker.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")])),
+    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path,
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     if nproc == 1:
         cmd = [sys.executable, script, json.dumps(spec)]
@@ -96,10 +98,27 @@ def launch(spec: dict, nproc: int, timeout: float) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
                json.dumps(spec)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own process group: a timeout kills torchrun's ranks too (left running, they would hold the GPUs)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        sys.stderr.write(stdout[-3000:] + stderr[-8000:])  # the worker's progress lines and, if it hung, its stacks
+        return dict(failed=f"timed out after {timeout:.0f} s")
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    print("".join(f"    {line}\n" for line in stdout.splitlines()[-12:] if line.startswith("[")), end="", flush=True)
+    if proc.returncode != 0 and os.path.exists(spec["out"]):  # measured, then failed (e.g. in the teardown)
+        sys.stderr.write(stderr[-4000:])
+        with open(spec["out"]) as f:
+            out = json.load(f)
+        out["wall_s"], out["exit_code"] = time.perf_counter() - start, proc.returncode
+        return out
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"layout {spec['name']} ({spec['model']}) failed with exit code {proc.returncode}")
+        return dict(failed=f"exit code {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}")
     with open(spec["out"]) as f:
         out = json.load(f)
     out["wall_s"] = time.perf_counter() - start
@@ -123,6 +142,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill", default="16x1024")
+    ap.add_argument("--layouts", default=None, help="comma-separated layout names to run (default: all that fit)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a layout's process may take")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -140,6 +160,7 @@ def main() -> None:
     mem = torch.cuda.get_device_properties(0).total_memory if cuda else 1 << 40
     models = {"small": TINY if args.tiny else SMALL, "large": TINY_LARGE if args.tiny else LARGE}
     label = e2e.device_label(device)
+    out_name = f"mesh_scaling_{label}_x{num}.json" if cuda else "mesh_scaling_cpu_gloo_x2.json"
     result = dict(benchmark="mesh_scaling", device=label, gpus=num if cuda else 0, processes=num,
                   torch=torch.__version__, rates=rates, batches=batches, prompt_len=P, new_tokens=N,
                   prefill=list(prefill), models={}, targets=None)
@@ -148,30 +169,36 @@ def main() -> None:
             dims = models[model]
             ckpt = write_config(dims, os.path.join(tmp, model))
             rows, fits_one = {}, weight_bytes(dims) < 0.8 * mem
+            result["models"][model] = dict(dims=dims, weight_gib=weight_bytes(dims) / 2**30, fits_one_gpu=fits_one,
+                                           rows=rows)
             for name, tp, pp, ep in layouts(num):
                 G = world(tp, pp, ep)
-                if name == "mesh x1":
-                    continue  # measured with "one GPU"
+                if name == "mesh x1" or (args.layouts and name not in args.layouts.split(",")):
+                    continue  # "mesh x1" is measured with "one GPU"
                 if weight_bytes(dims) / G > 0.8 * mem:
                     rows[name] = dict(skipped=f"{weight_bytes(dims) / G / 2**30:.0f} GiB of weights per GPU do not fit",
                                       gpus=G)
                     continue
                 spec = dict(name=name, model=model, dims=dims, ckpt=ckpt, tp=tp, pp=pp, ep=ep, device=device.type,
+                            watchdog_s=max(args.timeout - 15, 10),
                             dp_attention=name.endswith(" dp"),
                             batches=batches, prompt_len=P, new_tokens=N, prefill=list(prefill), ab=name == "one GPU",
                             out=os.path.join(tmp, f"{model}_{name.replace(' ', '_').replace('=', '')}.json"))
                 print(f"[{model}] {name} ({G} rank{'s' if G > 1 else ''}) ...", flush=True)
                 out = launch(spec, G, args.timeout)
+                if "failed" in out:  # a layout that fails is a row saying so; the others still run
+                    print(f"[{model}] {name} failed: {out['failed']}", flush=True)
+                    rows[name] = dict(out, gpus=G)
+                    continue
                 for row_name, row in out["rows"].items():
-                    rows[row_name] = dict(row, tp=tp, pp=pp, ep=ep, gpus=G, raw=out["raw"], wall_s=out["wall_s"])
+                    rows[row_name] = dict(row, tp=tp, pp=pp, ep=ep, gpus=G, raw=out["raw"], wall_s=out["wall_s"],
+                                          exit_code=out.get("exit_code", 0))
+                e2e.write_result(result, out_name, args.out)  # after every layout: a later timeout keeps these
             add_rooflines(rows, dims, batches, P, N, prefill, hbm, flops, fits_one)
-            result["models"][model] = dict(dims=dims, weight_gib=weight_bytes(dims) / 2**30, fits_one_gpu=fits_one,
-                                           rows=rows)
     if num == 2 and cuda:
         result["targets"] = targets(result)
     print_table(result)
-    name = f"mesh_scaling_{label}_x{num}.json" if cuda else "mesh_scaling_cpu_gloo_x2.json"
-    e2e.write_result(result, name, args.out)
+    e2e.write_result(result, out_name, args.out)
 
 
 def add_rooflines(rows: dict, dims: dict, batches, P: int, N: int, prefill, hbm: float, flops: float,
@@ -180,6 +207,8 @@ def add_rooflines(rows: dict, dims: dict, batches, P: int, N: int, prefill, hbm:
     step's estimated communication and compute."""
     one = rows.get("one GPU", {})
     for name, row in rows.items():
+        if "failed" in row:
+            continue
         if "skipped" in row:  # what it would reach: the roofline of its GPUs
             row["roofline_tok_s"] = {str(b): b * N / decode_roofline_s(dims, b, P, N, hbm * row["gpus"]) for b in batches}
             continue
@@ -208,18 +237,23 @@ def add_rooflines(rows: dict, dims: dict, batches, P: int, N: int, prefill, hbm:
 def targets(result: dict) -> dict:
     """The 2-GPU issue's targets: each met or missed."""
     small = result["models"].get("small", {}).get("rows", {})
-    multi = {n: r for n, r in small.items() if "skipped" not in r and r["gpus"] > 1}
+    multi = {n: r for n, r in small.items() if "decode" in r and r["gpus"] > 1}
     out = {}
+    failed = [n for n, r in small.items() if "failed" in r]
+    if failed:  # a layout that did not run misses "every layout"
+        out["layouts_failed"] = dict(value=failed, met=False)
     if multi:
-        worst = {b: min(r["decode"][b]["vs_one_gpu"] for r in multi.values()) for b in ("64", "256") if b in
-                 next(iter(multi.values()))["decode"]}
-        out["every_layout_ge_1x_at_b64_b256"] = dict(value=worst, met=all(v >= 1.0 for v in worst.values()))
+        worst = {b: min(r["decode"][b]["vs_one_gpu"] or 0.0 for r in multi.values()) for b in ("64", "256")
+                 if b in next(iter(multi.values()))["decode"]}
+        out["every_layout_ge_1x_at_b64_b256"] = dict(value=worst, met=not failed and all(v >= 1.0 for v in
+                                                                                      worst.values()))
         for b, goal in (("256", 1.5), ("1", 0.8)):
-            if b in next(iter(multi.values()))["decode"]:
-                best = max(r["decode"][b]["vs_one_gpu"] for r in multi.values())
+            ratios = [r["decode"][b]["vs_one_gpu"] for r in multi.values() if r["decode"].get(b, {}).get("vs_one_gpu")]
+            if ratios:
+                best = max(ratios)
                 out[f"best_at_b{b}"] = dict(value=best, goal=goal, met=best >= goal)
     large = result["models"].get("large", {}).get("rows", {})
-    fracs = [r["decode"]["64"]["of_roofline"] for r in large.values() if "skipped" not in r and r["gpus"] > 1
+    fracs = [r["decode"]["64"]["of_roofline"] for r in large.values() if "decode" in r and r["gpus"] > 1
              and "64" in r["decode"]]
     if fracs:
         out["large_b64_of_2gpu_roofline"] = dict(value=max(fracs), goal=0.6, met=max(fracs) >= 0.6)
@@ -233,17 +267,22 @@ def print_table(result: dict) -> None:
         print(f"\n{model}: {m['weight_gib']:.1f} GiB of weights, {'fits' if m['fits_one_gpu'] else 'does not fit'} one GPU")
         print(f"{'layout':>14} {'batch':>5} {'tok/s':>9} {'vs 1':>6} {'roof %':>7} {'step ms':>8} {'comm ms':>8}")
         for name, row in m["rows"].items():
+            if "failed" in row:
+                print(f"{name:>14}  failed: {row['failed'][-200:]}")
+                continue
             if "skipped" in row:
                 roof = ", ".join(f"b{b} {v:.0f}" for b, v in row["roofline_tok_s"].items())
                 print(f"{name:>14}  skipped: {row['skipped']} (roofline tok/s: {roof})")
                 continue
             for b, d in row["decode"].items():
                 vs = d.get("vs_one_gpu") or d.get("vs_one_gpu_roofline")
-                print(f"{name:>14} {b:>5} {d['tok_s']:>9.0f} {vs if vs is None else f'{vs:.2f}':>6} "
+                print(f"{name:>14} {b:>5} {d['tok_s']:>9.0f} {'-' if vs is None else f'{vs:.2f}':>6} "
                       f"{100 * d['of_roofline']:>6.1f}% {d['step_ms']:>8.2f} {d['comm_ms_est']:>8.2f}")
+            if row.get("exit_code"):
+                print(f"{name:>14}  measured, then exited with code {row['exit_code']} (its teardown: see the log)")
             p = row["prefill"]
             vs = p.get("vs_one_gpu")
-            print(f"{name:>14} {'pf':>5} {p['tok_s']:>9.0f} {vs if vs is None else f'{vs:.2f}':>6} "
+            print(f"{name:>14} {'pf':>5} {p['tok_s']:>9.0f} {'-' if vs is None else f'{vs:.2f}':>6} "
                   f"{100 * p['of_limit']:>6.1f}%")
     if result.get("targets"):
         print("\ntargets (2 GPUs):")

@@ -9,10 +9,13 @@ per engine the decode and prefill timings and, on several ranks, the raw collect
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,9 +62,20 @@ def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
     return out
 
 
+def progress(start: float, what: str) -> None:
+    """A time-stamped progress line of rank 0 (the driver prints the last ones when a layout fails or times out)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[{time.perf_counter() - start:7.1f} s] {what}", flush=True)
+
+
 def run_layout(spec: dict) -> None:
     """One layout (or, at world 1, the plain engine and the mesh path in A B B A order) on one model."""
     from moe_infer import LLM
+
+    start = time.perf_counter()
+    faulthandler.dump_traceback_later(spec.get("watchdog_s", 1800), exit=True)  # a hang: every thread's stack
+    if os.environ.get("RANK", "0") == "0":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     dims, tp, pp, ep = spec["dims"], spec["tp"], spec["pp"], spec["ep"]
     device = torch.device("cuda" if spec["device"] == "cuda" else "cpu")
@@ -74,18 +88,23 @@ def run_layout(spec: dict) -> None:
               max_model_len=max(P + N, pf_len + 1) + 16, num_kv_blocks=blocks, enable_prefix_caching=False,
               cuda_graph_max_batch=max(batches), tp=tp, pp=pp, ep=ep, dp_attention=spec.get("dp_attention", False))
     if spec["ab"]:  # world 1: the plain engine (A) and the mesh's code path at degree 1 (B), one process
-        engines = {"one GPU": LLM(**kw), "mesh x1": LLM(**kw, force_mesh=True)}
+        engines = {"one GPU": LLM(**kw)}
+        progress(start, "one GPU engine built")
+        engines["mesh x1"] = LLM(**kw, force_mesh=True)
         order = ["one GPU", "mesh x1", "mesh x1", "one GPU"]
     else:
         engines = {spec["name"]: LLM(**kw)}
         order = [spec["name"]]
+    progress(start, "engines built")
     first = next(iter(engines.values()))
     ctx = first.engine.parallel
     V = dims["vocab_size"]
     for llm in engines.values():  # warm-up: every batch shape and the prefill shape (compiles, graph captures)
         for b in batches:
             timed_generate(llm, gen_ids(1000 + b, b, P, V), 3, device)
+            progress(start, f"warm-up at batch {b}")
         timed_generate(llm, gen_ids(999, pf_seqs, pf_len, V), 1, device)
+        progress(start, "warm-up of the prefill")
     rows = {name: {"decode": {}, "prefill": {}} for name in engines}
     for b in batches:
         prompts = gen_ids(b, b, P, V)
@@ -93,6 +112,7 @@ def run_layout(spec: dict) -> None:
             full = timed_generate(engines[name], prompts, N, device)
             prefill = timed_generate(engines[name], prompts, 1, device)
             rows[name]["decode"].setdefault(str(b), []).append(dict(full_s=full, prefill_s=prefill))
+            progress(start, f"{name} batch {b}: {full:.3f} s")
     for name in order:
         prompts = gen_ids(7, pf_seqs, pf_len, V)
         rows[name]["prefill"].setdefault("s", []).append(
@@ -113,8 +133,10 @@ def run_layout(spec: dict) -> None:
     if ctx.rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(dict(rows=result, raw=raw, world=ctx.dims.world_size if ctx.is_distributed else 1), f)
+    faulthandler.dump_traceback_later(60, exit=True)  # the teardown: a hang there fails the layout in a minute
     for llm in engines.values():
         llm.shutdown()
+    progress(start, "shut down")
 
 
 if __name__ == "__main__":
