@@ -284,6 +284,14 @@ def print_table(result: dict) -> None:
             vs = p.get("vs_one_gpu")
             print(f"{name:>14} {'pf':>5} {p['tok_s']:>9.0f} {'-' if vs is None else f'{vs:.2f}':>6} "
                   f"{100 * p['of_limit']:>6.1f}%")
+        for name, row in m["rows"].items():  # the raw collectives of the stage, per layout that has them
+            raw = {T: r for T, r in row.get("raw", {}).items() if "all_reduce_s" in r}
+            if raw:
+                print(f"{name:>14}  all-reduce [T, D], us: T nccl/graph one-shot/graph two-shot/graph")
+                for T, r in raw.items():
+                    us = [r.get(k) for k in ("all_reduce_s", "all_reduce_graph_s", "symm_one_shot_s",
+                                             "symm_one_shot_graph_s", "symm_two_shot_s", "symm_two_shot_graph_s")]
+                    print(f"{'':>14}  {T:>6} " + " ".join("-" if v is None else f"{1e6 * v:.1f}" for v in us))
     if result.get("targets"):
         print("\ntargets (2 GPUs):")
         for key, t in result["targets"].items():

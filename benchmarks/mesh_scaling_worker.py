@@ -59,6 +59,37 @@ def raw_collectives(ctx, sizes: list, hidden: int, dtype, device) -> dict:
                     dist.recv(x, first)
             row["p2p_s"] = clock(p2p, device, reps=20, warmup=3)
         out[str(T)] = row
+    if device.type == "cuda" and ctx.dims.stage_size > 1:
+        for T, row in symm_mem_all_reduce(stage, sizes, hidden, dtype, device).items():
+            out.setdefault(T, {}).update(row)
+    return out
+
+
+def symm_mem_all_reduce(group, sizes: list, hidden: int, dtype, device) -> dict:
+    """PyTorch's symmetric-memory all-reduces of [T, hidden] over group (one-shot and two-shot: peer-to-peer loads
+    over NVLink, no multicast), median seconds a call eagerly and inside a CUDA graph, per T: the candidates for the
+    TP all-reduce at decode sizes, against NCCL's of the same run. An op that cannot run records its error."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(max(sizes), hidden, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, group)
+        name = group.group_name
+    except Exception as err:  # noqa: BLE001 - an older torch, no P2P between the GPUs: reported, not fatal
+        return {"error": {"symm_mem_error": f"{type(err).__name__}: {err}"[:300]}}
+    ops = {"one_shot": lambda x: torch.ops.symm_mem.one_shot_all_reduce(x, "sum", name),
+           "two_shot": lambda x: torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", name)}
+    out = {}
+    for T in sizes:
+        x, row = buf[:T], {}
+        x.fill_(1.0)
+        for op, fn in ops.items():
+            try:
+                row[f"symm_{op}_s"] = clock(lambda: fn(x), device, reps=20, warmup=3)
+                row[f"symm_{op}_graph_s"] = clock_in_graph(lambda: fn(x), device, reps=10)
+            except Exception as err:  # noqa: BLE001
+                row[f"symm_{op}_error"] = f"{type(err).__name__}: {err}"[:300]
+        out[str(T)] = row
     return out
 
 
