@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import e2e_generate as e2e  # noqa: E402
+from tests.dist.launch import run_tree  # noqa: E402
 from device_rates import measure_rates  # noqa: E402
 from engine_roofline import decode_roofline_s, layer_weight_bytes, prefill_limit_s  # noqa: E402
 
@@ -98,17 +98,11 @@ def launch(spec: dict, nproc: int, timeout: float) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
                json.dumps(spec)]
     start = time.perf_counter()
-    # its own process group: a timeout kills torchrun's ranks too (left running, they would hold the GPUs)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    rc, stdout, stderr = run_tree(cmd, timeout, env=env)  # a timeout kills torchrun's ranks too
+    if rc == 124:
         sys.stderr.write(stdout[-3000:] + stderr[-8000:])  # the worker's progress lines and, if it hung, its stacks
         return dict(failed=f"timed out after {timeout:.0f} s")
-    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    proc = subprocess.CompletedProcess(cmd, rc, stdout, stderr)
     print("".join(f"    {line}\n" for line in stdout.splitlines()[-12:] if line.startswith("[")), end="", flush=True)
     if proc.returncode != 0 and os.path.exists(spec["out"]):  # measured, then failed (e.g. in the teardown)
         sys.stderr.write(stderr[-4000:])

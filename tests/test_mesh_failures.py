@@ -68,3 +68,28 @@ def test_launcher_says_how_to_start_tp_then_runs_it_under_torchrun():
     assert rc == 0 and "1 requests, 4 output tokens" in out, out[-3000:]
     rc, out = _launch(nproc=2)  # torchrun without parallel sizes: no duplicate engines
     assert rc != 0 and "torchrun started 2 process(es) (WORLD_SIZE) but parallel.pp=1" in out, out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_torchrun_is_killed_with_its_ranks(tmp_path):
+    """The launcher of the distributed tests and of benchmarks/mesh_scaling.py: past its timeout every rank goes too
+    (they run in sessions of their own: killing torchrun or its process group leaves them holding the GPUs, the
+    ports and the output pipes, and the call waits for them)."""
+    from tests.dist.launch import run_tree
+
+    worker = tmp_path / "hang_worker.py"
+    worker.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker)]
+    start = time.monotonic()
+    rc, out, _ = run_tree(cmd, timeout=15, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert rc == 124 and time.monotonic() - start < 60 and out.count("up") == 2, (rc, out)
+    time.sleep(0.5)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(worker).encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert not left, f"ranks still running: {left}"
