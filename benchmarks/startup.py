@@ -9,8 +9,8 @@ second process on the same machine with the caches the cold one left. Each proce
   interpreter   spawn to the first line of the child (Python start-up)
   imports       `import torch` and `from moe_infer import LLM`
   engine        `LLM(...)`, in the engine's named parts (moe_infer/engine/startup_timings.py says what each covers:
-                parallel_init, cuda_init, plugins, hf_config, model_load, kv_cache, kernel_warmup, cuda_graphs,
-                tokenizer, scheduler) and engine_other, the rest of `LLM(...)` (what no part covers)
+                parallel_init, cuda_init, plugins, transformers_import, hf_config, model_load, kv_cache, kernel_warmup,
+                cuda_graphs, tokenizer, scheduler) and engine_other, the rest of `LLM(...)` (what no part covers)
   first request one prompt of 128 tokens, 16 new tokens: its time to first token and the whole call
   to first token  spawn to the first token of that request (the figure the targets are for)
 Targets on one GPU: cold <= 45 s, warm <= 15 s. Writes startup_<device>.json to --out, else $OUT, else results/.

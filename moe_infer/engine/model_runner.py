@@ -61,7 +61,7 @@ class ModelRunner:
         """kv_reserve: (bytes per KV block, bytes) the KV budget leaves for what is loaded after this runner: a
         speculative draft model's own cache under the same block ids, and its weights."""
         from moe_infer.models import load_model
-        from moe_infer.models.hf_config import load_arch
+        from moe_infer.models.hf_config import import_transformers_config, load_arch
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.kv_reserve = kv_reserve
@@ -71,6 +71,8 @@ class ModelRunner:
         with timings.part("plugins_s"):
             self.backends = resolve_moe_backends(cfg, device)
         self.parallel = parallel if parallel is not None else init_engine_parallel(cfg, model_path)
+        with timings.part("transformers_import_s"):
+            import_transformers_config()
         with timings.part("hf_config_s"):
             self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
             self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
