@@ -18,7 +18,6 @@ Writes JSON (device named) to --out, else $OUT/attention_<device>.json, else ben
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from device_rates import measure_rates  # noqa: E402
+from e2e_generate import write_result  # noqa: E402
 from moe_infer.kernels.fused_moe_bench import graph_time_us  # noqa: E402
 from moe_infer.layers.paged_attention import paged_attention_sdpa  # noqa: E402
 
@@ -80,17 +80,6 @@ def graph_or_none(fn):
         return None
 
 
-def optional_baselines():
-    found = {}
-    for name in ("flashinfer", "flash_attn"):
-        try:
-            __import__(name)
-            found[name] = "importable (not wired into this benchmark yet)"
-        except Exception as err:  # noqa: BLE001 - any import failure means "not available here"
-            found[name] = f"absent: {type(err).__name__}"
-    return found
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -131,16 +120,10 @@ def main() -> None:
         print(f"{r['kind']:>8} {r['batch']:>3} {r['tokens']:>5} {r['cached']:>6} {r['timing']:>6} {r['ours_us']:>8.1f} "
               f"{r['sdpa_gather_us']:>11.1f} {r['roofline_us']:>8.1f} {r['ours_pct_roofline']:>6.1f} "
               f"{r['speedup_vs_sdpa']:>7.2f} {r['max_abs_diff_vs_sdpa']:>9.4f}")
-    others = optional_baselines()
-    print("other baselines:", others)
     result = dict(device=device, torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"),
-                  shape=dict(H=H, Hkv=HKV, d=D, block_size=PAGE, dtype="bfloat16"), rows=rows, baselines=others,
+                  shape=dict(H=H, Hkv=HKV, d=D, block_size=PAGE, dtype="bfloat16"), rows=rows,
                   roofline=dict(hbm_bytes_per_s=hbm_bytes_s, bf16_flops=bf16_flops, measured=rates))
-    name = f"attention_{device.replace(' ', '_').lower()}.json"
-    path = args.out or os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"), name)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", path)
+    write_result(result, f"attention_{device.replace(' ', '_').lower()}.json", args.out)
 
 
 if __name__ == "__main__":

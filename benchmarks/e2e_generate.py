@@ -1,26 +1,17 @@
-"""End-to-end generation: output tokens/s of our engine vs transformers `generate`.
+"""The benchmarks' shared helpers: the Qwen3-MoE shapes (REAL: Qwen3-30B-A3B's layers, TINY: a CPU smoke size), the
+random-weight checkpoint they are built from (transformers' model, the baseline), timers (`clock`, `clock_in_graph`,
+`time_ours` / `time_hf`: one greedy generate call, EOS ignored), the device label and `write_result`.
 
-Same model (a Qwen3-MoE-shaped checkpoint with real dimensions and a few layers, random weights),
-same prompts (random ids, equal lengths so HF needs no padding), greedy, a fixed output length
-(EOS ignored on both sides), batch sizes 1, 16 and 64. Times include prefill; each batch size is
-warmed up first on other prompts of the same shape (Triton compiles, CUDA graphs captured). Ours
-runs with decode steps replayed as CUDA graphs (the default) and, on CUDA, also eagerly
-(enforce_eager=True). Also reports how many of our greedy tokens equal HF's (bf16 greedy paths may
-part ways after a near tie; not a check).
-
-    python benchmarks/e2e_generate.py [--out X.json]      # GPU: real dims, ~2 min on an H100
-    python benchmarks/e2e_generate.py --tiny               # CPU: tiny dims, a smoke run
-
-Writes JSON (device named) to --out, else $OUT/e2e_generate_<device>.json, else benchmarks/results/.
+Its own end-to-end run (ours against transformers' `generate` at batch 1 / 16 / 64) is engine_roofline.py's decode
+rows now: the same checkpoint and prompts, tok/s of both and the share of equal greedy tokens
+(`--compare enforce_eager=true` adds the eager engine).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -45,11 +36,23 @@ def device_label(device: torch.device) -> str:
     return torch.cuda.get_device_name(device).replace("NVIDIA ", "").replace(" ", "_").lower()
 
 
+def qwen3_config(dims: dict):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+
+
+def write_config(dims: dict, folder: str) -> str:
+    """config.json only, of the model build_checkpoint writes (the engine makes the weights: load_format=dummy)."""
+    qwen3_config(dims).save_pretrained(folder)
+    return folder
+
+
 def build_checkpoint(dims: dict, dtype: torch.dtype, device: torch.device, out_dir: str):
     """Random-weight Qwen3-MoE saved as an HF folder; returns transformers' model (the baseline)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    config = qwen3_config(dims)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3MoeForCausalLM(config).to(dtype).eval()
@@ -137,96 +140,6 @@ def clock_in_graph(fn, device: torch.device, calls: int = 20, reps: int = 5) -> 
     return clock(graph.replay, device, reps=reps) / calls
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny dims (CPU smoke run)")
-    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64; tiny 1,4)")
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--attention", default=None,
-                        help="also time ours with this attention backend (e.g. triton: the paged kernel)")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-
-    from moe_infer import LLM
-
-    device = torch.device(args.device)
-    dims = dict(TINY if args.tiny else REAL)
-    if args.layers:
-        dims["num_hidden_layers"] = args.layers
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    batches = [int(b) for b in (args.batches or ("1,4" if args.tiny else "1,16,64")).split(",")]
-    prompt_len = args.prompt_len or (16 if args.tiny else 128)
-    num_new = args.new_tokens or (8 if args.tiny else 64)
-    gen = torch.Generator().manual_seed(0)
-
-    with tempfile.TemporaryDirectory(prefix="e2e_ckpt_") as ckpt:
-        t0 = time.perf_counter()
-        hf = build_checkpoint(dims, dtype, device, ckpt)
-        t_build = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        kw = dict(model=ckpt, dtype=str(dtype).split(".")[-1], device=str(device), max_num_seqs=max(batches),
-                  max_num_batched_tokens=max(4096, prompt_len), max_model_len=prompt_len + num_new + 16)
-        llm = LLM(**kw)  # decode steps replayed as CUDA graphs (the default on CUDA)
-        t_load = time.perf_counter() - t0
-        eager = LLM(**kw, enforce_eager=True) if device.type == "cuda" else None
-        other_attn = LLM(**kw, attention_backend=args.attention) if args.attention else None
-        backends = llm.engine.runner.backends
-        rows = []
-        for b in batches:
-            # warm-up at this batch's shapes with other prompts (no prefix-cache hits later): Triton
-            # specialises kernels on shape properties and compiles on first sight, HF's kernels warm too
-            other = torch.randint(2, dims["vocab_size"], (b, prompt_len), generator=gen).tolist()
-            time_ours(llm, other, 3, device)
-            time_hf(hf, other, 3, device)
-            prompts = torch.randint(2, dims["vocab_size"], (b, prompt_len), generator=gen).tolist()
-            t_ours, tok_ours = time_ours(llm, prompts, num_new, device)
-            t_hf, tok_hf = time_hf(hf, prompts, num_new, device)
-            eager_row = {}
-            if eager is not None:
-                time_ours(eager, other, 3, device)
-                t_eager, tok_eager = time_ours(eager, prompts, num_new, device)
-                eager_row = dict(ours_eager_s=t_eager, ours_eager_tok_s=b * num_new / t_eager,
-                                 same_tokens_graph_vs_eager=sum(x == y for a, c in zip(tok_ours, tok_eager)
-                                                                for x, y in zip(a, c)) / (b * num_new))
-            if other_attn is not None:
-                time_ours(other_attn, other, 3, device)
-                t_attn, tok_attn = time_ours(other_attn, prompts, num_new, device)
-                eager_row.update(ours_attention=args.attention, ours_attention_tok_s=b * num_new / t_attn,
-                                 same_tokens_attention_vs_default=sum(x == y for a, c in zip(tok_ours, tok_attn)
-                                                                      for x, y in zip(a, c)) / (b * num_new))
-            same = sum(x == y for a, c in zip(tok_ours, tok_hf) for x, y in zip(a, c))
-            first = sum(a[0] == c[0] for a, c in zip(tok_ours, tok_hf))
-            rows.append(dict(batch=b, prompt_len=prompt_len, new_tokens=num_new,
-                             ours_s=t_ours, hf_s=t_hf, ours_tok_s=b * num_new / t_ours, hf_tok_s=b * num_new / t_hf,
-                             speedup=t_hf / t_ours, same_tokens=same / (b * num_new), same_first_token=first / b,
-                             **eager_row))
-    label = device_label(device)
-    result = dict(
-        benchmark="e2e_generate", device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        torch=torch.__version__, transformers=__import__("transformers").__version__, dtype=str(dtype),
-        model=dict(family="qwen3_moe", **{k: v for k, v in dims.items() if k != "rope_parameters"}),
-        backends=dict(routing=backends.routing, experts=backends.experts, policy=backends.policy),
-        hf_experts_implementation=getattr(hf.config, "_experts_implementation", None) or "eager",
-        num_kv_blocks=llm.engine.runner.num_kv_blocks, build_s=t_build, load_s=t_load, rows=rows,
-        cuda_graphs=cuda_graph_summary(llm),
-    )
-    print(f"e2e generate, {result['device']}, {dtype}, qwen3_moe x{dims['num_hidden_layers']} layers "
-          f"(D={dims['hidden_size']}, E={dims['num_experts']}, K={dims['num_experts_per_tok']}, "
-          f"F={dims['moe_intermediate_size']}), prompt {prompt_len}, {num_new} new tokens, experts={backends.experts}")
-    print(f"cuda graphs: {result['cuda_graphs']}")
-    attn = f"{args.attention} tok/s" if args.attention else ""
-    print(f"{'batch':>5} {'ours tok/s':>11} {'eager tok/s':>12} {attn:>14} {'HF tok/s':>10} {'speedup':>8} "
-          f"{'same tok':>9}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['ours_tok_s']:>11.1f} {r.get('ours_eager_tok_s', float('nan')):>12.1f} "
-              f"{(format(r['ours_attention_tok_s'], '.1f') if args.attention else ''):>14} "
-              f"{r['hf_tok_s']:>10.1f} {r['speedup']:>7.2f}x {r['same_tokens']:>8.0%}")
-    write_result(result, f"e2e_generate_{label}{'_tiny' if args.tiny else ''}.json", args.out)
-
-
 def write_result(result: dict, name: str, out: str = None) -> str:
     """The JSON to `out` (a file, or a folder: out/name), else $OUT/name, else benchmarks/results/name; returns the
     path."""
@@ -240,6 +153,3 @@ def write_result(result: dict, name: str, out: str = None) -> str:
     print(f"wrote {out}")
     return out
 
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@
 Same checkpoint for both engines (e2e_generate.py's: random weights, router logits spread), greedy, EOS ignored.
 Measured, each after a warm-up at the same shapes on other prompts:
   decode: batch 1 / 16 / 64, prompt 128, 128 new tokens; output tok/s = batch x new tokens / wall time of the whole
-    generate call (prefill included, as the issue's table);
+    generate call (prefill included, as the issue's table), and the share of ours' greedy tokens equal to HF's;
   prefill: 16 prompts of 1024 tokens, one new token: prompt tok/s (median of 3 calls);
   TTFT: one prompt of 128 and of 1024 tokens, one new token: the generate call's wall time (median of 5).
 Ours runs with its defaults, and again with --compare-attention (default "sdpa") on the same prompts; --compare
@@ -50,14 +50,19 @@ def experts_touched(dims: dict, tokens: int) -> float:
     return E * (1.0 - (1.0 - K / E) ** tokens)
 
 
+def decode_step_bytes(dims: dict, batch: int, context: int) -> float:
+    """Bytes a decode step of `batch` sequences of `context` keys reads (bf16): the layers' weights with the experts
+    the batch touches, the LM head, the K/V."""
+    L, Hkv, d, V, D = (dims["num_hidden_layers"], dims["num_key_value_heads"], dims["head_dim"],
+                       dims["vocab_size"], dims["hidden_size"])
+    kv = L * batch * context * 2 * Hkv * d * 2
+    return L * layer_weight_bytes(dims, experts_touched(dims, batch)) + 2 * V * D + kv
+
+
 def decode_roofline_s(dims: dict, batch: int, prompt: int, new: int, hbm: float) -> float:
     """Seconds of `new` decode-shaped steps at the HBM rate, one per output token (as the issue's table
     counts: the prefill's own time is not in the roofline), step i reading prompt + i keys."""
-    L, Hkv, d, V, D = (dims["num_hidden_layers"], dims["num_key_value_heads"], dims["head_dim"],
-                       dims["vocab_size"], dims["hidden_size"])
-    weights = L * layer_weight_bytes(dims, experts_touched(dims, batch)) + 2 * V * D
-    kv = sum(L * batch * (prompt + i) * 2 * Hkv * d * 2 for i in range(new))
-    return (new * weights + kv) / hbm
+    return sum(decode_step_bytes(dims, batch, prompt + i) for i in range(new)) / hbm
 
 
 def prefill_limit_s(dims: dict, seqs: int, prompt: int, hbm: float, flops: float) -> float:
@@ -139,11 +144,17 @@ def main() -> None:
         for b in batches:
             warm, prompts = ids(b, P), ids(b, P)
             row = dict(batch=b, prompt_len=P, new_tokens=N)
+            tokens = {}
             for name, llm in engines.items():
                 timed(llm, warm, N, device)  # Triton compiles, graphs captured at every context bucket
-                row[f"{name}_tok_s"] = b * N / timed(llm, prompts, N, device)
+                secs, tokens[name] = e2e.time_ours(llm, prompts, N, device)
+                row[f"{name}_tok_s"] = b * N / secs
             e2e.time_hf(hf, warm, 3, device)
-            row["hf_tok_s"] = b * N / e2e.time_hf(hf, prompts, N, device)[0]
+            hf_s, hf_tokens = e2e.time_hf(hf, prompts, N, device)
+            row["hf_tok_s"] = b * N / hf_s
+            # greedy tokens equal to transformers' (bf16 paths may part after a near tie: a figure, not a check)
+            row["same_tokens_vs_hf"] = sum(x == y for a, c in zip(tokens["ours"], hf_tokens)
+                                           for x, y in zip(a, c)) / (b * N)
             dec_s = decode_roofline_s(dims, b, P, N, hbm)
             row["roofline_tok_s"] = b * N / dec_s
             row["ours_pct_roofline"] = 100 * row["ours_tok_s"] / row["roofline_tok_s"]

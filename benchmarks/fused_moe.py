@@ -19,7 +19,6 @@ other columns are timed once each, after ours. Writes JSON (device named) to ben
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -35,7 +34,7 @@ import triton  # noqa: E402
 from device_rates import measure_rates  # noqa: E402
 from moe_infer.experts.local_dispatch import LocalDispatcher  # noqa: E402
 from moe_infer.kernels.fused_moe import (  # noqa: E402
-    COMBINE_MODES, MAX_INLINE_ROWS, block_schedule, combine_topk, fused_experts,
+    block_schedule, combine_topk, fused_experts,
 )
 from moe_infer.kernels.fused_moe_bench import (  # noqa: E402
     MODEL_SHAPES, TOKEN_COUNTS, graph_time_us, make_inputs, make_weights, replays_for, roofline_us,
@@ -100,34 +99,6 @@ def roof_us(ids_TK, E, D, F_) -> float:
     return roofline_us(ids_TK, E, D, F_, RATES["hbm"], RATES["flops"])
 
 
-def bench_variants(name, T, w13, w2):
-    """Ours under each schedule backend x combine mode (tuned GEMM tiles kept), checked, timed."""
-    E, K, D, F_ = MODEL_SHAPES[name]
-    x_TD, ids_TK, w_TK = make_inputs(T, E, K, D, seed=T)
-    disp = LocalDispatcher(E)
-    x_RD, meta = disp.dispatch(x_TD, ids_TK, w_TK)
-    ref_TD = disp.combine(loop_fn(x_RD, meta, w13, w2)(), meta)
-    roof = roof_us(ids_TK, E, D, F_)
-    cfg = get_config(T, E, F_, D, K, "bf16")
-    row = {"shape": name, "tokens": T, "roofline_us": round(roof, 1), "config": cfg.to_dict(), "variants": {}}
-    ids_N, n = ids_TK.reshape(-1), replays_for(roof)
-    scheds = (["inline"] if T * K <= MAX_INLINE_ROWS else []) + ["align", "permute"]
-    for sched in scheds:
-        if sched != "inline":
-            row[f"schedule_{sched}_us"] = graph_time_us(lambda: block_schedule(ids_N, E, 0, cfg.block_m, backend=sched), n)
-        for comb in COMBINE_MODES.names():
-            c = dataclasses.replace(cfg, schedule=sched, combine=comb)
-            fn = lambda: fused_experts(x_TD, ids_TK, w_TK, w13, w2, 0, c)  # noqa: E731
-            err = rel_err(fn(), ref_TD)
-            row["variants"][f"{sched}+{comb}"] = (graph_time_us(fn, n), err)
-    best = min(row["variants"].items(), key=lambda kv: kv[1][0])
-    i = TOKEN_COUNTS.index(T)
-    print(f"{name:14s} T={T:5d} " + " ".join(f"{k} {v[0]:8.1f}" for k, v in row["variants"].items())
-          + f" | best {best[0]} {best[1][0]:.1f} target {TARGET_US[name][i]} max err "
-          f"{max(v[1] for v in row['variants'].values()):.1e}", flush=True)
-    return row
-
-
 def bench_point(name, T, w13, w2, idle_s: float = 1.0, sustain_s: float = 0.3):
     E, K, D, F_ = MODEL_SHAPES[name]
     x_TD, ids_TK, w_TK = make_inputs(T, E, K, D, seed=T)
@@ -176,7 +147,6 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(MODEL_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--out", default=None)
-    parser.add_argument("--variants", action="store_true", help="ours only, every schedule x combine mode")
     parser.add_argument("--idle-s", type=float, default=1.0, help="pause before ours is timed (ours_us)")
     parser.add_argument("--sustain-s", type=float, default=0.3, help="seconds of replays before ours_sustained_us")
     args = parser.parse_args()
@@ -199,10 +169,6 @@ def main() -> None:
         E, K, D, F_ = MODEL_SHAPES[name]
         w13, w2 = make_weights(E, D, F_)
         for T in map(int, args.tokens.split(",")):
-            if args.variants:
-                rows.append(bench_variants(name, T, w13, w2))
-                save()
-                continue
             rows.append(bench_point(name, T, w13, w2, args.idle_s, args.sustain_s))
             save()
             r = rows[-1]
@@ -211,8 +177,6 @@ def main() -> None:
                   f"err {r['ours_rel_err_vs_loop']:.1e}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
-    if args.variants:
-        return
     print(f"\n{'shape':14s} {'T':>5s} {'ours':>8s} {'sust.':>8s} {'no_pdl':>8s} {'grouped':>8s} {'loop':>8s} {'roof':>8s} {'%roof':>6s} {'%sust':>6s} {'target':>7s} pass  {'scaled':>7s} pass")
     for r in rows:
         g = r["grouped_mm_us"]

@@ -28,22 +28,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from e2e_generate import REAL, TINY, device_label, time_ours, write_result  # noqa: E402
+from e2e_generate import REAL, TINY, device_label, time_ours, write_config, write_result  # noqa: E402
 
 FORMATS = (None, "fp8", "int4")  # None: the checkpoint's bf16
 
 
 def speed(dims: dict, device: torch.device, batches, prompt_len: int, num_new: int) -> list:
-    from transformers import Qwen3MoeConfig
-
     from moe_infer import LLM
 
     rows = []
     gen = torch.Generator().manual_seed(0)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory(prefix="quant_e2e_") as ckpt:
-        Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0,
-                       tie_word_embeddings=False).save_pretrained(ckpt)
+        write_config(dims, ckpt)
         blocks = max(batches) * math.ceil((prompt_len + num_new + 16) / 16) + 16
         for fmt in FORMATS:
             t0 = time.perf_counter()

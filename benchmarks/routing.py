@@ -11,8 +11,7 @@ Speedup is against the faster of the two PyTorch compositions. Also timed: the d
 by position) on top of both pipelines. Each time is the median of triton.testing.do_bench_cudagraph (several calls
 captured in one graph; inputs stay in L2). Results and history: docs/notes/routing.md.
 Usage: python benchmarks/routing.py [--out DIR] [--quick]. Prints a table, writes routing_<device>.json.
-`--ptxas` needs no GPU: it compiles the gate and permutation kernels for sm_90 at the launch
-configurations the wrappers pick and prints ptxas' registers / spills and the SASS size per token.
+The kernels' registers, spills and SASS size at these shapes (no GPU needed): scripts/routing_sass.py.
 """
 from __future__ import annotations
 
@@ -28,7 +27,9 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from e2e_generate import write_result  # noqa: E402
 from moe_infer.routing.capacity import CAPACITY_POLICIES  # noqa: E402
 from moe_infer.routing.permute import permute_rows_torch  # noqa: E402
 from moe_infer.routing.select import select_experts_torch  # noqa: E402
@@ -148,70 +149,9 @@ def check_drop_equal(spec, x_TE, bias_E):
         raise AssertionError("the Triton and PyTorch drop policies differ")
 
 
-PTR_TYPES = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "bias_ptr": "*fp32", "w_out_ptr": "*fp32",
-             "ids_ptr": "*i32", "tile_counts_ptr": "*i32", "hist_ptr": "*i8", "within_ptr": "*i8", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
-             "num_padded_ptr": "*i32"}  # every other pointer: int64
-
-
-def ptxas_report(fn, consts, num_warps, tokens_per_warp, label):
-    """Build `fn` for sm_90 without a device (`scripts/sass_report.py`, with the run-time alignment facts:
-    pointers and the logits' row stride / E divisible by 16, unit last stride); print registers, spills and
-    warp-instructions per token."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    from sass_report import build, report
-
-    types = {**PTR_TYPES, "routed_scaling_factor": "fp32"}
-    consts = {**consts, **({"stride_le": 1} if "stride_le" in fn.arg_names else {})}
-    r = report(*build(fn, consts, types, {"E", "stride_lt"}, num_warps, 3))
-    per_token = f" warp-instr/token={r['sass'] / tokens_per_warp:.0f}" if tokens_per_warp else ""
-    print(f"{label:40s} warps={num_warps} regs={r['registers']} spill_bytes={r['spill_bytes']} "
-          f"sass={r['sass']}{per_token} REDUX={r['REDUX']} SHFL={r['SHFL']}")
-
-
-def ptxas_main() -> None:
-    from moe_infer.kernels.permute_rows import tile_hist_kernel, tile_scan_kernel, tile_scatter_kernel
-    from moe_infer.kernels.routing_gate import routing_gate_kernel
-    from moe_infer.routing.triton_permute import FILL, _blocks, _warps
-    from moe_infer.routing.triton_route import GROUP_ROWS, SCATTER_ROWS
-    from moe_infer.routing.triton_select import gate_launch_config
-
-    T = 8192
-    for name, spec in MODELS.items():
-        E, G = spec.num_experts, spec.num_expert_group
-        bt, be, warps = gate_launch_config(T, E)
-        consts = dict(K=spec.top_k, G=G, TOPK_GROUP=spec.topk_group, IS_SIGMOID=spec.scoring == "sigmoid",
-                      HAS_BIAS=spec.has_score_bias, RENORMALIZE=spec.renormalize,
-                      GROUP_RESHAPE=E == be and G == triton.next_power_of_2(G), BLOCK_T=bt, BLOCK_E=be,
-                      BLOCK_K=triton.next_power_of_2(spec.top_k), BLOCK_G=triton.next_power_of_2(G),
-                      TILE_COUNTS=False, FILL=1, GROUP_TILES=1)
-        ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"gate {name} BT{bt}")
-        bn, bb = _blocks(be)
-        consts = dict(HAS_ORDER=False, BLOCK_N=bn, BLOCK_E=be, FILL=FILL)
-        ptxas_report(tile_hist_kernel, consts, _warps(be), None, f"permute hist {name} BN{bn}")
-        consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=bn,
-                      BLOCK_E=be, BLOCK_B=bb, HAS_WITHIN=False, TILE_N=bn, GROUP_TILES=1)
-        ptxas_report(tile_scatter_kernel, consts, _warps(be), None, f"permute scatter {name} BN{bn} BB{bb}")
-    # the fused path at the target point (route_rows_triton's defaults at T=8192, E=256), with PDL
-    spec = MODELS["E256_K8_grouped"]
-    bt, be, warps = gate_launch_config(T, 256)
-    group_tiles = triton.next_power_of_2(max(1, GROUP_ROWS // (bt * 8)))
-    consts = dict(K=8, G=8, TOPK_GROUP=4, IS_SIGMOID=True, HAS_BIAS=True, RENORMALIZE=spec.renormalize,
-                  GROUP_RESHAPE=True, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=8, BLOCK_G=8, TILE_COUNTS=True,
-                  FILL=triton.next_power_of_2(triton.cdiv(T * 8 + 256 * 63, T // bt)), GROUP_TILES=group_tiles,
-                  USE_PDL=True)
-    ptxas_report(routing_gate_kernel, consts, warps, bt / warps, f"fused gate E256 BT{bt} PDL")
-    ptxas_report(tile_scan_kernel, dict(BLOCK_E=be, BLOCK_S=512, CHUNK_E=8, USE_PDL=True), 4, None, "fused scan E256 PDL")
-    consts = dict(HAS_ORDER=False, WRITE_RANK=False, WRITE_PERMUTE=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=SCATTER_ROWS,
-                  BLOCK_E=be, BLOCK_B=_blocks(be)[1], HAS_WITHIN=True, TILE_N=bt * 8, GROUP_TILES=group_tiles,
-                  ZERO_GROUPS=True, USE_PDL=True)
-    ptxas_report(tile_scatter_kernel, consts, 4, None, f"fused scatter E256 BN{SCATTER_ROWS} zero-groups PDL")
-
-
 def main() -> None:
-    if "--ptxas" in sys.argv:
-        return ptxas_main()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--out", default=None, help="a folder (default: $OUT, else benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="two token counts only")
     ap.add_argument("--scatter-rows", type=int, default=None, help="rows a fused scatter program places (tuning)")
     ap.add_argument("--wide-gate", action="store_true", help="fused gate programs over several warps (tuning)")
@@ -259,11 +199,9 @@ def main() -> None:
                   block_size=BLOCK_SIZE,
                   fused_tuning=tuning or "defaults",
                   timing="triton.testing.do_bench_cudagraph median, bf16 logits", rows=rows, summary=summary)
-    os.makedirs(args.out, exist_ok=True)
     suffix = "".join(f"_{k}{'' if v is True else v}" for k, v in tuning.items())
-    path = os.path.join(args.out, f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}{suffix}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    name = f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}{suffix}.json"
+    path = write_result(result, name, os.path.join(args.out, name) if args.out else None)
     print(f"\n{'model':16s} {'T':>5s} {'triton us':>9s} {'torch us':>9s} {'speedup':>7s}")
     for r in rows:
         print(f"{r['model']:16s} {r['T']:5d} {r['triton_us']:9.1f} {min(r['torch_ref_us'], r['torch_topk_us']):9.1f} "

@@ -158,17 +158,11 @@ def wait_healthy(url: str, proc, timeout: float = 600) -> None:
 
 
 def decode_roofline_tok_s(dims: dict, batch: int, context: int, bytes_per_s: Optional[float]) -> Optional[float]:
-    """Tokens/s if a decode step of `batch` sequences only read its bytes at bytes_per_s (bf16): attention and
-    router weights, the experts the batch touches (expected distinct of E with K picks each), lm_head, KV.
-    None without a measured rate (the CPU)."""
-    if bytes_per_s is None:
-        return None
-    D, E, K, F = dims["hidden_size"], dims["num_experts"], dims["num_experts_per_tok"], dims["moe_intermediate_size"]
-    H, Hkv, hd, L, V = (dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"],
-                        dims["num_hidden_layers"], dims["vocab_size"])
-    experts = E * (1 - (1 - K / E) ** batch)
-    per_layer = D * hd * (2 * H + 2 * Hkv) + D * E + experts * 3 * D * F + batch * context * 2 * Hkv * hd
-    return batch / ((L * per_layer + V * D) * 2 / bytes_per_s)
+    """Tokens/s if a decode step of `batch` sequences only read its bytes at bytes_per_s (engine_roofline.py's
+    decode_step_bytes); None without a measured rate (the CPU)."""
+    from engine_roofline import decode_step_bytes
+
+    return None if bytes_per_s is None else batch * bytes_per_s / decode_step_bytes(dims, batch, context)
 
 
 def summary_row(rate: float, level) -> dict:

@@ -9,8 +9,8 @@ second process on the same machine with the caches the cold one left. Each proce
   interpreter   spawn to the first line of the child (Python start-up)
   imports       `import torch` and `from moe_infer import LLM`
   engine        `LLM(...)`, in the engine's named parts (moe_infer/engine/startup_timings.py says what each covers:
-                parallel_init, cuda_init, plugins, hf_config, model_load, kv_cache, kernel_warmup, cuda_graphs,
-                tokenizer, scheduler) and engine_other, the rest of `LLM(...)` (what no part covers)
+                parallel_init, cuda_init, plugins, transformers_import, hf_config, model_load, kv_cache, kernel_warmup,
+                cuda_graphs, tokenizer, scheduler) and engine_other, the rest of `LLM(...)` (what no part covers)
   first request one prompt of 128 tokens, 16 new tokens: its time to first token and the whole call
   to first token  spawn to the first token of that request (the figure the targets are for)
 Targets on one GPU: cold <= 45 s, warm <= 15 s. Writes startup_<device>.json to --out, else $OUT, else results/.
@@ -76,18 +76,6 @@ def start(kind: str, model: str, caches: str, timeout: float, compile_workers: O
     return dict(kind=kind, **json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def write_config(folder: str) -> str:
-    """Qwen3-30B-A3B's layer shape, 8 layers: config.json only (random weights, model.load_format=dummy)."""
-    from transformers import Qwen3MoeConfig
-
-    sys.path.insert(0, HERE)
-    from e2e_generate import REAL
-
-    dims = dict(REAL, num_hidden_layers=8)
-    Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0).save_pretrained(folder)
-    return folder
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny model in the repo on the CPU")
@@ -100,13 +88,15 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
-    with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
-        model = "" if args.tiny else write_config(os.path.join(tmp, "model"))
+    sys.path.insert(0, HERE)
+    from e2e_generate import REAL, device_label, write_config, write_result
+
+    with tempfile.TemporaryDirectory(prefix="startup_") as tmp:  # Qwen3-30B-A3B's layer shape, 8 layers
+        model = "" if args.tiny else write_config(dict(REAL, num_hidden_layers=8), os.path.join(tmp, "model"))
         caches = os.path.join(tmp, "caches")  # empty: the cold start compiles everything
         runs = [start(kind, model, caches, args.timeout, args.compile_workers) for kind in ("cold", "warm")]
     device = runs[0]["device"]
-    label = "cpu" if device == "cpu" else __import__("torch").cuda.get_device_name().replace("NVIDIA ", "").replace(
-        " ", "_").lower()
+    label = device_label(__import__("torch").device(device))
     gpu = device != "cpu"
     result = dict(benchmark="startup", device=label, model="tiny_moe (repo)" if args.tiny else
                   "Qwen3-30B-A3B layer shape, 8 layers, random bf16 weights", runs=runs,
@@ -114,12 +104,7 @@ def main() -> None:
                   targets_s=TARGETS_S if gpu else None,
                   met={r["kind"]: r["to_first_token_s"] <= TARGETS_S[r["kind"]] for r in runs} if gpu else None)
     print_table(result)
-    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results")
-    path = out if out.endswith(".json") else os.path.join(out, f"startup_{label}.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", path)
+    write_result(result, f"startup_{label}.json", args.out)
 
 
 def print_table(result: dict) -> None:

@@ -14,7 +14,7 @@ or the build is not the one the GPU runs (e.g. 2-byte loads and spills instead o
 default to *i64 and integers to i32 unless --types names them. For the GPU machine's Triton (3.6) run
 this under that version (a venv with `pip install triton==3.6.0` works on a CPU machine) with
 PTXAS=ptxas; Triton 3.9's PTX needs its ptxas-blackwell (the default where it exists).
-`benchmarks/routing.py --ptxas` builds the routing kernels through this module.
+`scripts/routing_sass.py` builds the routing kernels through this module.
 """
 from __future__ import annotations
 

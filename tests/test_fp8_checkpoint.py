@@ -137,8 +137,9 @@ def test_fp8_w8a8_linear_kernel_runs_on_the_gpu(family, tmp_path):
         FP8_LINEAR_KERNELS._entries["triton"] = real
     # W8A8 rounds every GEMM's activations to e4m3 (3 mantissa bits, a scale per 16 values here): on these tiny
     # random models the logits move by 8-16 % of their mean magnitude (H200: Qwen3-MoE 0.20 of 1.21; bf16 alone
-    # 0.02). The kernels' own exactness is checked against their references (test_fp8_kernels.py); this bound
-    # catches a path that is wrong (every scale 1.5x off moved them by 0.76 of 1.21 on the CPU).
+    # 0.02). The kernels' own exactness is checked against their references (test_fp8_gemm.py,
+    # test_fp8_fused_moe.py); this bound catches a path that is wrong (every scale 1.5x off moved them by 0.76 of
+    # 1.21 on the CPU).
     assert calls and err["fp8"] <= 0.25 * err["scale"], err
 
 

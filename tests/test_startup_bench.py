@@ -10,8 +10,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the engine's parts every start times (moe_infer/engine/startup_timings.py); on CUDA cuda_init_s too
-PARTS = ("parallel_init_s", "plugins_s", "hf_config_s", "model_load_s", "kv_cache_s", "kernel_warmup_s",
-         "cuda_graphs_s", "tokenizer_s", "scheduler_s")
+PARTS = ("parallel_init_s", "plugins_s", "transformers_import_s", "hf_config_s", "model_load_s", "kv_cache_s",
+         "kernel_warmup_s", "cuda_graphs_s", "tokenizer_s", "scheduler_s")
 
 
 def _run(tmp_path, *args):

@@ -14,17 +14,14 @@ model (`ModelShard`: its stage's layers, its heads and shards) and KV cache (its
 under the driver's block ids), and the step pipeline (`moe_infer.parallel.pipeline`) calls its
 pieces: `paths` (load on the driver, receive elsewhere: moe_infer/engine/step_paths.py), `before_forward`,
 `forward_step` (the same CUDA graphs on every rank, their collectives inside) and `sample` (the sampling rank).
+Which CUDA graphs a runner gets, and their set-up, is moe_infer/engine/runner_graphs.py.
 
 Legend: T tokens of the step, B sequences of the step, S sequences that sample, M max blocks per
 sequence, V vocabulary, D hidden.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import time
-import weakref
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -32,9 +29,7 @@ import torch
 
 from moe_infer.config import EngineConfig
 from moe_infer.engine.backends import offload_manager, resolve_moe_backends
-from moe_infer.engine.cuda_graph import DecodeGraphs, free_graphs, gpu_note_level, graph_blocker, static_attention
-from moe_infer.engine.extend_graph import ExtendGraphs
-from moe_infer.engine.layer_graphs import LayerGraphs
+from moe_infer.engine.runner_graphs import extend_graph_tokens, set_up_graphs
 from moe_infer.engine.sampler import SampledTokens, SampleRequest, Sampler
 from moe_infer.engine.startup_timings import StartupTimings
 from moe_infer.engine.sequence import SchedulerOutput
@@ -61,7 +56,7 @@ class ModelRunner:
         """kv_reserve: (bytes per KV block, bytes) the KV budget leaves for what is loaded after this runner: a
         speculative draft model's own cache under the same block ids, and its weights."""
         from moe_infer.models import load_model
-        from moe_infer.models.hf_config import load_arch
+        from moe_infer.models.hf_config import import_transformers_config, load_arch
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.kv_reserve = kv_reserve
@@ -71,6 +66,8 @@ class ModelRunner:
         with timings.part("plugins_s"):
             self.backends = resolve_moe_backends(cfg, device)
         self.parallel = parallel if parallel is not None else init_engine_parallel(cfg, model_path)
+        with timings.part("transformers_import_s"):
+            import_transformers_config()
         with timings.part("hf_config_s"):
             self.backends.dispatcher = expert_dispatcher(self.parallel, cfg, model_path)  # None: all experts here
             self.offload = self.backends.offload = offload_manager(cfg, model_path, device, dtype, self.backends)
@@ -85,7 +82,7 @@ class ModelRunner:
                 self.offload.finish_load()
         arch = self.model.arch
         self.arch = arch
-        self._extend_tokens: Optional[int] = None  # _extend_graph_tokens, decided once
+        self._extend_tokens: Optional[int] = None  # runner_graphs.extend_graph_tokens, decided once
         self.stats: Optional[ExpertLoadStats] = None
         if cfg.routing.collect_stats:
             self.stats = ExpertLoadStats(arch.num_layers, arch.num_experts, device)
@@ -122,14 +119,7 @@ class ModelRunner:
         with timings.part("kernel_warmup_s"):
             self.warmup_s = warm_up_runner(self)  # every Triton kernel variant a step can select, compiled now
         with timings.part("cuda_graphs_s"):  # the graphs' buffers and warm-up forwards (captured at first use)
-            self.graphs = self._decode_graphs()
-            self.layer_graphs = self._layer_graphs()
-            if self.offload is not None and self.offload.expert_graphs is not None and cfg.model.enforce_eager:
-                logger.info("offload.expert_graphs is off: model.enforce_eager=true")  # no CUDA graph of any kind
-                self.offload.expert_graphs = None
-            self.extend_graphs = self._extend_graphs()
-        if self.parallel.is_distributed:  # the graphs go before the process groups (parallel/context.py)
-            self.parallel.on_teardown(functools.partial(_free_graphs_of, weakref.ref(self)))
+            set_up_graphs(self)  # graphs, layer_graphs, extend_graphs (moe_infer/engine/runner_graphs.py)
         self.paths = StepPaths(self, device, self.block_size)
         if self.dp.communicates:  # attention data parallelism: dp segments a step (moe_infer/engine/dp_inputs.py)
             from moe_infer.engine.dp_inputs import DPPaths, fill_placeholders_dp
@@ -142,7 +132,8 @@ class ModelRunner:
             if self.parallel.dims.ep == 1:
                 raise ValueError("parallel.enable_eplb=true needs expert parallelism (parallel.ep > 1)")
             if self.parallel.dims.pp > 1:  # the driver plans from its own statistics: one stage's layers
-                raise ValueError("parallel.enable_eplb=true with pipeline stages (parallel.pp > 1) is not supported yet")
+                raise ValueError("parallel.enable_eplb=true with pipeline stages (parallel.pp > 1) is not "
+                                 "supported yet")
             from moe_infer.parallel.rebalance import OnlineRebalancer
 
             self.rebalancer = OnlineRebalancer(self.parallel, self.model.moe_layers(), self.stats,
@@ -156,91 +147,6 @@ class ModelRunner:
         return (cfg.model.prune_last_layer and cfg.routing.policy == "dropless" and not cfg.routing.trace
                 and not cfg.speculative.enabled  # a verify step samples at every proposed token's row
                 and self.model.can_run_last_rows())
-
-    def _decode_graphs(self) -> Optional[DecodeGraphs]:
-        """CUDA-graph replay of decode steps where it is safe (see moe_infer/engine/cuda_graph.py)."""
-        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed,
-                               model=self.model)
-        if why_not:
-            logger.log(gpu_note_level(self.device), "decode steps run eagerly: %s", why_not)
-            return None
-        from moe_infer.engine.speculative.graphs import verify_graph_shape
-
-        max_blocks = -(-self.max_model_len // self.block_size)
-        max_batch = min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs)
-        max_q, max_verify = verify_graph_shape(self.cfg, self.model, max_batch)  # speculative verify steps
-        graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.block_size, self.device,
-                              lm_head=self._graph_lm_head(), hidden_in=self._hidden_in(),
-                              mesh=self.parallel.is_distributed, prologue=self._prologue(), max_query_len=max_q,
-                              max_verify_batch=max_verify)
-        start = time.perf_counter()
-        with torch.inference_mode():  # as the steps run (execute)
-            graphs.warmup()
-        logger.info("decode kernels warmed up for batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - start)
-        return graphs
-
-    def _prologue(self):
-        """On the first pipeline stage of a mesh: the broadcast of the driver's step inputs over the stage, which the
-        graphs run first in every replayed step (no host time of its own); None elsewhere."""
-        ctx = self.parallel
-        if not (ctx.is_distributed and ctx.is_first_stage and ctx.stage_axis().communicates):
-            return None
-        if self.dp.communicates:  # every replica's segment broadcast, this one's copied where the graphs read it
-            return lambda region_U: self.dp_paths.prologue(region_U, ctx.stage_broadcast)
-        return ctx.stage_broadcast
-
-    def _hidden_in(self):
-        """(hidden size, dtype) of the previous stage's hidden states a stage after the first reads; None on the first."""
-        return None if self.model.shard.is_first_stage else (self.arch.hidden_size, self.dtype)
-
-    def _graph_lm_head(self):
-        """The LM head the decode graphs replay too (one that writes into their logits buffer), else None (and
-        with MOE_GRAPH_LM_HEAD=0 in the environment: A/B runs)."""
-        lm_head = getattr(self.model, "lm_head", None)
-        if self.dp.communicates or self.keep_hidden:  # the LM head runs on every replica's sampling rows, gathered
-            return None  # (`sample`); or the step's hidden states are wanted (an MTP proposer)
-        return lm_head if hasattr(lm_head, "forward_into") and os.environ.get("MOE_GRAPH_LM_HEAD", "1") != "0" else None
-
-    def _layer_graphs(self) -> Optional[LayerGraphs]:
-        """Where decode steps cannot be one graph for their MoE layers' sake (an offloading store, a
-        capacity policy, an experts backend that syncs): graphs of each layer's attention part
-        (moe_infer/engine/layer_graphs.py)."""
-        if self.graphs is not None or self.dp.communicates or graph_blocker(
-                self.cfg, self.device, self.backends, whole_step=False, mesh=self.parallel.is_distributed,
-                model=self.model):
-            return None
-        logger.info("decode steps replay each layer's attention part as a CUDA graph, the MLPs eagerly")
-        return LayerGraphs(self.model, min(self.cfg.model.cuda_graph_max_batch, self.cfg.scheduler.max_num_seqs),
-                           -(-self.max_model_len // self.block_size), self.block_size, self.device)
-
-    def _extend_graph_tokens(self) -> int:
-        """The most tokens of a prefill / mixed step replayed as a CUDA graph here; 0 where none is (logged once)."""
-        if self._extend_tokens is not None:
-            return self._extend_tokens
-        max_tokens = min(self.cfg.model.cuda_graph_max_tokens, self.cfg.scheduler.max_num_batched_tokens)
-        static, attn = static_attention(self.model)
-        why_not = graph_blocker(self.cfg, self.device, self.backends, mesh=self.parallel.is_distributed,
-                               model=self.model)
-        if why_not is None and max_tokens == 0:
-            why_not = "model.cuda_graph_max_tokens=0"
-        if why_not is None and not static:
-            why_not = f"attention backend {attn!r} sizes its launches from the data"
-        if why_not:
-            logger.log(gpu_note_level(self.device), "prefill and mixed steps run eagerly: %s", why_not)
-        self._extend_tokens = 0 if why_not else max_tokens
-        return self._extend_tokens
-
-    def _extend_graphs(self) -> Optional[ExtendGraphs]:
-        """CUDA-graph replay of prefill and mixed steps where it is safe (moe_infer/engine/extend_graph.py)."""
-        max_tokens = self._extend_graph_tokens()
-        if max_tokens == 0:
-            return None
-        return ExtendGraphs(self.model, max_tokens, self.cfg.scheduler.max_num_seqs,
-                            -(-self.max_model_len // self.block_size), self.block_size, self.device,
-                            pool=self.graphs.pool if self.graphs is not None else None, last_rows=self.last_rows,
-                            hidden_in=self._hidden_in(), mesh=self.parallel.is_distributed, prologue=self._prologue(),
-                            max_sample_rows=max_tokens if self.cfg.speculative.enabled else None,
-                            min_bucket=4 if self.cfg.speculative.enabled else 16)
 
     # ------------------------------------------------------------------ KV cache
     def _num_kv_blocks(self) -> int:
@@ -265,7 +171,7 @@ class ModelRunner:
     def _activation_bytes(self) -> int:
         """A generous bound on one step's activations (MoE rows dominate), kept out of the KV budget; with
         prefill steps as CUDA graphs, their graph pool holds a second step's worth (up to their token limit)."""
-        T = self.cfg.scheduler.max_num_batched_tokens + self._extend_graph_tokens()
+        T = self.cfg.scheduler.max_num_batched_tokens + extend_graph_tokens(self)
         T *= self.parallel.dims.num_replicas  # attention data parallelism: the MoE layers run every replica's rows
         hf = self.model.hf_config
         D = getattr(hf, "hidden_size", 4096)
@@ -485,13 +391,3 @@ class ModelRunner:
         if self.stats is not None:
             self.stats.reset()
             self.encoder.reset_stats = True
-
-
-
-def _free_graphs_of(runner_ref) -> None:
-    """Before the mesh's process groups are destroyed: free the runner's CUDA graphs (gone with it, if it is)."""
-    runner = runner_ref()
-    if runner is not None:
-        free_graphs(runner.graphs, runner.extend_graphs, runner.layer_graphs)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)

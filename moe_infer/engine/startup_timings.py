@@ -6,7 +6,10 @@ the stretches one after the other, so that the parts add up to nearly the whole 
     parallel_init_s   the mesh (one rank: the device chosen) and the checkpoint's fingerprint
     cuda_init_s       the CUDA context, made at once (else the first tensor on the GPU makes it, inside another part)
     plugins_s         the backends resolved: the Triton kernel modules imported (and Triton with them)
-    hf_config_s       config.json read through transformers (its import, seconds, falls here the first time)
+    transformers_import_s  transformers and its config classes imported (the first time in a process: seconds, most
+                      of them transformers' own lazy-module set-up, which reads every model file's `__all__`)
+    hf_config_s       config.json read through transformers into the ModelArch (the EP dispatcher and the offload
+                      budget, which need it, made here too)
     model_load_s      the model built and its weights read (or made at random: load_format=dummy)
     kv_cache_s        the KV cache sized (free memory, the activations' bound) and allocated
     kernel_warmup_s   every Triton kernel variant a step can select compiled (in parallel where it can:

@@ -14,6 +14,13 @@ from moe_infer.models.arch import ModelArch, merge_eos
 from moe_infer.models.families import family_for
 
 
+def import_transformers_config() -> None:
+    """Import transformers with its config classes (AutoConfig): the seconds of `import transformers`, most of them
+    its lazy-module set-up, which reads the `__all__` of every model file it ships, spent once per process. The
+    engine times this apart from reading the config (startup_timings.py: transformers_import)."""
+    from transformers import AutoConfig  # noqa: F401
+
+
 def load_hf_config(path: str) -> Any:
     """transformers.AutoConfig of a LOCAL checkpoint folder (never the Hub)."""
     from transformers import AutoConfig

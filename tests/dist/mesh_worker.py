@@ -37,12 +37,13 @@ def static_buffers(llm: LLM) -> None:
     into their hidden buffer, as under CUDA graphs on a GPU."""
     from moe_infer.engine.cuda_graph import DecodeGraphs
     from moe_infer.engine.extend_graph import ExtendGraphs
+    from moe_infer.engine.runner_graphs import graph_lm_head, hidden_in as graph_hidden_in
 
     runner = llm.engine.runner
     width = -(-runner.max_model_len // runner.block_size)
-    hidden_in = runner._hidden_in()
+    hidden_in = graph_hidden_in(runner)
     runner.graphs = DecodeGraphs(runner.model, 4, width, runner.block_size, runner.device, capture=False,
-                                 lm_head=runner._graph_lm_head(), hidden_in=hidden_in, mesh=True)
+                                 lm_head=graph_lm_head(runner), hidden_in=hidden_in, mesh=True)
     runner.extend_graphs = ExtendGraphs(runner.model, 8, 4, width, runner.block_size, runner.device, capture=False,
                                         last_rows=runner.last_rows, hidden_in=hidden_in, mesh=True)
 
