@@ -120,13 +120,6 @@ def launch(spec: dict, nproc: int, timeout: float) -> dict:
 
 
 # ------------------------------------------------------------------ the driver
-def write_config(dims: dict, folder: str) -> str:
-    from transformers import Qwen3MoeConfig
-
-    Qwen3MoeConfig(**dims, eos_token_id=0, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False).save_pretrained(folder)
-    return folder
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU, gloo, tiny dims, 2 processes")
@@ -161,7 +154,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mesh_scaling_") as tmp:
         for model in args.models.split(","):
             dims = models[model]
-            ckpt = write_config(dims, os.path.join(tmp, model))
+            ckpt = e2e.write_config(dims, os.path.join(tmp, model))
             rows, fits_one = {}, weight_bytes(dims) < 0.8 * mem
             result["models"][model] = dict(dims=dims, weight_gib=weight_bytes(dims) / 2**30, fits_one_gpu=fits_one,
                                            rows=rows)

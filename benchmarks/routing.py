@@ -3,8 +3,8 @@
 For T in {1, 32, 256, 2048, 8192} and (E, K) in {(8, 2), (64, 8), (128, 8), (256, 8 grouped)}:
   triton      route_rows_triton: gate + tile counts in one launch, tile scan, scatter (sorted rows, inverse map,
               block-padded layout), launched with PDL, group counts in the kept-zero buffer (no memset);
-              triton_no_pdl: the same without PDL; triton_memset: without PDL and with a memset of the group
-              counts per call; triton_two_step: select_experts_triton + permute_rows_triton
+              triton_two_step: select_experts_triton + permute_rows_triton (PDL off and a memset per call were
+              measured slower: docs/notes/routing.md)
   torch_ref   select_experts_torch (stable sort) + permute_rows_torch: the same outputs, bit for bit
   torch_topk  softmax/sigmoid + torch.topk (+ grouped masking) + permute_rows_torch: the usual composition
 Speedup is against the faster of the two PyTorch compositions. Also timed: the drop policy (capacity_factor 1.25,
@@ -16,7 +16,6 @@ The kernels' registers, spills and SASS size at these shapes (no GPU needed): sc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from moe_infer.routing.capacity import CAPACITY_POLICIES  # noqa: E402
 from moe_infer.routing.permute import permute_rows_torch  # noqa: E402
 from moe_infer.routing.select import select_experts_torch  # noqa: E402
 from moe_infer.routing.spec import RoutingSpec  # noqa: E402
-from moe_infer.routing.triton_permute import PDL_ENV, permute_rows_triton  # noqa: E402
+from moe_infer.routing.triton_permute import permute_rows_triton  # noqa: E402
 from moe_infer.routing.triton_route import route_rows_triton  # noqa: E402
 from moe_infer.routing.triton_select import select_experts_triton  # noqa: E402
 
@@ -69,35 +68,13 @@ def select_topk_torch(logits_TE, spec, bias_E):
     return w_TK * spec.routed_scaling_factor, ids_TK.int()
 
 
-@contextlib.contextmanager
-def pdl_off():
-    """The routing kernels launched inside launch without PDL (the setting is read at launch)."""
-    saved = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(PDL_ENV)
-        else:
-            os.environ[PDL_ENV] = saved
-
-
-def pipelines(spec, x_TE, bias_E, tuning=None):
+def pipelines(spec, x_TE, bias_E):
     E = spec.num_experts
     drop = CAPACITY_POLICIES.get("drop")
     kw = dict(logits_TE=x_TE, spec=spec, capacity_factor=1.25, min_capacity=4)
 
     def triton_route():  # fused: gate + tile histogram, tile scan, scatter (three launches)
-        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **(tuning or {}))[2]
-
-    def triton_no_pdl():  # the same launches without programmatic dependent launch
-        with pdl_off():
-            return triton_route()
-
-    def triton_memset():  # the previous session's path: a memset of the group counts per call, no PDL
-        with pdl_off():
-            return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE, **{**(tuning or {}), "keep_zeroed": False})[2]
+        return route_rows_triton(x_TE, spec, bias_E, BLOCK_SIZE)[2]
 
     def triton_two_step():  # gate, then the stand-alone permutation (four launches)
         w, ids = select_experts_triton(x_TE, spec, bias_E)
@@ -121,8 +98,7 @@ def pipelines(spec, x_TE, bias_E, tuning=None):
         ids, w = drop(ids, w, backend="torch", **kw)
         return permute_rows_torch(ids, w, E, 0, BLOCK_SIZE)
 
-    return dict(triton=triton_route, triton_no_pdl=triton_no_pdl, triton_memset=triton_memset,
-                triton_two_step=triton_two_step, torch_ref=ref_route, torch_topk=topk_route,
+    return dict(triton=triton_route, triton_two_step=triton_two_step, torch_ref=ref_route, torch_topk=topk_route,
                 triton_gate=lambda: select_experts_triton(x_TE, spec, bias_E),
                 triton_drop=triton_drop, torch_drop=torch_drop)
 
@@ -153,24 +129,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="a folder (default: $OUT, else benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="two token counts only")
-    ap.add_argument("--scatter-rows", type=int, default=None, help="rows a fused scatter program places (tuning)")
-    ap.add_argument("--wide-gate", action="store_true", help="fused gate programs over several warps (tuning)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
-    tuning = dict(rows_per_scatter=args.scatter_rows) if args.scatter_rows else {}
-    if args.wide_gate:
-        tuning["wide_gate"] = True
     rows = []
     for name, spec in MODELS.items():
         for T in TOKENS[1::3] if args.quick else TOKENS:
             gen = torch.Generator(device="cuda").manual_seed(T)
             x_TE = torch.randn(T, spec.num_experts, device="cuda", generator=gen).to(torch.bfloat16)
             bias_E = torch.randn(spec.num_experts, device="cuda", generator=gen) * 0.05 if spec.has_score_bias else None
-            fns = pipelines(spec, x_TE, bias_E, tuning)
+            fns = pipelines(spec, x_TE, bias_E)
             try:
                 check_equal(fns)
                 check_equal(fns, "triton_two_step")
-                check_equal(fns, "triton_memset")
                 check_drop_equal(spec, x_TE, bias_E)
                 error = None
             except AssertionError as err:  # keep timing, but the row says it is wrong
@@ -182,8 +152,7 @@ def main() -> None:
                              outputs_equal=error is None, error=error,
                              speedup=base / us["triton"], drop_speedup=us["torch_drop"] / us["triton_drop"]))
             r = rows[-1]
-            print(f"{name:16s} T={T:5d} triton {r['triton_us']:7.1f}us  no-pdl {r['triton_no_pdl_us']:7.1f}  "
-                  f"memset {r['triton_memset_us']:7.1f}  two-step {r['triton_two_step_us']:7.1f}  "
+            print(f"{name:16s} T={T:5d} triton {r['triton_us']:7.1f}us  two-step {r['triton_two_step_us']:7.1f}  "
                   f"gate {r['triton_gate_us']:6.1f}  "
                   f"ref {r['torch_ref_us']:7.1f}  topk {r['torch_topk_us']:7.1f}  x{r['speedup']:.1f}  "
                   f"drop {r['triton_drop_us']:6.1f} vs {r['torch_drop_us']:6.1f}", flush=True)
@@ -197,10 +166,8 @@ def main() -> None:
     )
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, commit=os.environ.get("GIT_COMMIT"),
                   block_size=BLOCK_SIZE,
-                  fused_tuning=tuning or "defaults",
                   timing="triton.testing.do_bench_cudagraph median, bf16 logits", rows=rows, summary=summary)
-    suffix = "".join(f"_{k}{'' if v is True else v}" for k, v in tuning.items())
-    name = f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}{suffix}.json"
+    name = f"routing_{re.sub(r'[^a-z0-9]+', '_', dev.lower()).strip('_')}.json"
     path = write_result(result, name, os.path.join(args.out, name) if args.out else None)
     print(f"\n{'model':16s} {'T':>5s} {'triton us':>9s} {'torch us':>9s} {'speedup':>7s}")
     for r in rows:

@@ -35,7 +35,7 @@ CANNOT_RUN_ON_CPU = [
     (r"benchmarks/(attention|fused_moe|routing|deepseek_v3|mesh_scaling|offload|serving|quant_moe|quant_e2e)\.py$",
      GPU),
     (r"benchmarks/(e2e_generate|engine_roofline|startup|speculative)\.py$", GPU),
-    (r"run_ep_gpu\.sh", "needs 2 or 4 GPUs"),
+    (r"run_mesh_gpu\.sh", "needs 2 or more GPUs"),
     (r"scripts/tune_fused_moe\.py", GPU),
     (r"group=option", "a template of the syntax, not a command"),
     (r"benchmarks/startup\.py --tiny$", "runs in tests/test_startup_bench.py, which also checks what it writes"),
