@@ -4,8 +4,29 @@ Which sequences propose: running ones that decode (every token but the last has 
 tokens (k): at most `num_speculative_tokens`, and never past what the request may still emit (max_tokens: a verify
 step emits up to k + 1 tokens) or the model's length. With `adaptive` the step's k (0: a plain decode step) is the one
 of the most tokens per second, from the measured acceptance rate (an exponential average over recent steps) and the
-measured time of steps at each k and batch bucket (cost.py). Every step whose sequences all decode is timed here:
-from `propose` to `record` (proposing, scheduling, the forward, sampling, postprocessing).
+measured time of steps at each k and batch bucket (cost.py).
+
+With async scheduling (lookahead, moe_infer/engine/async_scheduling.py) a plain step is scheduled while the step
+before it runs, before its token is on the host; a proposer needs that token (the n-gram and the draft read the
+sequence's tokens), and a verify step's accepted count decides the next positions. So a verify step runs
+synchronously: the engine drains (collects the step in flight), proposes from every token, runs the verify step and
+collects it; the next plain step resumes lookahead. Draining on every step would make the engine synchronous, so the
+engine drains only where a verify step is likely to be worth it:
+  - the step's k (adaptive: the cost model's choice, which weighs a verify step against the measured time of a plain
+    step *with* lookahead) is above 0, and
+  - the sequence's proposer may propose from its tokens before the last one (`may_propose`, the ones on the host
+    while the last is in flight; the n-gram: a suffix of them recurs; the draft: always). Only such sequences
+    propose in the step (from all their tokens, the last included); the others run one token beside them.
+The rule reads a sequence's own tokens before its last one, whether that one is in flight or not, so whether a
+sequence verifies does not depend on the other sequences or on which step drained: a seeded request with fixed k
+draws the same tokens alone or in a batch. Where the n-gram's suffix stops recurring, steps go back to lookahead at
+once; in a repetitive stretch verify steps follow each other (nothing is in flight between them to drain).
+
+Timing (adaptive k): a step's time is the host time from the previous collected step (or, where nothing was in
+flight, from the start of the engine step) to its postprocessed tokens. In a stretch of lookahead steps that is the
+plain step's time with its host work hidden behind the device's; a verify step's is its proposing, scheduling,
+forward, sampling and postprocessing, none hidden. Steps whose sequences do not all decode are not timed, nor is the
+first plain step after a synchronous one (launched into an idle pipeline).
 
 Uniform verify steps: where the decode graphs take verify steps (speculative/graphs.py), a step in which some
 sequences' proposals are shorter than k (the n-gram found a shorter match, or none) is filled up to k tokens each
@@ -21,9 +42,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from moe_infer.config import EngineConfig
+import numpy as np
+
 from moe_infer.engine.sequence import SchedulerOutput, Sequence, SequenceStatus
 from moe_infer.engine.speculative.cost import StepCosts, choose_k
 
@@ -67,12 +90,16 @@ def speculation_blocker(cfg: EngineConfig) -> None:
 
 class Speculator:
     def __init__(self, engine_cfg: EngineConfig, runner, block_manager, max_model_len: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, lookahead: bool = False) -> None:
         cfg = self.cfg = engine_cfg.speculative
         self.proposer = PROPOSERS[cfg.method](cfg, engine_cfg=engine_cfg, target=runner, block_manager=block_manager)
         self.runner, self.clock = runner, clock
         self.costs = StepCosts()  # measured step seconds per (batch bucket, k): adaptive k
-        self._timing: Optional[tuple] = None  # (start, batch, k) of the step being timed
+        self.lookahead = lookahead  # async scheduling: verify steps drain the step in flight (module docstring)
+        self._mark: Optional[float] = None  # when the last collected step was postprocessed (or this step began)
+        self._launched: Dict[int, tuple] = {}  # id(plan) -> (k chosen, timed) of the steps launched, not recorded
+        self._decision: Optional[Tuple[int, Optional[Set[int]]]] = None  # this step's (k, sequences that propose)
+        self.num_drains = 0  # steps in flight collected early so that a verify step could be scheduled
         self.max_model_len = max_model_len
         self.acceptance = PRIOR_ACCEPTANCE
         self.num_steps = 0
@@ -82,30 +109,65 @@ class Speculator:
         self.last_k = 0
 
     # ------------------------------------------------------------------ before the schedule
+    def begin_step(self, has_in_flight: bool) -> None:
+        """The engine step begins; with nothing in flight its time counts from here (module docstring)."""
+        if not has_in_flight:
+            self._mark = self.clock()
+
+    def must_drain(self, running: List[Sequence], in_flight_plan: SchedulerOutput) -> bool:
+        """Lookahead, with a step in flight: must it be collected before this step is scheduled? When it verified (its
+        accepted counts decide the next positions), or when this step is to verify (module docstring). Decides the
+        step's k and proposing sequences (`propose` uses them)."""
+        if any(item.spec_token_ids for item in in_flight_plan.seqs):
+            return True  # decided after the drain, from every token
+        k, proposing = self._decide(running)
+        return k > 0 and bool(proposing)
+
+    def _decide(self, running: List[Sequence]) -> Tuple[int, Optional[Set[int]]]:
+        """This step's k and, with lookahead, the ids of the sequences that propose in it (None: every one)."""
+        decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1]
+        self.num_steps += 1
+        k = self.last_k = self.choose_k(len(decoding))
+        proposing = None
+        if self.lookahead and k > 0:
+            may = getattr(self.proposer, "may_propose", None)
+            proposing = {s.seq_id for s in decoding if may is None or may(self._known_but_last(s))}
+        self._decision = (k, proposing)
+        return self._decision
+
+    @staticmethod
+    def _known_but_last(seq: Sequence) -> np.ndarray:
+        """seq's tokens before its last one (the last is in flight, or the newest on the host)."""
+        ids = seq.token_ids if seq.num_placeholders else seq.token_ids[:-1]
+        return np.asarray(ids, dtype=np.int64)
+
     def propose(self, running: List[Sequence]) -> None:
-        start = self.clock()
-        decoding = [s for s in running if s.status == SequenceStatus.RUNNING and not s.in_flight
-                    and s.num_computed_tokens == len(s) - 1]
         for seq in running:
             seq.spec_token_ids, seq.spec_probs = [], None
         observe = getattr(self.proposer, "observe", None)
         if observe is not None:  # the MTP layer reads the last step's hidden states, every step
             observe(running)
-        self.num_steps += 1
-        k = self.last_k = self.choose_k(len(decoding))
-        # timed only where every running sequence decodes (a prompt chunk in the step would cost more)
-        self._timing = (start, len(decoding), k) if decoding and len(decoding) == len(running) else None
+        k, proposing = self._decision if self._decision is not None else self._decide(running)
+        self._decision = None
         if k == 0:
             return
         seqs, ks = [], []
-        for seq in decoding:
+        for seq in running:
+            if seq.status != SequenceStatus.RUNNING or seq.in_flight or seq.num_computed_tokens != len(seq) - 1:
+                continue
             n = self._cap(seq, k)
             if n > 0:
                 seqs.append(seq)
                 ks.append(n)
-        if seqs:
-            self.proposer.propose(seqs, ks)
-            self._fill(seqs, ks, k)
+        asked = [(seq, n) for seq, n in zip(seqs, ks) if proposing is None or seq.seq_id in proposing]
+        if asked:
+            self.proposer.propose([seq for seq, _ in asked], [n for _, n in asked])
+            self._fill(seqs, ks, k)  # the sequences not asked too: a uniform verify step
+
+    def launched(self, plan: SchedulerOutput, behind: bool) -> None:
+        """plan is launched (behind: with a step in flight before it); its time is taken when it is recorded."""
+        verifies = any(item.spec_token_ids for item in plan.seqs)
+        self._launched[id(plan)] = (self.last_k, verifies or behind or not self.lookahead)
 
     def _fill(self, seqs: List[Sequence], ks: List[int], k: int) -> None:
         """Proposals shorter than k filled up to k (module docstring), where the decode graphs replay verify steps
@@ -138,19 +200,24 @@ class Speculator:
         return k if cap is None else min(k, cap)
 
     # ------------------------------------------------------------------ after a step
+    def dropped(self, plan: SchedulerOutput) -> None:
+        """A launched plan that will never be recorded (its step failed)."""
+        self._launched.pop(id(plan), None)
+
     def record(self, plan: SchedulerOutput, tokens: list) -> None:
-        """The counts of a postprocessed step (tokens: per plan entry, a list where it verified)."""
+        """The counts of a postprocessed step (tokens: per plan entry, a list where it verified), and its time."""
         forget = getattr(self.proposer, "forget", None)
         if forget is not None and plan.finished_seq_ids:
             forget(plan.finished_seq_ids)
         proposed = accepted = 0
         verified = any(item.spec_token_ids for item in plan.seqs)
-        if self._timing is not None and len(plan.seqs) == self._timing[1] and all(
-                len(item.token_ids) == 1 + len(item.spec_token_ids or ()) for item in plan.seqs):
-            # a step of decoding sequences only (no prompt scheduled beside them): its time at its k
-            start, batch, k = self._timing
-            self.costs.add(batch, k if verified else 0, self.clock() - start)
-        self._timing = None
+        now = self.clock()
+        k, timed = self._launched.pop(id(plan), (0, False))
+        if (timed and self._mark is not None and plan.seqs and all(
+                item.do_sample and len(item.token_ids) == 1 + len(item.spec_token_ids or ()) for item in plan.seqs)):
+            # a step of decoding sequences only (no prompt chunk beside them): its time at its k
+            self.costs.add(len(plan.seqs), k if verified else 0, now - self._mark)
+        self._mark = now
         for item, emitted in zip(plan.seqs, tokens):
             if item.spec_token_ids and isinstance(emitted, list):
                 proposed += len(item.spec_token_ids)
