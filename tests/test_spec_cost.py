@@ -94,7 +94,9 @@ def test_speculator_times_decode_steps_at_their_k():
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     eng = llm.engine
     clock = _Clock()
-    spec = eng.speculator = Speculator(eng.cfg, eng.runner, eng.block_manager, eng.max_model_len, clock=clock)
+    spec = eng.speculator = Speculator(eng.cfg, eng.runner, eng.block_manager, eng.max_model_len, clock=clock,
+                                       lookahead=eng.speculator.lookahead)
+    assert spec.lookahead  # plain steps run with async scheduling: their time is the lookahead step's
     record = spec.record
 
     def slow_verify(plan, tokens):  # a verify step takes 5 s of the clock, a plain decode step 1 s
