@@ -110,3 +110,89 @@ def test_seeded_and_logprobs_with_lookahead_equal_the_plain_engine():
     batch = spec.generate(prompts + [{"prompt_token_ids": REPEATING[3:]}], [seeded, other, other], use_tqdm=False)
     assert alone == batch[0].outputs[0].token_ids
     assert spec.engine.executor.num_lookahead_steps > 0 and spec.engine.get_stats().num_spec_proposed_tokens > 0
+
+
+def _speculator(clock=None, **spec):
+    from moe_infer.config import EngineConfig, SpeculativeConfig
+    from moe_infer.engine.speculative.speculator import Speculator
+
+    cfg = EngineConfig(speculative=SpeculativeConfig(method="ngram", adaptive=False, **spec))
+    kw = {} if clock is None else {"clock": clock}
+    return Speculator(cfg, runner=None, block_manager=None, max_model_len=1024, lookahead=True, **kw)
+
+
+def _decoding(tokens, in_flight):
+    """A decoding sequence whose host tokens are `tokens` and whose next token is in flight (or not)."""
+    from moe_infer.engine.sequence import Sequence, SequenceStatus
+
+    seq = Sequence("r", tokens[:2], SamplingParams(temperature=0.0))
+    seq.token_ids = list(tokens)
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = len(tokens) - 1
+    if in_flight:  # its last step is in flight: the KV of every host token is being computed, one token to come
+        seq.num_in_flight = seq.num_pending_tokens = seq.num_placeholders = 1
+    return seq
+
+
+def test_the_drain_reads_a_sequences_tokens_before_its_last():
+    """Whether a sequence proposes reads its tokens before the last one, in flight or on the host alike: the same
+    history (its last token 3 completes the recurring suffix 2, 3) proposes in neither case, and one more token
+    (its suffix 2, 3 recurs without the last) in both; the step drains for it."""
+    history = [1, 2, 3, 4, 5, 2]
+    spec = _speculator(prompt_lookup_min=2, prompt_lookup_max=2)
+    assert spec._decide([_decoding(history, in_flight=True)])[1] == set()
+    assert spec._decide([_decoding(history + [3], in_flight=False)])[1] == set()
+    behind = _decoding(history + [3], in_flight=True)
+    assert spec._decide([behind, _decoding(history + [3, 9], in_flight=False)])[1] == {behind.seq_id,
+                                                                                       behind.seq_id + 1}
+    assert spec.must_drain([behind], SchedulerOutput())
+    assert not spec.must_drain([_decoding(history, in_flight=True)], SchedulerOutput())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_adaptive_k_times_lookahead_steps_and_verify_steps():
+    """The step times adaptive k compares (injected clock): a lookahead plain step's is the time between collected
+    steps (1 s here), a verify step's from the drained step to its own tokens (5 s); a plain step launched into an
+    idle pipeline (the first, or the first after a verify step) is not timed."""
+    from moe_infer.engine.sequence import ScheduledSeq
+
+    clock = _Clock()
+    spec = _speculator(clock=clock, num_speculative_tokens=2)
+    params = SamplingParams(temperature=0.0)
+    plain = lambda: SchedulerOutput(seqs=[ScheduledSeq(0, [5], 10, [], True, params)])  # noqa: E731
+    verify = lambda: SchedulerOutput(seqs=[ScheduledSeq(0, [5, 6, 7], 10, [], True, params,  # noqa: E731
+                                                        spec_token_ids=[6, 7])])
+
+    def run(plan, behind, k=0):
+        spec.last_k = k
+        spec.launched(plan, behind)
+        return plan
+
+    spec.begin_step(False)
+    p = run(plain(), False)  # into an idle pipeline: not timed
+    for _ in range(2):
+        for _ in range(3):  # lookahead: launch the next, then collect the one before (1 s a step)
+            spec.begin_step(True)
+            nxt = run(plain(), True)
+            clock.now += 1.0
+            spec.record(p, [9])
+            p = nxt
+        spec.begin_step(True)  # drain, then a verify step collected at once
+        clock.now += 1.0
+        spec.record(p, [9])
+        v = run(verify(), False, k=2)
+        clock.now += 5.0
+        spec.record(v, [[6, 7, 8]])
+        spec.begin_step(False)  # lookahead resumes: the first plain step is launched with nothing in flight
+        p = run(plain(), False)
+        clock.now += 0.5
+    assert spec.costs.counts[(1, 0)] == 6  # 8 collected plain steps, the 2 launched into an idle pipeline left out
+    assert spec.costs.counts[(1, 2)] == 2
+    assert spec.costs.seconds[(1, 0)] == pytest.approx(1.0) and spec.costs.seconds[(1, 2)] == pytest.approx(5.0)
