@@ -276,6 +276,8 @@ def test_verify_steps_replay_decode_graphs_gpu():
     outs = [o.outputs[0].token_ids for o in _run(llm, PROMPTS, _greedy())]
     assert graphs.disabled is None, graphs.disabled
     assert graphs.verify_runs > 0 and any(len(key) == 4 for key in graphs.graphs), (graphs.verify_runs, graphs.graphs)
+    # plain decode steps beside them: launched with lookahead (input ids from the step in flight) into the same graphs
+    assert llm.engine.executor.num_lookahead_steps > 0 and graphs.runs > graphs.verify_runs
     plain = LLM(**kw)
     assert outs == [o.outputs[0].token_ids for o in _run(plain, PROMPTS, _greedy())]
     assert outs == [hf_greedy(path, p, NUM_NEW, device="cuda")[0] for p in PROMPTS]
@@ -341,6 +343,8 @@ def test_verify_steps_through_the_decode_graph_buffers_cpu():
     outs = _run(llm, PROMPTS, _greedy())
     assert [o.outputs[0].token_ids for o in outs] == _hf_reference(path)
     assert runner.graphs.verify_runs > 0
+    # plain decode steps with lookahead (placeholder inputs taken from the step in flight) through the same buffers
+    assert llm.engine.executor.num_lookahead_steps > 0 and runner.graphs.runs > runner.graphs.verify_runs
     # a prompt without repeats: its sequence proposes nothing until its output repeats, and is filled up to k
     # beside the others (every such verify step is uniform: the graphs took them all)
     odd = list(range(100, 112))
