@@ -333,10 +333,9 @@ def test_verify_steps_through_the_decode_graph_buffers_cpu():
     spec = llm.engine.speculator
     record, verify_steps = spec.record, []
 
-    def count(plan, tokens):  # verify steps where every sequence decodes or verifies (no prompt chunk beside them)
-        if any(s.spec_token_ids for s in plan.seqs) and all(len(s.token_ids) == 1 + len(s.spec_token_ids)
-                                                            for s in plan.seqs):
-            verify_steps.append(len(plan.seqs))
+    def count(plan, tokens):  # verify steps of k + 1 = 4 tokens every sequence (no prompt chunk beside them; no
+        if any(s.spec_token_ids for s in plan.seqs) and all(len(s.token_ids) == 4 for s in plan.seqs):
+            verify_steps.append(len(plan.seqs))  # sequence whose max_tokens leaves fewer than k proposals)
         record(plan, tokens)
 
     spec.record = count
@@ -346,7 +345,7 @@ def test_verify_steps_through_the_decode_graph_buffers_cpu():
     # plain decode steps with lookahead (placeholder inputs taken from the step in flight) through the same buffers
     assert llm.engine.executor.num_lookahead_steps > 0 and runner.graphs.runs > runner.graphs.verify_runs
     # a prompt without repeats: its sequence proposes nothing until its output repeats, and is filled up to k
-    # beside the others (every such verify step is uniform: the graphs took them all)
+    # beside the others (the graphs took every uniform verify step)
     odd = list(range(100, 112))
     verify_steps.clear()
     before = runner.graphs.verify_runs

@@ -11,7 +11,7 @@ import pytest
 from engine_fixtures import checkpoint, hf_greedy
 from moe_infer import LLM, SamplingParams
 from moe_infer.engine.async_scheduling import AsyncStepExecutor
-from moe_infer.engine.sequence import SchedulerOutput
+from moe_infer.engine.sequence import ScheduledSeq, SchedulerOutput
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,16 +137,29 @@ def _decoding(tokens, in_flight):
 def test_the_drain_reads_a_sequences_tokens_before_its_last():
     """Whether a sequence proposes reads its tokens before the last one, in flight or on the host alike: the same
     history (its last token 3 completes the recurring suffix 2, 3) proposes in neither case, and one more token
-    (its suffix 2, 3 recurs without the last) in both; the step drains for it."""
+    (its suffix 2, 3 recurs without the last) in both; the step drains for it. After a verify step of its own, and
+    at its first output token, it reads every token (a first token in flight is drained for)."""
     history = [1, 2, 3, 4, 5, 2]
     spec = _speculator(prompt_lookup_min=2, prompt_lookup_max=2)
-    assert spec._decide([_decoding(history, in_flight=True)])[1] == set()
-    assert spec._decide([_decoding(history + [3], in_flight=False)])[1] == set()
+    last_is_3 = _decoding(history + [3], in_flight=False)
+    assert not spec._may_propose(_decoding(history, in_flight=True)) and not spec._may_propose(last_is_3)
     behind = _decoding(history + [3], in_flight=True)
-    assert spec._decide([behind, _decoding(history + [3, 9], in_flight=False)])[1] == {behind.seq_id,
-                                                                                       behind.seq_id + 1}
+    assert spec._may_propose(behind) and spec._may_propose(_decoding(history + [3, 9], in_flight=False))
     assert spec.must_drain([behind], SchedulerOutput())
     assert not spec.must_drain([_decoding(history, in_flight=True)], SchedulerOutput())
+    spec.record(SchedulerOutput(seqs=[ScheduledSeq(last_is_3.seq_id, [2, 3], 5, [], True, SamplingParams(),
+                                                   spec_token_ids=[3])]), [[3]])
+    assert spec._may_propose(last_is_3)  # its verify step was collected: its last token counts
+    spec.record(SchedulerOutput(seqs=[ScheduledSeq(last_is_3.seq_id, [3], 6, [], True, SamplingParams())]), [3])
+    assert not spec._may_propose(last_is_3)
+    first = _decoding([1, 2, 1, 2, 5, 2], in_flight=True)  # a prompt whose first output token is in flight
+    first.num_prompt_tokens = len(first.token_ids)
+    assert spec._may_propose(first) and spec.must_drain([first], SchedulerOutput())
+    first.token_ids.append(3)
+    first.num_in_flight = first.num_pending_tokens = first.num_placeholders = 0
+    assert not spec._may_propose(first)  # [.., 2, 3] does not recur: read with its first token
+    first.token_ids[-1] = 1
+    assert spec._may_propose(first)  # [.., 2, 1] does
 
 
 class _Clock:
@@ -160,9 +173,8 @@ class _Clock:
 def test_adaptive_k_times_lookahead_steps_and_verify_steps():
     """The step times adaptive k compares (injected clock): a lookahead plain step's is the time between collected
     steps (1 s here), a verify step's from the drained step to its own tokens (5 s); a plain step launched into an
-    idle pipeline (the first, or the first after a verify step) is not timed."""
-    from moe_infer.engine.sequence import ScheduledSeq
-
+    idle pipeline (the first, or the first after a verify step) is not timed, nor a drained one (on a host-bound
+    device its time would miss its own launch)."""
     clock = _Clock()
     spec = _speculator(clock=clock, num_speculative_tokens=2)
     params = SamplingParams(temperature=0.0)
@@ -184,7 +196,8 @@ def test_adaptive_k_times_lookahead_steps_and_verify_steps():
             clock.now += 1.0
             spec.record(p, [9])
             p = nxt
-        spec.begin_step(True)  # drain, then a verify step collected at once
+        spec.begin_step(True)  # drain (the sequence may propose), then a verify step collected at once
+        assert spec.must_drain([_decoding([1, 2, 1, 2, 1], in_flight=True)], p)
         clock.now += 1.0
         spec.record(p, [9])
         v = run(verify(), False, k=2)
@@ -193,6 +206,7 @@ def test_adaptive_k_times_lookahead_steps_and_verify_steps():
         spec.begin_step(False)  # lookahead resumes: the first plain step is launched with nothing in flight
         p = run(plain(), False)
         clock.now += 0.5
-    assert spec.costs.counts[(1, 0)] == 6  # 8 collected plain steps, the 2 launched into an idle pipeline left out
+    # 8 collected plain steps: the 2 launched into an idle pipeline and the 2 drained ones left out
+    assert spec.costs.counts[(1, 0)] == 4
     assert spec.costs.counts[(1, 2)] == 2
     assert spec.costs.seconds[(1, 0)] == pytest.approx(1.0) and spec.costs.seconds[(1, 2)] == pytest.approx(5.0)

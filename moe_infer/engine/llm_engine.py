@@ -265,7 +265,6 @@ class LLMEngine:
             spec.begin_step(in_flight is not None)
             if in_flight is not None and spec.must_drain(self.scheduler.running, in_flight.plan):
                 # a verify step is scheduled with every token on the host, and collected before the next step
-                spec.num_drains += 1
                 self._run(SchedulerOutput(), outputs, final_only, encoder)
             spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()

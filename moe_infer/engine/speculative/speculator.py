@@ -14,19 +14,24 @@ collects it; the next plain step resumes lookahead. Draining on every step would
 engine drains only where a verify step is likely to be worth it:
   - the step's k (adaptive: the cost model's choice, which weighs a verify step against the measured time of a plain
     step *with* lookahead) is above 0, and
-  - the sequence's proposer may propose from its tokens before the last one (`may_propose`, the ones on the host
-    while the last is in flight; the n-gram: a suffix of them recurs; the draft: always). Only such sequences
-    propose in the step (from all their tokens, the last included); the others run one token beside them.
-The rule reads a sequence's own tokens before its last one, whether that one is in flight or not, so whether a
-sequence verifies does not depend on the other sequences or on which step drained: a seeded request with fixed k
-draws the same tokens alone or in a batch. Where the n-gram's suffix stops recurring, steps go back to lookahead at
-once; in a repetitive stretch verify steps follow each other (nothing is in flight between them to drain).
+  - some sequence's proposer may propose (`may_propose`; the n-gram: a suffix of the tokens recurs among them; the
+    draft: always), read from the sequence's tokens before its last one (the ones on the host while the last is in
+    flight). Only such sequences propose in the step (from all their tokens, the last included); the others run one
+    token beside them. Where the sequence's last token is its first output token, or came from a verify step of its
+    own, the rule reads all its tokens: a verify step is collected at once, and a step that samples a first token
+    (a prompt's last chunk) is drained for it when k > 0 (one synchronous step a request), so that a copy of the
+    prompt is verified from its first token on, without a step's lag.
+The rule reads only the sequence's own history, never whether another sequence's verify step made this one
+synchronous, so whether a sequence verifies does not depend on the batch: a seeded request with fixed k draws the
+same tokens alone or in a batch. Where the n-gram's suffix stops recurring, steps go back to lookahead at once;
+in a repetitive stretch verify steps follow each other (nothing is in flight between them).
 
 Timing (adaptive k): a step's time is the host time from the previous collected step (or, where nothing was in
 flight, from the start of the engine step) to its postprocessed tokens. In a stretch of lookahead steps that is the
 plain step's time with its host work hidden behind the device's; a verify step's is its proposing, scheduling,
 forward, sampling and postprocessing, none hidden. Steps whose sequences do not all decode are not timed, nor is the
-first plain step after a synchronous one (launched into an idle pipeline).
+first plain step after a synchronous one (launched into an idle pipeline), nor a drained one (its time would miss its
+own launch, which fell in the time of the step before it).
 
 Uniform verify steps: where the decode graphs take verify steps (speculative/graphs.py), a step in which some
 sequences' proposals are shorter than k (the n-gram found a shorter match, or none) is filled up to k tokens each
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set
 
 from moe_infer.config import EngineConfig
 import numpy as np
@@ -98,7 +103,8 @@ class Speculator:
         self.lookahead = lookahead  # async scheduling: verify steps drain the step in flight (module docstring)
         self._mark: Optional[float] = None  # when the last collected step was postprocessed (or this step began)
         self._launched: Dict[int, tuple] = {}  # id(plan) -> (k chosen, timed) of the steps launched, not recorded
-        self._decision: Optional[Tuple[int, Optional[Set[int]]]] = None  # this step's (k, sequences that propose)
+        self._k: Optional[int] = None  # this step's k, once chosen
+        self._verified_last: Set[int] = set()  # sequences whose last step verified proposals of theirs
         self.num_drains = 0  # steps in flight collected early so that a verify step could be scheduled
         self.max_model_len = max_model_len
         self.acceptance = PRIOR_ACCEPTANCE
@@ -116,30 +122,39 @@ class Speculator:
 
     def must_drain(self, running: List[Sequence], in_flight_plan: SchedulerOutput) -> bool:
         """Lookahead, with a step in flight: must it be collected before this step is scheduled? When it verified (its
-        accepted counts decide the next positions), or when this step is to verify (module docstring). Decides the
-        step's k and proposing sequences (`propose` uses them)."""
+        accepted counts decide the next positions), or when this step is to verify (module docstring). Chooses the
+        step's k (`propose` uses it)."""
         if any(item.spec_token_ids for item in in_flight_plan.seqs):
-            return True  # decided after the drain, from every token
-        k, proposing = self._decide(running)
-        return k > 0 and bool(proposing)
+            drain = True  # k chosen after the drain
+        else:
+            drain = self._choose_k(running) > 0 and any(
+                s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1 and self._may_propose(s)
+                for s in running)
+        if drain:  # the drained step is not timed: its launch (host work) fell in the time of the step before it
+            self.num_drains += 1
+            self._launched[id(in_flight_plan)] = (0, False)
+        return drain
 
-    def _decide(self, running: List[Sequence]) -> Tuple[int, Optional[Set[int]]]:
-        """This step's k and, with lookahead, the ids of the sequences that propose in it (None: every one)."""
-        decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1]
+    def _choose_k(self, running: List[Sequence]) -> int:
+        decoding = sum(1 for s in running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1)
         self.num_steps += 1
-        k = self.last_k = self.choose_k(len(decoding))
-        proposing = None
-        if self.lookahead and k > 0:
-            may = getattr(self.proposer, "may_propose", None)
-            proposing = {s.seq_id for s in decoding if may is None or may(self._known_but_last(s))}
-        self._decision = (k, proposing)
-        return self._decision
+        self._k = self.last_k = self.choose_k(decoding)
+        return self._k
 
-    @staticmethod
-    def _known_but_last(seq: Sequence) -> np.ndarray:
-        """seq's tokens before its last one (the last is in flight, or the newest on the host)."""
-        ids = seq.token_ids if seq.num_placeholders else seq.token_ids[:-1]
-        return np.asarray(ids, dtype=np.int64)
+    def _may_propose(self, seq: Sequence) -> bool:
+        """Lookahead: may seq propose in this step (module docstring)? Read from all its tokens after its first token
+        or a verify step of its own (the step that sampled its last token was collected at once, or is drained for
+        it: its prompt's), else from its tokens before the last one (on the host or not)."""
+        may = getattr(self.proposer, "may_propose", None)
+        if may is None:
+            return True
+        if seq.num_output_tokens + seq.num_placeholders == 1 or seq.seq_id in self._verified_last:
+            if seq.num_placeholders:
+                return True  # its first token is in flight: drain to read it
+            ids = seq.token_ids
+        else:
+            ids = seq.token_ids if seq.num_placeholders else seq.token_ids[:-1]
+        return may(np.asarray(ids, dtype=np.int64))
 
     def propose(self, running: List[Sequence]) -> None:
         for seq in running:
@@ -147,8 +162,8 @@ class Speculator:
         observe = getattr(self.proposer, "observe", None)
         if observe is not None:  # the MTP layer reads the last step's hidden states, every step
             observe(running)
-        k, proposing = self._decision if self._decision is not None else self._decide(running)
-        self._decision = None
+        k = self._k if self._k is not None else self._choose_k(running)
+        self._k = None
         if k == 0:
             return
         seqs, ks = [], []
@@ -159,7 +174,7 @@ class Speculator:
             if n > 0:
                 seqs.append(seq)
                 ks.append(n)
-        asked = [(seq, n) for seq, n in zip(seqs, ks) if proposing is None or seq.seq_id in proposing]
+        asked = [(seq, n) for seq, n in zip(seqs, ks) if not self.lookahead or self._may_propose(seq)]
         if asked:
             self.proposer.propose([seq for seq, _ in asked], [n for _, n in asked])
             self._fill(seqs, ks, k)  # the sequences not asked too: a uniform verify step
@@ -218,6 +233,9 @@ class Speculator:
             # a step of decoding sequences only (no prompt chunk beside them): its time at its k
             self.costs.add(len(plan.seqs), k if verified else 0, now - self._mark)
         self._mark = now
+        for item in plan.seqs:
+            (self._verified_last.add if item.spec_token_ids else self._verified_last.discard)(item.seq_id)
+        self._verified_last.difference_update(plan.finished_seq_ids)
         for item, emitted in zip(plan.seqs, tokens):
             if item.spec_token_ids and isinstance(emitted, list):
                 proposed += len(item.spec_token_ids)
