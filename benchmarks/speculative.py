@@ -9,8 +9,9 @@ Workloads (each prompt asks for text that is largely in it, or continues a repea
   ngram_large  the large random target with n-gram speculation (its greedy output falls into loops).
 Decode tok/s = B x (new - 1) / (time of `generate` with new tokens - time with 1 token): prefill left out. Each
 configuration is warmed up first. Reports the acceptance rate, the mean accepted length (tokens a verifying
-sequence-step emits) and the speed-up over the plain engine; with speculation, the verify steps replayed as graphs
-and adaptive k's measured step times per k at the batch.
+sequence-step emits) and the speed-up over the plain engine; with speculation, the verify steps replayed as graphs,
+adaptive k's measured step times per k at the batch, and how many steps were launched with async scheduling
+(lookahead) and how many steps in flight were collected early for a verify step (drains).
 
     python benchmarks/speculative.py            # GPU (one H200): the large target has Qwen3-30B-A3B's layer shape
     python benchmarks/speculative.py --tiny     # CPU: small shapes, few tokens, a smoke run
@@ -91,14 +92,18 @@ def measure(llm, prompts, batch: int, new: int) -> dict:
     run(new)  # warm-up: compiles, graph captures, the acceptance average and the step costs settle
     graphs, spec = llm.engine.runner.graphs, llm.engine.speculator
     runs_before = graphs.verify_runs if graphs is not None else 0
-    before = llm.engine.get_stats()
+    ahead = lambda: (getattr(llm.engine.executor, "num_lookahead_steps", 0),  # noqa: E731
+                     spec.num_drains if spec is not None else 0)
+    before, ahead_before = llm.engine.get_stats(), ahead()
     t_new, t_one = run(new), run(1)
-    after = llm.engine.get_stats()
+    after, ahead_after = llm.engine.get_stats(), ahead()
     extra = {}
-    if spec is not None:  # verify steps replayed as graphs; adaptive k's measured step times (ms) at this batch
+    if spec is not None:  # verify steps replayed as graphs; adaptive k's measured step times (ms) at this batch;
         from moe_infer.engine.speculative.cost import batch_bucket
 
-        extra = dict(verify_graph_runs=(graphs.verify_runs if graphs is not None else 0) - runs_before,
+        # steps launched with async scheduling (behind the step in flight), steps in flight collected for a verify
+        extra = dict(lookahead_steps=ahead_after[0] - ahead_before[0], drains=ahead_after[1] - ahead_before[1],
+                     verify_graph_runs=(graphs.verify_runs if graphs is not None else 0) - runs_before,
                      step_ms_by_k={k: 1e3 * sec for (bucket, k), sec in sorted(spec.costs.seconds.items())
                                    if bucket == batch_bucket(batch)})
     proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
@@ -149,7 +154,8 @@ def main() -> None:
                 costs = " ".join(f"k{k}={ms:.2f}" for k, ms in r.get("step_ms_by_k", {}).items())
                 print(f"{name:12s} {label:3s} batch {b:3d}: {r['decode_tok_s']:9.1f} tok/s  acceptance "
                       f"{r['acceptance_rate']:.2f}  mean accepted length {r['mean_accepted_length']:.2f}"
-                      + (f"  verify graph replays {r['verify_graph_runs']}  step ms {costs}" if label == "on" else ""),
+                      + (f"  verify graph replays {r['verify_graph_runs']}  lookahead steps {r['lookahead_steps']}"
+                         f"  drains {r['drains']}  step ms {costs}" if label == "on" else ""),
                       flush=True)
             del llm
             gc.collect()  # the engine's objects refer to each other: its KV cache and graphs go only now

@@ -11,7 +11,7 @@ import torch
 
 from engine_fixtures import checkpoint
 from moe_infer import LLM, SamplingParams
-from moe_infer.config import EngineConfig, OffloadConfig, RoutingConfig, SchedulerConfig
+from moe_infer.config import EngineConfig, OffloadConfig, RoutingConfig, SchedulerConfig, SpeculativeConfig
 from moe_infer.engine.async_engine import AsyncEngine
 from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_scheduling_blocker
 from moe_infer.parallel.pipeline import LocalExecutor
@@ -252,6 +252,11 @@ def test_fallbacks_are_chosen_per_engine():
         EngineConfig(scheduler=SchedulerConfig(async_scheduling=False)), One())
     assert "offload.store=cpu" in async_scheduling_blocker(EngineConfig(offload=OffloadConfig(store="cpu")), One())
     assert "routing.trace" in async_scheduling_blocker(EngineConfig(routing=RoutingConfig(trace=True)), One())
+    for method in ("ngram", "draft"):  # verify steps drain the step in flight; plain steps schedule ahead
+        spec = SpeculativeConfig(method=method, draft_model="/d" if method == "draft" else None)
+        assert async_scheduling_blocker(EngineConfig(speculative=spec), One()) is None
+    assert "speculative.method=mtp" in async_scheduling_blocker(
+        EngineConfig(speculative=SpeculativeConfig(method="mtp")), One())
     traced = make_llm(True, routing_trace=True)
     assert type(traced.engine.executor) is LocalExecutor and not traced.engine.scheduler.lookahead
 

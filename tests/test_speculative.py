@@ -276,6 +276,8 @@ def test_verify_steps_replay_decode_graphs_gpu():
     outs = [o.outputs[0].token_ids for o in _run(llm, PROMPTS, _greedy())]
     assert graphs.disabled is None, graphs.disabled
     assert graphs.verify_runs > 0 and any(len(key) == 4 for key in graphs.graphs), (graphs.verify_runs, graphs.graphs)
+    # plain decode steps beside them: launched with lookahead (input ids from the step in flight) into the same graphs
+    assert llm.engine.executor.num_lookahead_steps > 0 and graphs.runs > graphs.verify_runs
     plain = LLM(**kw)
     assert outs == [o.outputs[0].token_ids for o in _run(plain, PROMPTS, _greedy())]
     assert outs == [hf_greedy(path, p, NUM_NEW, device="cuda")[0] for p in PROMPTS]
@@ -331,18 +333,19 @@ def test_verify_steps_through_the_decode_graph_buffers_cpu():
     spec = llm.engine.speculator
     record, verify_steps = spec.record, []
 
-    def count(plan, tokens):  # verify steps where every sequence decodes or verifies (no prompt chunk beside them)
-        if any(s.spec_token_ids for s in plan.seqs) and all(len(s.token_ids) == 1 + len(s.spec_token_ids)
-                                                            for s in plan.seqs):
-            verify_steps.append(len(plan.seqs))
+    def count(plan, tokens):  # verify steps of k + 1 = 4 tokens every sequence (no prompt chunk beside them; no
+        if any(s.spec_token_ids for s in plan.seqs) and all(len(s.token_ids) == 4 for s in plan.seqs):
+            verify_steps.append(len(plan.seqs))  # sequence whose max_tokens leaves fewer than k proposals)
         record(plan, tokens)
 
     spec.record = count
     outs = _run(llm, PROMPTS, _greedy())
     assert [o.outputs[0].token_ids for o in outs] == _hf_reference(path)
     assert runner.graphs.verify_runs > 0
+    # plain decode steps with lookahead (placeholder inputs taken from the step in flight) through the same buffers
+    assert llm.engine.executor.num_lookahead_steps > 0 and runner.graphs.runs > runner.graphs.verify_runs
     # a prompt without repeats: its sequence proposes nothing until its output repeats, and is filled up to k
-    # beside the others (every such verify step is uniform: the graphs took them all)
+    # beside the others (the graphs took every uniform verify step)
     odd = list(range(100, 112))
     verify_steps.clear()
     before = runner.graphs.verify_runs

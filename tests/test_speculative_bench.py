@@ -30,5 +30,7 @@ def test_speculative_benchmark_tiny(tmp_path):
         else:
             assert r["speedup"] > 0 and 0 <= r["acceptance_rate"] <= 1
     ngram = [r for r in rows if r["workload"] == "ngram" and r["speculation"] == "on"]
-    assert all(r["proposed"] > 0 and r["accepted"] > 0 for r in ngram)  # the repetitive prompts are predicted
+    # the repetitive prompts are predicted (8 tokens of the tiny model: a batch's proposals may all be rejected)
+    assert all(r["proposed"] > 0 for r in ngram) and any(r["accepted"] > 0 for r in ngram)
+    assert all(r["lookahead_steps"] >= 0 and r["drains"] > 0 for r in ngram)  # async scheduling stays on
     assert "speed-up" in proc.stdout  # the table

@@ -28,10 +28,16 @@ synchronously (`LocalExecutor` / `MeshExecutor`) when:
     the driver schedules ahead as here: moe_infer/parallel/pipeline.py);
   - an offloading expert store (offload.store=cpu|nvme): each MoE layer decides its copies on the host
     from the step's routing and pins per step;
-  - `routing.trace=true`: the trace records every token's routing, and must not hold discarded ones.
+  - `routing.trace=true`: the trace records every token's routing, and must not hold discarded ones;
+  - `speculative.method=mtp`: the MTP layer runs over every step's hidden states with the tokens that follow them
+    known on the host, so every step is collected before the next is scheduled.
 Chosen per step by the scheduler (an empty plan: this step only collects step n, and the next one is
 scheduled with every token known, as without lookahead): when the free KV blocks cannot hold every
 running sequence's next chunk (preempting must see step n's tokens and frees).
+With n-gram or draft speculation the engine schedules ahead as here, and runs a verify step synchronously: it
+drains first (collects the step in flight, an empty plan) so that the proposer sees every token, and collects the
+verify step before the next one is scheduled (how many tokens it accepts decides the next positions); lookahead
+resumes with the next plain step (moe_infer/engine/speculative/speculator.py says when a step verifies).
 Penalties need each sequence's token history; the one token the host does not know yet (step n's) is
 this step's input, and the sampler counts it from the input ids on the device.
 """
@@ -53,8 +59,8 @@ def async_scheduling_blocker(cfg: EngineConfig, parallel: Any) -> Optional[str]:
         return f"offload.store={cfg.offload.store} decides expert copies on the host per layer and step"
     if cfg.routing.trace:
         return "routing.trace=true (the trace must not record the discarded lookahead tokens)"
-    if cfg.speculative.enabled:
-        return f"speculative.method={cfg.speculative.method} proposes from the tokens of the step before"
+    if cfg.speculative.method == "mtp":
+        return "speculative.method=mtp runs its layer over every step's hidden states and the tokens after them"
     return None
 
 
@@ -64,6 +70,7 @@ class AsyncStepExecutor(LocalExecutor):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.in_flight = None  # the LaunchedStep not collected yet
+        self.num_lookahead_steps = 0  # steps launched while the one before them was in flight
 
     def run(self, plan: Any) -> Optional[Finished]:
         """Launches plan (an empty one launches nothing), then waits for the step in flight and returns it
@@ -73,6 +80,8 @@ class AsyncStepExecutor(LocalExecutor):
             launched = self.runner.launch(plan, self.in_flight)
         except Exception as err:  # noqa: BLE001 - the plan's requests fail, the engine goes on
             raise StepFailed(plan, err) from err
+        if launched is not None and self.in_flight is not None:
+            self.num_lookahead_steps += 1
         done, self.in_flight = self.in_flight, launched
         if done is None:
             return None

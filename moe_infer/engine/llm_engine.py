@@ -35,6 +35,7 @@ from moe_infer.engine.prompt_limits import int_ids
 from moe_infer.engine.request_state import Child, RequestState
 from moe_infer.engine.sampling_params import SamplingParams
 from moe_infer.engine.scheduler import Scheduler
+from moe_infer.engine.sequence import SchedulerOutput
 from moe_infer.engine.speculative.speculator import Speculator, speculation_blocker
 from moe_infer.engine.startup_timings import StartupTimings
 from moe_infer.parallel.engine_hooks import init_engine_parallel, make_executor
@@ -169,7 +170,8 @@ class LLMEngine:
             self.executor = AsyncStepExecutor(self.runner) if why_sync is None else make_executor(self.parallel, self.runner)
         self.speculator: Optional[Speculator] = None  # speculative decoding (moe_infer/engine/speculative/)
         if cfg.speculative.enabled:
-            self.speculator = Speculator(cfg, self.runner, self.block_manager, self.max_model_len)
+            self.speculator = Speculator(cfg, self.runner, self.block_manager, self.max_model_len,
+                                         lookahead=isinstance(self.executor, AsyncStepExecutor))
         self.requests: Dict[str, RequestState] = {}
         self._by_seq: Dict[int, Tuple[RequestState, Child]] = {}
         self._ids = itertools.count()
@@ -257,14 +259,31 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if encoder is not None:
             outputs = [encoder.encode(out) for out in outputs]
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        spec = self.speculator
+        if spec is not None:
+            in_flight = getattr(self.executor, "in_flight", None)  # async scheduling: the step launched before
+            spec.begin_step(in_flight is not None)
+            if in_flight is not None and spec.must_drain(self.scheduler.running, in_flight.plan):
+                # a verify step is scheduled with every token on the host, and collected before the next step
+                self._run(SchedulerOutput(), outputs, final_only, encoder)
+            spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for item in plan.seqs:
             seq = self._by_seq[item.seq_id][1].seq
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
+        if spec is not None and not plan.is_empty:
+            spec.launched(plan, behind=getattr(self.executor, "in_flight", None) is not None)
+        self._run(plan, outputs, final_only, encoder)
+        if spec is not None and spec.lookahead and any(item.spec_token_ids for item in plan.seqs):
+            self._run(SchedulerOutput(), outputs, final_only, encoder)  # the verify step, collected now
+        return outputs
+
+    def _run(self, plan: SchedulerOutput, outputs: list, final_only: bool,
+             encoder: Optional["DeltaEncoder"]) -> None:
+        """Runs plan through the executor and postprocesses the step it returns (with async scheduling: the step
+        launched before; an empty plan only collects it), appending the requests' outputs to outputs."""
         try:  # under a mesh the plan goes to every rank; with pipeline stages an earlier batch may come back
             done = self.executor.run(plan)
         except StepFailed as failed:  # the step's requests fail; the engine and the other requests go on
@@ -278,9 +297,11 @@ class LLMEngine:
                 outputs.append(req.output() if encoder is None else encoder.encode_request(req))
                 self._drop(req)
             self.scheduler.discard(failed.plan)  # never postprocessed: its finished sequences' blocks come back
-            return outputs
+            if self.speculator is not None:
+                self.speculator.dropped(failed.plan)
+            return
         if done is None:
-            return outputs
+            return
         plan, tokens, logprobs = done
         lp_by_seq = {item.seq_id: lp for item, lp in zip(plan.seqs, logprobs) if lp is not None}
         updated = self.scheduler.postprocess(plan, tokens)
@@ -317,7 +338,6 @@ class LLMEngine:
                 outputs.append(req.output())
             if finished:
                 self._drop(req)
-        return outputs
 
     # ------------------------------------------------------------------ helpers
     def _take_tokens(self, seq, child: Child, lps: Optional[list]) -> None:

@@ -34,10 +34,11 @@ step n's tokens and frees); a sequence sampling with penalties gets its history 
 token, which the sampler counts from the step's input ids on the device. Without pipeline stages or
 lookahead nothing is ever in flight at schedule time.
 
-Speculative decoding (moe_infer/engine/speculative/, never with lookahead): a decoding sequence with proposed tokens
-(`spec_token_ids`, set before the schedule) runs its last token and the proposals, k + 1 tokens of the budget (the
-proposals cut to fit it), every one sampled; postprocess takes the list of tokens the verification kept, appends them
-up to the first that stops the sequence, and gives back the blocks past its computed tokens (rejected proposals).
+Speculative decoding (moe_infer/engine/speculative/): a decoding sequence with proposed tokens (`spec_token_ids`, set
+before the schedule) runs its last token and the proposals, k + 1 tokens of the budget (the proposals cut to fit it),
+every one sampled; postprocess takes the list of tokens the verification kept, appends them up to the first that stops
+the sequence, and gives back the blocks past its computed tokens (rejected proposals). With lookahead the engine
+schedules a verify step only with nothing in flight, and collects it before the next schedule.
 """
 from __future__ import annotations
 

@@ -45,5 +45,10 @@ class NgramProposer:
             seq.spec_token_ids = ngram_propose(np.asarray(seq.token_ids, dtype=np.int64), k, self.min_n, self.max_n)
             seq.spec_probs = None
 
+    def may_propose(self, tokens: np.ndarray) -> bool:
+        """Whether a suffix of tokens (a sequence's tokens before its last one) recurs among them: with async
+        scheduling, whether the engine drains the step in flight to verify (speculator.py)."""
+        return bool(ngram_propose(tokens, 1, self.min_n, self.max_n))
+
     def max_tokens(self, seq: Sequence) -> Optional[int]:
         return None  # no limit of its own
