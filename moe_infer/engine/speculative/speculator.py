@@ -186,13 +186,17 @@ class Speculator:
 
     def _fill(self, seqs: List[Sequence], ks: List[int], k: int) -> None:
         """Proposals shorter than k filled up to k (module docstring), where the decode graphs replay verify steps
-        of k + 1 tokens a sequence for this batch and the proposer's tokens are deterministic (no q to pad)."""
+        of k + 1 tokens a sequence for this batch and the proposer's tokens are deterministic (no q to pad). A seeded
+        sampling request is never filled: whether a sequence is depends on the batch (its size, the others'
+        proposals), and the filled proposals take draws of its own generator, so its tokens would depend on the batch
+        (a step with such a request and a short proposal runs without the graphs)."""
         graphs = getattr(self.runner, "graphs", None)
         if (graphs is None or getattr(graphs, "max_query_len", 1) < k + 1 or len(seqs) > graphs.max_verify_batch
                 or not getattr(self.proposer, "can_fill", False) or not any(s.spec_token_ids for s in seqs)):
             return
         for seq, n in zip(seqs, ks):
-            if n == k and len(seq.spec_token_ids) < k and seq.spec_probs is None:
+            seeded = seq.params.seed is not None and not seq.params.is_greedy
+            if n == k and len(seq.spec_token_ids) < k and seq.spec_probs is None and not seeded:
                 last = seq.spec_token_ids[-1] if seq.spec_token_ids else seq.token_ids[-1]
                 seq.spec_token_ids = list(seq.spec_token_ids) + [last] * (k - len(seq.spec_token_ids))
 
