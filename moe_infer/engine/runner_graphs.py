@@ -134,6 +134,6 @@ def _free_graphs_of(runner_ref) -> None:
     """Before the mesh's process groups are destroyed: free the runner's CUDA graphs (gone with it, if it is)."""
     runner = runner_ref()
     if runner is not None:
-        free_graphs(runner.graphs, runner.extend_graphs, runner.layer_graphs)
-        if runner.device.type == "cuda":
+        if runner.device.type == "cuda":  # no replay of them still running
             torch.cuda.synchronize(runner.device)
+        free_graphs(runner.graphs, runner.extend_graphs, runner.layer_graphs)
