@@ -49,9 +49,9 @@ import logging
 import time
 from typing import Callable, Dict, List, Optional, Set
 
-from moe_infer.config import EngineConfig
 import numpy as np
 
+from moe_infer.config import EngineConfig
 from moe_infer.engine.sequence import SchedulerOutput, Sequence, SequenceStatus
 from moe_infer.engine.speculative.cost import StepCosts, choose_k
 
