@@ -177,17 +177,6 @@ def context_blocks(num_blocks: int, max_blocks: int) -> int:
     return min(bucket, max_blocks)
 
 
-def free_graphs(*holders) -> None:
-    """Free the captured graphs of DecodeGraphs / ExtendGraphs / LayerGraphs (their `graphs`: key -> (graphs, ...));
-    the holders stay usable (a later step captures again). Under a mesh, before its process groups are destroyed."""
-    for holder in holders:
-        for graphs, *_ in getattr(holder, "graphs", {}).values() if holder is not None else ():
-            for graph in graphs:
-                graph.reset()
-        if holder is not None:
-            holder.graphs.clear()
-
-
 class DecodeGraphs:
     """Static buffers + one captured graph per (padded batch, context bucket).
 

@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -29,6 +29,7 @@ from moe_infer.engine.async_scheduling import AsyncStepExecutor, async_schedulin
 from moe_infer.engine.block_manager import BlockManager
 from moe_infer.engine.dp_scheduler import DPScheduler
 from moe_infer.engine.encode import encode
+from moe_infer.engine.engine_stats import EngineStats
 from moe_infer.engine.model_runner import ModelRunner
 from moe_infer.engine.outputs import RequestOutput
 from moe_infer.engine.prompt_limits import int_ids
@@ -72,38 +73,6 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine's counters (for a server's metrics; plain numbers, no tensors)."""
-
-    num_requests: int  # unfinished requests (an n > 1 request counts once)
-    num_running: int  # sequences scheduled in the batch
-    num_waiting: int  # sequences queued (waiting for admission, or preempted)
-    num_kv_blocks: int
-    num_free_kv_blocks: int  # includes freed blocks kept for the prefix cache
-    num_prefix_queries: int  # full prompt blocks looked up at admission, total
-    num_prefix_hits: int  # of those, found in the prefix cache
-    num_preemptions: int  # total
-    # speculative decoding (0 without): proposed tokens verified, of those accepted, sequence-steps that verified
-    num_spec_proposed_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
-    num_spec_verified: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Accepted / proposed tokens (0 before any proposal)."""
-        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else 0.0
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens a verifying sequence-step emits on average: 1 + accepted / verified (0 before any)."""
-        return 1.0 + self.num_spec_accepted_tokens / self.num_spec_verified if self.num_spec_verified else 0.0
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
 
 
 class LLMEngine:

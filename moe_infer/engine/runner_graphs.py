@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from moe_infer.engine.cuda_graph import DecodeGraphs, free_graphs, gpu_note_level, graph_blocker, static_attention
+from moe_infer.engine.cuda_graph import DecodeGraphs, gpu_note_level, graph_blocker, static_attention
 from moe_infer.engine.extend_graph import ExtendGraphs
 from moe_infer.engine.layer_graphs import LayerGraphs
 
@@ -136,4 +136,9 @@ def _free_graphs_of(runner_ref) -> None:
     if runner is not None:
         if runner.device.type == "cuda":  # no replay of them still running
             torch.cuda.synchronize(runner.device)
-        free_graphs(runner.graphs, runner.extend_graphs, runner.layer_graphs)
+        for holder in (runner.graphs, runner.extend_graphs, runner.layer_graphs):
+            if holder is not None:  # their `graphs`: key -> (captured graphs, ...)
+                for graphs, *_ in holder.graphs.values():
+                    for graph in graphs:
+                        graph.reset()
+                holder.graphs.clear()
